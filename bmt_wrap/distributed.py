@@ -1,0 +1,237 @@
+"""Distributed state: ``init_distributed`` reads the torchrun environment and builds the communicator.
+
+All of it lives in one ``DistState`` object; everything that needs the rank layout asks it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import InitError, NotInitializedError
+from .log import get_logger
+from .runtime.comm import (
+    Communicator,
+    CountingCommunicator,
+    CupyNcclCommunicator,
+    FingerprintCommunicator,
+    GlooCommunicator,
+    SingleProcessCommunicator,
+    TorchCommunicator,
+    cupy_available,
+)
+
+BACKENDS = ("auto", "gloo", "nccl", "cupy")
+
+
+@dataclass
+class DistState:
+    """Everything bmt_wrap knows about this process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # resolved: "gloo", "nccl" or "cupy"
+    seed: int
+    timeout: timedelta
+    debug: bool
+    comm: CountingCommunicator
+    requested: tuple = field(repr=False, default=())
+    owns_process_group: bool = field(repr=False, default=False)
+
+
+_STATE: DistState | None = None
+
+
+def current_state() -> DistState | None:
+    """The distributed state, or None before ``init_distributed``."""
+    return _STATE
+
+
+def get_state() -> DistState:
+    """The distributed state; raises ``NotInitializedError`` before ``init_distributed``."""
+    if _STATE is None:
+        raise NotInitializedError(
+            "bmt_wrap's distributed state is not initialised: call bmt.init_distributed() first "
+            "(under torchrun it reads RANK/WORLD_SIZE; without them it runs as a single process).")
+    return _STATE
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InitError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise InitError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        return "cupy" if cupy_available() else ("nccl" if cuda else "gloo")
+    if backend in ("nccl", "cupy") and not cuda:
+        raise InitError(f"backend={backend!r} needs a CUDA device and none is visible; use backend='gloo' "
+                        "(or 'auto', which picks gloo on CPU machines)")
+    if backend == "cupy" and not cupy_available():
+        raise InitError("backend='cupy' needs CuPy with NCCL: pip install 'bmt-wrap[gpu]', or use "
+                        "backend='nccl' (torch's NCCL) instead")
+    return backend
+
+
+def init_distributed(seed: int = 0, backend: str = "auto",
+                     timeout: timedelta = timedelta(minutes=5)) -> DistState:
+    """Join the torchrun job (or run as one process), seed every RNG and build the communicator."""
+    global _STATE
+    requested = (seed, backend, timeout)
+    if _STATE is not None:
+        if _STATE.requested != requested:
+            raise InitError(f"init_distributed was already called with (seed, backend, timeout)="
+                            f"{_STATE.requested}; calling it again with {requested} is not supported. "
+                            "Call it once, at start-up.")
+        return _STATE
+
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world_size:
+        raise InitError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    resolved = _resolve_backend(backend)
+    debug = os.environ.get("BMT_WRAP_DEBUG", "0") not in ("", "0", "false", "False")
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
+    if resolved in ("nccl", "cupy"):
+        device = torch.device("cuda", local_rank)
+
+    owns = False
+    if not dist.is_initialized():
+        owns = True
+        if world_size == 1:
+            # One process needs no port: an in-memory store is enough for a default group.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            for var in ("MASTER_ADDR", "MASTER_PORT"):
+                if var not in os.environ:
+                    raise InitError(f"WORLD_SIZE={world_size} but {var} is not set; launch with torchrun, "
+                                    "which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+            pg_backend = "cpu:gloo,cuda:nccl" if resolved == "nccl" else "gloo"
+            dist.init_process_group(pg_backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timeout)
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise InitError(f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                        f"but the environment says rank {rank} of {world_size}")
+
+    backend_comm: Communicator
+    if world_size == 1:
+        backend_comm = SingleProcessCommunicator(timeout)
+    elif resolved == "gloo":
+        backend_comm = GlooCommunicator(None, rank, world_size, timeout)
+    elif resolved == "nccl":
+        backend_comm = TorchCommunicator(None, rank, world_size, timeout, "nccl")
+    else:
+        backend_comm = CupyNcclCommunicator(dist.distributed_c10d._get_default_store(), rank, world_size, timeout)
+    if debug and world_size > 1:
+        backend_comm = FingerprintCommunicator(backend_comm)
+
+    seed_everything(seed)
+    _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                       backend=resolved, seed=seed, timeout=timeout, debug=debug,
+                       comm=CountingCommunicator(backend_comm), requested=requested, owns_process_group=owns)
+    get_logger().debug("initialised: %s", _STATE)
+    return _STATE
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down what ``init_distributed`` built (tests and clean exits)."""
+    global _STATE
+    if _STATE is None:
+        return
+    inner = _STATE.comm.inner
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    if isinstance(inner, GlooCommunicator):
+        inner.close()
+    if _STATE.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
+
+
+def comm() -> CountingCommunicator:
+    """The job's communicator."""
+    return get_state().comm
+
+
+def rank() -> int:
+    """This process's rank."""
+    return get_state().rank
+
+
+def world_size() -> int:
+    """Number of ranks in the job."""
+    return get_state().world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its node."""
+    return get_state().local_rank
+
+
+def is_initialized() -> bool:
+    """True once ``init_distributed`` has run."""
+    return _STATE is not None
+
+
+def print_rank(*args: object, rank: int = 0) -> None:
+    """Log ``args`` (joined by spaces) from one rank only."""
+    if get_state().rank == rank:
+        get_logger().info(" ".join(str(a) for a in args))
+
+
+def barrier() -> None:
+    """Wait until every rank got here."""
+    get_state().comm.barrier()
+
+
+def synchronize() -> None:
+    """Finish this rank's queued GPU work, then wait for every rank."""
+    state = get_state()
+    if state.device.type == "cuda":
+        torch.cuda.synchronize()
+    state.comm.barrier(label="synchronize")
+
+
+def sum_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Mean of ``loss`` over ranks (BMTrain's name), detached; every rank gets the same value."""
+    state = get_state()
+    flat = loss.detach().reshape(1).to(torch.float32).clone()
+    state.comm.all_reduce(flat, "avg", label="sum_loss")
+    return flat.reshape(loss.shape).to(loss.dtype)
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Calls and algorithmic bytes per collective since the last reset: op -> {"calls", "bytes"}."""
+    return get_state().comm.snapshot()
+
+
+def reset_comm_stats() -> None:
+    """Zero the collective counters."""
+    get_state().comm.reset()

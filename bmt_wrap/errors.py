@@ -1,0 +1,51 @@
+"""bmt_wrap's exception types: every error we raise names what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class BMTError(RuntimeError):
+    """Base class of every error bmt_wrap raises on purpose."""
+
+
+class NotInitializedError(BMTError):
+    """A distributed function was called before ``bmt.init_distributed()``."""
+
+
+class InitError(BMTError):
+    """``init_distributed`` or parameter initialisation could not do what was asked."""
+
+
+class CommError(BMTError):
+    """A collective failed."""
+
+
+class CommTimeoutError(CommError):
+    """A collective did not complete in time; the process group is unusable afterwards."""
+
+
+class CollectiveMismatchError(CommError):
+    """Ranks issued different collectives (a block skipped or repeated on some ranks)."""
+
+
+class WrapError(BMTError):
+    """A model cannot be wrapped as asked, or a wrapped model was used in an unsupported way."""
+
+
+class PlanError(BMTError):
+    """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
+
+
+class UninitializedParameterError(WrapError):
+    """A parameter is still on the meta device when it is needed."""
+
+
+class OptimizerError(BMTError):
+    """An optimizer or loss scaler was misused."""
+
+
+class CheckpointError(BMTError):
+    """A checkpoint file or directory cannot be written or read."""
+
+
+class CLIError(BMTError):
+    """Bad command-line input."""

@@ -1,0 +1,181 @@
+"""The communicator interface every backend implements, and the handle async ops return."""
+
+from __future__ import annotations
+
+import abc
+from datetime import timedelta
+
+import torch
+
+from ...errors import CommError, CommTimeoutError
+
+#: Reduction names accepted by every backend.
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Handle(abc.ABC):
+    """An in-flight collective; ``wait()`` completes it or raises ``CommTimeoutError``."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the op completed (GPU backends: until the current stream is ordered after it)."""
+
+
+class DoneHandle(Handle):
+    """Handle of an op that already completed."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+class Communicator(abc.ABC):
+    """One interface for every backend: flat 1-D buffers in, flat buffers out.
+
+    Public methods validate their arguments once here; backends implement the ``_op`` methods.
+    ``label`` names what the collective is for (a block's name) so errors can say so.
+    """
+
+    backend_name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.broken: str | None = None
+
+    # ---- public API -------------------------------------------------------------------------
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
+                        label: str = "") -> Handle | None:
+        """Gather every rank's ``shard`` into ``out`` (rank r's piece at ``[r*S, (r+1)*S)``)."""
+        self._check_usable("all_gather_into", label)
+        _check_flat("all_gather_into", out=out, shard=shard)
+        if out.numel() != shard.numel() * self.world_size or out.dtype != shard.dtype:
+            raise CommError(f"all_gather_into{_at(label)}: out must hold world_size × shard elements of the "
+                            f"shard's dtype; got out {tuple(out.shape)} {out.dtype}, shard {tuple(shard.shape)} "
+                            f"{shard.dtype}, world size {self.world_size}")
+        return self._finish(self._all_gather_into(out, shard, label), async_op)
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum", *,
+                            async_op: bool = False, label: str = "") -> Handle | None:
+        """Reduce ``full`` across ranks and leave piece ``rank`` of the result in ``out``."""
+        self._check_usable("reduce_scatter_into", label)
+        _check_flat("reduce_scatter_into", out=out, full=full)
+        _check_op(op, ("sum", "avg"))
+        if full.numel() != out.numel() * self.world_size or out.dtype != full.dtype:
+            raise CommError(f"reduce_scatter_into{_at(label)}: full must hold world_size × out elements of "
+                            f"out's dtype; got full {tuple(full.shape)} {full.dtype}, out {tuple(out.shape)} "
+                            f"{out.dtype}, world size {self.world_size}")
+        return self._finish(self._reduce_scatter_into(out, full, op, label), async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+                   label: str = "") -> Handle | None:
+        """Reduce ``tensor`` in place across ranks."""
+        self._check_usable("all_reduce", label)
+        _check_flat("all_reduce", tensor=tensor)
+        _check_op(op, REDUCE_OPS)
+        return self._finish(self._all_reduce(tensor, op, label), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
+                  label: str = "") -> Handle | None:
+        """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+        self._check_usable("broadcast", label)
+        _check_flat("broadcast", tensor=tensor)
+        if not 0 <= src < self.world_size:
+            raise CommError(f"broadcast{_at(label)}: src {src} is not a rank of a group of {self.world_size}")
+        return self._finish(self._broadcast(tensor, src, label), async_op)
+
+    def barrier(self, label: str = "") -> None:
+        """Return once every rank reached this barrier."""
+        self._check_usable("barrier", label)
+        self._finish(self._barrier(label), async_op=False)
+
+    def describe(self) -> str:
+        """A short description of the group for error messages."""
+        return f"{self.backend_name} group of {self.world_size} rank(s), this is rank {self.rank}"
+
+    def timeout_error(self, what: str) -> CommTimeoutError:
+        """Build the fatal timeout error for ``what`` and mark this communicator unusable."""
+        self.broken = what
+        return CommTimeoutError(
+            f"{what} did not complete within {self.timeout.total_seconds():.0f}s on the {self.describe()}. "
+            "Usually another rank died, or ranks called different collectives (a block skipped or "
+            "repeated on some ranks; run with BMT_WRAP_DEBUG=1 to name it). The process group is unusable "
+            "after this: restart the job (torchrun restarts it with --max-restarts).")
+
+    # ---- backend hooks --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _barrier(self, label: str) -> Handle: ...
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _check_usable(self, what: str, label: str) -> None:
+        if self.broken is not None:
+            raise CommTimeoutError(f"{what}{_at(label)}: the {self.describe()} is unusable after an earlier "
+                                   f"failure ({self.broken}); restart the job.")
+
+    @staticmethod
+    def _finish(handle: Handle, async_op: bool) -> Handle | None:
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+
+class CommunicatorWrapper(Communicator):
+    """Base of wrappers (counting, fingerprinting): timeout and failure state live in the wrapped backend."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.backend_name = inner.backend_name
+
+    @property  # type: ignore[override]
+    def timeout(self) -> timedelta:
+        """The wrapped backend's timeout."""
+        return self.inner.timeout
+
+    @timeout.setter
+    def timeout(self, value: timedelta) -> None:
+        self.inner.timeout = value
+
+    @property  # type: ignore[override]
+    def broken(self) -> str | None:
+        """Why the wrapped backend became unusable, or None."""
+        return self.inner.broken
+
+    @broken.setter
+    def broken(self, value: str | None) -> None:
+        self.inner.broken = value
+
+    def describe(self) -> str:
+        """The wrapped backend's description."""
+        return self.inner.describe()
+
+
+def _at(label: str) -> str:
+    return f" for {label!r}" if label else ""
+
+
+def _check_flat(what: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise CommError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise CommError(f"{what}: {name} must be a contiguous 1-D tensor (flatten it first); "
+                            f"got shape {tuple(t.shape)}, contiguous={t.is_contiguous()}")
+
+
+def _check_op(op: str, allowed: tuple[str, ...]) -> None:
+    if op not in allowed:
+        raise CommError(f"unsupported reduce op {op!r}; use one of {allowed}")

@@ -1,0 +1,117 @@
+"""GPU backend: NCCL through ``cupy.cuda.nccl`` on a dedicated stream, ordered against torch's stream.
+
+CuPy is imported lazily so this module imports cleanly on machines without a GPU or without CuPy.
+The NCCL unique id travels through the torch.distributed store of the default (gloo) group.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CommError, InitError
+from .base import Communicator, Handle
+
+# ncclDataType_t and ncclRedOp_t values from nccl.h (stable since NCCL 2.10; bf16 and avg need >= 2.10).
+_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.bool: 1}
+_NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "avg": 4}
+_UID_KEY = "bmt_wrap/cupy_nccl_unique_id"
+
+
+def cupy_available() -> bool:
+    """True when CuPy with NCCL support imports and a CUDA device is visible."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception:  # ImportError, or CuPy built without NCCL / mismatched CUDA
+        return False
+    return True
+
+
+class CupyNcclCommunicator(Communicator):
+    """NCCL collectives issued through CuPy on their own stream."""
+
+    backend_name = "cupy-nccl"
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+        super().__init__(rank, world_size, timeout)
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except Exception as exc:
+            raise InitError("backend='cupy' needs CuPy with NCCL: pip install 'bmt-wrap[gpu]' "
+                            f"(cupy-cuda13x), or use backend='nccl' ({exc})") from exc
+        self._cupy, self._nccl = cupy, nccl
+        if rank == 0:
+            uid = nccl.get_unique_id()
+            store.set(_UID_KEY, bytes(b % 256 for b in uid))
+        raw = store.get(_UID_KEY)
+        uid = tuple(b if b < 128 else b - 256 for b in raw)  # NCCL's id is a char[128]
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr)
+
+    def _launch(self, what: str, tensors: list[torch.Tensor], call: Any) -> Handle:
+        # The comm stream waits for work already queued on torch's stream (the buffers' producers).
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        self._torch_stream.wait_event(ready)
+        try:
+            call(self._stream.ptr)
+        except self._nccl.NcclError as exc:
+            self.broken = what
+            raise CommError(f"{what} failed in NCCL on the {self.describe()}: {exc}") from exc
+        for t in tensors:  # keep the caching allocator from reusing these before the op finished
+            t.record_stream(self._torch_stream)
+        done = torch.cuda.Event()
+        done.record(self._torch_stream)
+        return _TorchEventHandle(self, done, what)
+
+    def _dtype(self, t: torch.Tensor) -> int:
+        if t.dtype not in _NCCL_DTYPES:
+            raise CommError(f"NCCL cannot communicate {t.dtype}")
+        return _NCCL_DTYPES[t.dtype]
+
+    def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
+        return self._launch(f"all_gather_into {label}", [out, shard], lambda s: self._comm.allGather(
+            shard.data_ptr(), out.data_ptr(), shard.numel(), self._dtype(shard), s))
+
+    def _reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str, label: str) -> Handle:
+        return self._launch(f"reduce_scatter_into {label}", [out, full], lambda s: self._comm.reduceScatter(
+            full.data_ptr(), out.data_ptr(), out.numel(), self._dtype(out), _NCCL_OPS[op], s))
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle:
+        return self._launch(f"all_reduce {label}", [tensor], lambda s: self._comm.allReduce(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), _NCCL_OPS[op], s))
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
+        return self._launch(f"broadcast {label}", [tensor], lambda s: self._comm.broadcast(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s))
+
+    def _barrier(self, label: str) -> Handle:
+        flag = torch.zeros(1, device="cuda")
+        return self._all_reduce(flag, "sum", f"barrier {label}")
+
+
+class _TorchEventHandle(Handle):
+    """Completion of a CuPy-stream op, as a torch CUDA event."""
+
+    def __init__(self, comm: CupyNcclCommunicator, event: torch.cuda.Event, what: str) -> None:
+        self._comm, self._event, self._what = comm, event, what
+
+    def wait(self) -> None:
+        """Order torch's current stream after the op, raising ``CommTimeoutError`` if it never finishes."""
+        deadline = time.monotonic() + self._comm.timeout.total_seconds()
+        # A bounded host-side poll turns a hung collective into an error instead of a silent stall.
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise self._comm.timeout_error(self._what)
+            time.sleep(0.0001)
+        torch.cuda.current_stream().wait_event(self._event)

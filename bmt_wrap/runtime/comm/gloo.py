@@ -1,0 +1,175 @@
+"""CPU backend: gloo point-to-point transfers straight into the destination, driven by one worker thread.
+
+Why point-to-point: gloo's own all-gather gathers into scratch and copies out, and its reduce-scatter
+runs a full all-reduce (2x the bytes) on a clone; ``isend``/``irecv`` into the destination moves each
+byte once (DESIGN.md, CPU facts). Why one worker thread: ops must reach gloo in the same order on every
+rank, async ops (a ring reduce-scatter is N-1 dependent steps) need something to drive them, and a
+single FIFO thread gives both while the main thread computes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CommError, CommTimeoutError
+from .base import Communicator, Handle
+
+_TAG_ALL_GATHER = 11
+_TAG_REDUCE_SCATTER = 12
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _Future(Handle):
+    """Completion of one op run by the worker thread."""
+
+    def __init__(self, comm: GlooCommunicator, what: str) -> None:
+        self._comm = comm
+        self._what = what
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        """Block until the worker finished this op, or raise ``CommTimeoutError`` after the timeout."""
+        if not self._done.wait(self._comm.timeout.total_seconds()):
+            raise self._comm.timeout_error(self._what)
+        if self._error is not None:
+            if isinstance(self._error, CommError):
+                raise self._error
+            self._comm.broken = f"{self._what} failed"
+            raise CommError(f"{self._what} failed on the {self._comm.describe()}: {self._error}. "
+                            "The process group is unusable after this; restart the job.") from self._error
+
+
+class GlooCommunicator(Communicator):
+    """torch.distributed/gloo on CPU tensors, through point-to-point sends into the destination."""
+
+    backend_name = "gloo"
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta) -> None:
+        super().__init__(rank, world_size, timeout)
+        self._group = group
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], _Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the worker thread once queued ops are done."""
+        self._queue.put(None)
+
+    # ---- the worker ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            if self.broken is not None:
+                fut._set(CommTimeoutError(f"the {self.describe()} is unusable after an earlier failure "
+                                          f"({self.broken}); restart the job."))
+                continue
+            try:
+                fn()
+                fut._set()
+            except BaseException as exc:  # reported to the waiting thread, which raises it
+                fut._set(exc)
+
+    def _submit(self, what: str, fn: Callable[[], None]) -> _Future:
+        fut = _Future(self, what)
+        self._queue.put((fn, fut))
+        return fut
+
+    def _wait_all(self, works: list, what: str) -> None:
+        for work in works:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise self.timeout_error(what) from exc
+                raise
+
+    # ---- ops --------------------------------------------------------------------------------------
+    def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
+        what = _describe("all_gather_into", shard, label)
+        n, r, size = self.world_size, self.rank, shard.numel()
+
+        def run() -> None:
+            works = []
+            for peer in range(n):
+                if peer != r:
+                    works.append(dist.isend(shard, peer, group=self._group, tag=_TAG_ALL_GATHER))
+                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], peer, group=self._group,
+                                            tag=_TAG_ALL_GATHER))
+            out[r * size:(r + 1) * size].copy_(shard)
+            self._wait_all(works, what)
+
+        return self._submit(what, run)
+
+    def _reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str, label: str) -> Handle:
+        what = _describe("reduce_scatter_into", out, label)
+        n, r, size = self.world_size, self.rank, out.numel()
+
+        def piece(i: int) -> torch.Tensor:
+            return full[(i % n) * size:((i % n) + 1) * size]
+
+        def run() -> None:
+            # Ring: at step s rank r sends its running sum of chunk r-s-1 to r+1 and receives chunk r-s-2
+            # from r-1, adding its own piece; after n-1 steps it holds the full sum of chunk r. Buffers
+            # alternate so the last step receives straight into `out` (one scratch piece, no copy).
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            scratch = torch.empty_like(out) if n > 2 else None
+            send = piece(r - 1)
+            for step in range(n - 1):
+                recv = out if (n - 2 - step) % 2 == 0 else scratch
+                works = [dist.isend(send, nxt, group=self._group, tag=_TAG_REDUCE_SCATTER),
+                         dist.irecv(recv, prv, group=self._group, tag=_TAG_REDUCE_SCATTER)]
+                self._wait_all(works, what)
+                recv.add_(piece(r - step - 2))
+                send = recv
+            if op == "avg":
+                out.div_(n)
+
+        return self._submit(what, run)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle:
+        what = _describe("all_reduce", tensor, label)
+
+        def run() -> None:
+            work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group,
+                                   async_op=True)
+            self._wait_all([work], what)
+            if op == "avg":
+                tensor.div_(self.world_size)
+
+        return self._submit(what, run)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
+        what = _describe("broadcast", tensor, label)
+
+        def run() -> None:
+            self._wait_all([dist.broadcast(tensor, src, group=self._group, async_op=True)], what)
+
+        return self._submit(what, run)
+
+    def _barrier(self, label: str) -> Handle:
+        flag = torch.zeros(1)
+        what = f"barrier{f' for {label!r}' if label else ''}"
+
+        def run() -> None:
+            self._wait_all([dist.all_reduce(flag, group=self._group, async_op=True)], what)
+
+        return self._submit(what, run)
+
+
+def _describe(op: str, t: torch.Tensor, label: str) -> str:
+    return f"{op}({t.numel()} x {t.dtype}){f' for {label!r}' if label else ''}"
