@@ -1,0 +1,167 @@
+"""Apply a ``WrapPlan`` to a model in place: shard every group, bind blocks, hook the root forward.
+
+This is where the plan (from ``passes/`` or a JSON file) meets the engine (``runtime/``); it knows the
+module tree but nothing of how the plan was made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .block import CheckpointBlock, bind_block
+from .dtypes import to_dtype
+from .errors import PlanError, WrapError
+from .mixed_precision import MixedPrecision
+from .plan import WrapPlan
+from .runtime.engine import Engine, get_engine
+from .runtime.group import Location, ShardGroup
+from .runtime.module_params import ParamSite, check_single_device, param_sites
+from .runtime.standalone import full_value
+from .sharded_module import ShardedModuleMixin, install_state_hooks
+
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+class WrappedModule(ShardedModuleMixin, nn.Module):
+    """Mixed into a wrapped model's class: sharded state_dict, guarded ``.to()``, and ``.plan``."""
+
+    plan: WrapPlan
+    _bmt_root: ShardGroup | None
+    _bmt_mp: MixedPrecision | None
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """True if ``model`` was already wrapped."""
+    return isinstance(model, WrappedModule)
+
+
+def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None) -> nn.Module:
+    """Shard ``model`` per ``plan`` in place and return it."""
+    if is_wrapped(model) or isinstance(model, CheckpointBlock):
+        raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
+                        "(BMTrainModelWrapper returns the same object, changed in place)")
+    plan.validate()
+    sites = param_sites(model)
+    check_single_device(sites, type(model).__name__)
+    _check_plan_covers(model, plan, sites)
+    if mixed_precision is not None:
+        _cast_params(sites, mixed_precision.param_dtype)
+    by_name = {n: s for s in sites for n in s.names}
+    engine = get_engine()
+    device = check_single_device(sites, type(model).__name__)
+    root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
+
+    root_group: ShardGroup | None = None
+    for spec in plan.groups:
+        if spec.is_root:
+            root_group = _build_root(engine, spec, by_name, device)
+            continue
+        module = _submodule(model, spec.name)
+        ext = [[loc for loc in by_name[n].locations if _inside(loc, module)]
+               for n in _ext_names(module, root_params, by_name)]
+        bind_block(module, spec, sites, ext_locations=[e for e in ext if e])
+        module._bmt_group.reduce_dtype = _reduce_dtype(mixed_precision)
+    if root_group is not None:
+        root_group.reduce_dtype = _reduce_dtype(mixed_precision)
+    engine.sync_buffers(model, 0)
+    engine.set_prefetch_depth(plan.prefetch_depth)
+    blocks = {g.name: g for g in engine.groups}
+    engine.prefetcher.set_order([blocks[n] for n in plan.order if n in blocks])
+
+    model.__class__ = _root_class(type(model))
+    model.plan = plan
+    model._bmt_root = root_group
+    model._bmt_mp = mixed_precision
+    model.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
+    model.register_forward_hook(_root_post_hook, always_call=True)
+    return model
+
+
+# ---- building ---------------------------------------------------------------------------------------------
+def _check_plan_covers(model: nn.Module, plan: WrapPlan, sites: list[ParamSite]) -> None:
+    placed = set(plan.all_fqns())
+    canonical = {s.names[0] for s in sites}
+    names = {n for s in sites for n in s.names}
+    missing = sorted(canonical - placed)
+    unknown = sorted(n for n in placed if n not in names)
+    if missing or unknown:
+        raise PlanError(f"the plan does not match {type(model).__name__}: parameters not in the plan "
+                        f"{missing[:5]}, plan entries not in the model {unknown[:5]}. Regenerate the plan "
+                        "for this model (bmt-wrap dump --format json) or wrap without plan=.")
+
+
+def _cast_params(sites: list[ParamSite], dtype: torch.dtype) -> None:
+    with torch.no_grad():
+        for s in sites:
+            if s.param.is_floating_point() and s.param.dtype != dtype:
+                s.param.data = s.param.data.to(dtype)
+
+
+def _reduce_dtype(mp: MixedPrecision | None) -> torch.dtype | None:
+    return mp.reduce_dtype if mp is not None else None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise PlanError(f"the plan names block {name!r}, which {type(model).__name__} does not have") from None
+
+
+def _inside(loc: Location, block: nn.Module) -> bool:
+    return any(m is loc[0] for m in block.modules())
+
+
+def _ext_names(block: nn.Module, root_params: set[int], by_name: dict[str, ParamSite]) -> list[str]:
+    """Canonical names of root-group parameters that ``block`` uses (shared with other blocks)."""
+    by_id = {id(s.param): s for s in by_name.values()}
+    return [by_id[id(p)].names[0] for p in block.parameters() if id(p) in root_params]
+
+
+def _build_root(engine: Engine, spec: Any, by_name: dict[str, ParamSite], device: torch.device) -> ShardGroup:
+    locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
+    sources = [[full_value(by_name[slot.fqn].param).to(to_dtype(b.dtype)) for slot in b.slots]
+               for b in spec.buffers]
+    group = engine.build_group(spec, locations, sources, device, sync_from=0)
+    for locs in locations:
+        for slot_locs in locs:
+            for m, _ in slot_locs:
+                install_state_hooks(m)
+    return group
+
+
+def _root_class(cls: type) -> type:
+    if cls not in _ROOT_CLASSES:
+        _ROOT_CLASSES[cls] = type(f"Wrapped{cls.__name__}", (WrappedModule, cls), {"__module__": cls.__module__})
+    return _ROOT_CLASSES[cls]
+
+
+# ---- the root's forward ----------------------------------------------------------------------------------
+def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    engine = get_engine()
+    model._bmt_outermost = not engine.in_forward
+    if model._bmt_outermost:
+        engine.begin_forward()
+    root = model._bmt_root
+    if root is not None:
+        root.install(engine.gather_for_root(root))
+    mp = model._bmt_mp
+    if mp is not None and mp.cast_forward_inputs:
+        return pytree.tree_map(mp.cast_input, args), pytree.tree_map(mp.cast_input, kwargs)
+    return None
+
+
+def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
+    engine = get_engine()
+    if model._bmt_root is not None:
+        model._bmt_root.restore()
+    if getattr(model, "_bmt_outermost", True):
+        engine.end_forward()
+    mp = model._bmt_mp
+    if mp is not None and mp.output_dtype is not None:
+        return pytree.tree_map(mp.cast_output, output)
+    return None

@@ -1,0 +1,204 @@
+"""The block executor: one autograd ``Function`` per block call.
+
+Forward: wait for this block's gather, start the next block's, run the block (under ``no_grad`` when
+checkpointed), release. Backward: gather (prefetching the blocks backward reaches next), recompute with
+the forward's RNG and autocast state when checkpointed, take input and parameter gradients with one
+``torch.autograd.grad``, and hand the parameter gradient to the reducer (async reduce-scatter).
+
+A Function rather than module hooks: hooks do not fire on recompute with checkpointing's early stop,
+and ``torch.utils.checkpoint`` re-fires gather hooks on recompute (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .group import Location, ShardGroup
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+# ---- pytrees of inputs and outputs ------------------------------------------------------------------
+def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    leaves, spec = pytree.tree_flatten(tree)
+    # Unregistered dataclasses (user outputs) would hide their tensors from autograd: register them.
+    if any(dataclasses.is_dataclass(x) and not isinstance(x, type) for x in leaves):
+        for x in leaves:
+            if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES:
+                pytree.register_dataclass(type(x))
+        leaves, spec = pytree.tree_flatten(tree)
+    return leaves, spec
+
+
+class _Tree:
+    """A pytree split into its tensors (which cross the Function boundary) and everything else."""
+
+    def __init__(self, tree: Any) -> None:
+        self.leaves, self.spec = _flatten(tree)
+        self.tensor_pos = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.tensor_pos]
+
+    def rebuild(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_pos, tensors):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(requires_grad and _differentiable(t))
+
+
+# ---- RNG and autocast captured at forward, restored for recompute ------------------------------------------
+class _ForwardState:
+    def __init__(self, devices: list[int]) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.devices = devices
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in devices]
+        self.autocast = {dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+                         for dev in ("cpu", "cuda")}
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.devices))
+            torch.set_rng_state(self.cpu_rng)
+            for d, s in zip(self.devices, self.cuda_rng):
+                torch.cuda.set_rng_state(s, d)
+            for dev, (enabled, dtype) in self.autocast.items():
+                if enabled or torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            yield
+
+
+# ---- one block call ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class BlockCall:
+    """Everything one call of a block needs between its forward and its backward."""
+
+    engine: Engine
+    group: ShardGroup
+    module: nn.Module
+    forward_fn: Callable[..., Any]
+    inputs: _Tree
+    ext_locations: list[list[Location]]  # root-owned parameters used inside the block
+    call_index: int = -1
+    outputs: _Tree | None = None
+    state: _ForwardState | None = None
+    graph: tuple | None = None  # non-checkpointed: (input leaves, param leaves, ext leaves, outputs)
+    input_needs_grad: list[bool] = dataclasses.field(default_factory=list)
+
+    @property
+    def checkpoint(self) -> bool:
+        return self.group.spec.checkpoint
+
+    def run(self, tensors: tuple[torch.Tensor, ...], param_tensors: list[list[torch.Tensor]],
+            ext_tensors: list[torch.Tensor]) -> Any:
+        """Run the block with the given inputs, parameters and external parameters installed."""
+        n_in = len(self.inputs.tensor_pos)
+        args, kwargs = self.inputs.rebuild(list(tensors[:n_in]))
+        with self.group.installed(param_tensors), _installed_ext(self.ext_locations, ext_tensors):
+            return self.forward_fn(self.module, *args, **kwargs)
+
+    def param_leaves(self, requires_grad: bool) -> list[list[torch.Tensor]]:
+        """Fresh leaves viewing the gathered parameters (trainable buffers require grad)."""
+        return [[_leaf(v, requires_grad and b.spec.requires_grad) for v in views]
+                for b, views in zip(self.group.buffers, self.group.slot_views())]
+
+
+@contextmanager
+def _installed_ext(locations: list[list[Location]], tensors: list[torch.Tensor]) -> Iterator[None]:
+    saved = [[(m, a, m._parameters[a]) for m, a in locs] for locs in locations]
+    for locs, t in zip(locations, tensors):
+        for m, a in locs:
+            m._parameters[a] = t
+    try:
+        yield
+    finally:
+        for entries in saved:
+            for m, a, old in entries:
+                m._parameters[a] = old
+
+
+class BlockFunction(torch.autograd.Function):
+    """Autograd node of one block call; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, call: BlockCall, anchor: torch.Tensor,  # type: ignore[override]
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        n_in = len(call.inputs.tensor_pos)
+        ext = list(tensors[n_in:])
+        call.input_needs_grad = list(ctx.needs_input_grad[2:])
+        engine, group = call.engine, call.group
+        engine.acquire_for_forward(group)
+        try:
+            if call.checkpoint:
+                call.state = _ForwardState(engine.cuda_devices(tensors))
+                out = call.run(tensors, group.slot_views(), ext)
+                call.outputs = _Tree(out)
+                flat = call.outputs.tensors()
+                ctx.save_for_backward(*tensors)
+            else:
+                with torch.enable_grad():
+                    leaves = [_leaf(t, need) for t, need in zip(tensors, call.input_needs_grad)]
+                    params = call.param_leaves(True)
+                    out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
+                call.outputs = _Tree(out)
+                kept = call.outputs.tensors()
+                call.graph = (leaves, params, kept)
+                flat = [t.detach() for t in kept]
+        finally:
+            engine.release_after_forward(group)
+        ctx.mark_non_differentiable(*[t for t in flat if not _differentiable(t)])
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: BlockCall = ctx.call
+        engine, group = call.engine, call.group
+        engine.acquire_for_backward(call)
+        try:
+            if call.checkpoint:
+                saved = ctx.saved_tensors
+                leaves = [_leaf(t, need) for t, need in zip(saved, call.input_needs_grad)]
+                params = call.param_leaves(True)
+                n_in = len(call.inputs.tensor_pos)
+                assert call.state is not None
+                with call.state.restored():
+                    out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
+                outs = _Tree(out).tensors()
+            else:
+                assert call.graph is not None
+                leaves, params, outs = call.graph
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wrt_inputs = [t for t in leaves if t.requires_grad]
+            wrt_params = [p for b in params for p in b if p.requires_grad]
+            if pairs and (wrt_inputs or wrt_params):
+                got = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + wrt_params,
+                                          [g for _, g in pairs], allow_unused=True)
+            else:
+                got = (None,) * (len(wrt_inputs) + len(wrt_params))
+            input_grads = iter(got[:len(wrt_inputs)])
+            param_grads = iter(got[len(wrt_inputs):])
+            engine.reduce_group_grads(group, [[next(param_grads) if p.requires_grad else None for p in b]
+                                              for b in params])
+        finally:
+            call.graph = None
+            engine.release_after_backward(group)
+        return (None, None, *[next(input_grads) if t.requires_grad else None for t in leaves])

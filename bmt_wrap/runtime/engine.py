@@ -1,0 +1,263 @@
+"""The engine: builds shard groups from a plan's specs and runs them (gather, prefetch, reduce, release).
+
+One engine per process serves every wrapped model and explicit-API block, so a backward that spans
+several models (teacher and student, or an explicit block list beside a wrapped model) has one schedule
+and one end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import get_state
+from ..errors import WrapError
+from ..plan import ShardGroupSpec
+from .block_function import BlockCall, BlockFunction, _Tree
+from .buffer_pool import BufferPool
+from .comm import Communicator
+from .flat_buffer import FlatBuffer
+from .gather_function import gathered_tensors
+from .grad_reduce import GradReducer
+from .group import Location, ShardGroup
+from .param import DistributedParameter
+from .prefetch import Prefetcher
+
+
+def storage_mode(spec: ShardGroupSpec) -> str:
+    """How a group's gathered storage is managed (see ``group.py``)."""
+    if spec.is_root:
+        return "fresh"
+    if spec.zero_level == 2:
+        return "kept"
+    return "pooled" if spec.checkpoint else "resizable"
+
+
+class Engine:
+    """Owns the communicator view, buffer pool, prefetcher and reducer of this process."""
+
+    def __init__(self, comm: Communicator, device: torch.device, prefetch_depth: int = 1) -> None:
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.device = device
+        self.pool = BufferPool()
+        self.prefetcher: Prefetcher[ShardGroup] = Prefetcher(prefetch_depth)
+        self.reducer = GradReducer(comm, self.pool)
+        self.reducer.on_finalize.append(self._end_backward)
+        self.groups: list[ShardGroup] = []
+        self.in_forward = False
+        self._backward_started = False
+        self._standalone_cache: dict[int, torch.Tensor] = {}
+
+    # ---- building groups --------------------------------------------------------------------------------
+    def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
+                    sources: list[list[torch.Tensor | None]], device: torch.device | str,
+                    sync_from: int | None = 0) -> ShardGroup:
+        """Shard ``sources`` (full tensors per buffer and slot) into a new group.
+
+        ``sync_from``: rank whose values every rank keeps (one group-sized broadcast), or None when every
+        rank passes identical values (BMTrain's contract for ``DistributedParameter``). Sources on the
+        meta device give a meta shard, materialised later by ``init_parameters`` or ``load``.
+        """
+        buffers: list[FlatBuffer] = []
+        for bspec, tensors in zip(spec.buffers, sources):
+            meta = any(t is not None and t.is_meta for t in tensors)
+            buf = FlatBuffer.empty(bspec, spec.name, self.rank, self.world_size, "meta" if meta else device)
+            if not meta:
+                if sync_from is not None and self.world_size > 1:
+                    full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
+                    buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots)],
+                                       full)
+                    self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
+                    buf.load_full_flat(full)
+                    del full
+                else:
+                    for i, t in enumerate(tensors):
+                        if t is not None:
+                            buf.load_slot(i, t.to(buf.dtype))
+            buffers.append(buf)
+        group = ShardGroup(spec, buffers, locations, self.comm, self.pool, storage_mode(spec))
+        group.restore()
+        self.groups.append(group)
+        return group
+
+    def forget(self, group: ShardGroup) -> None:
+        """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
+        group.release()
+        self.groups = [g for g in self.groups if g is not group]
+
+    @torch.no_grad()
+    def sync_buffers(self, module: nn.Module, src: int | None) -> None:
+        """Give every rank rank ``src``'s module buffers (one broadcast each; meta buffers skipped)."""
+        if src is None or self.world_size == 1:
+            return
+        for name, buf in module.named_buffers():
+            if buf.is_meta:
+                continue
+            flat = buf.detach().reshape(-1).contiguous()
+            self.comm.broadcast(flat, src, label=f"buffer {name}")
+            if flat.data_ptr() != buf.data_ptr():
+                buf.copy_(flat.view_as(buf))
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many groups ahead forward and backward gather."""
+        if depth < 0:
+            raise WrapError(f"prefetch_depth must be >= 0, got {depth}")
+        self.prefetcher.depth = depth
+
+    def cuda_devices(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """CUDA devices whose RNG a checkpointed block's recompute must restore."""
+        devices = {t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+        if self.device.type == "cuda":
+            devices.add(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        return sorted(d for d in devices if d is not None)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A root forward starts: drop stray gathers, prefetch the first blocks."""
+        self.in_forward = True
+        self._release_strays()
+        for g in self.prefetcher.begin_forward():
+            g.start_gather()
+
+    def end_forward(self) -> None:
+        """A root forward ended: learn the schedule, drop gathers the forward did not use."""
+        self.in_forward = False
+        self._standalone_cache.clear()
+        self.prefetcher.end_forward()
+        self._release_strays()
+
+    def gathered_standalone(self, p: DistributedParameter) -> torch.Tensor:
+        """A bare ``DistributedParameter`` read during forward: gathered once per forward and grad mode."""
+        key = id(p) * 2 + int(torch.is_grad_enabled())
+        if key not in self._standalone_cache:
+            self._standalone_cache[key] = self.gather_for_root(p._bmt_buffer.group)[0][0]
+        return self._standalone_cache[key]
+
+    def acquire_for_forward(self, group: ShardGroup) -> None:
+        """Start this group's gather, then the next ones', then wait for this one."""
+        upcoming = self.prefetcher.forward_call(group)
+        group.start_gather()
+        for g in upcoming:
+            g.start_gather()
+        group.wait_gathered()
+        group.in_use += 1
+
+    def release_after_forward(self, group: ShardGroup) -> None:
+        """The block's forward is done with its parameters (``kept`` groups stay for backward)."""
+        group.in_use -= 1
+        if group.in_use == 0 and group.mode != "kept":
+            group.release()
+
+    def run_block(self, group: ShardGroup, module: nn.Module, forward_fn: Callable[..., Any],
+                  args: tuple, kwargs: dict, ext_locations: list[list[Location]]) -> Any:
+        """Execute one call of a block: the entry point of every block's forward."""
+        ext = [locs[0][0]._parameters[locs[0][1]] for locs in ext_locations]
+        inputs = _Tree((args, kwargs))
+        tensors = inputs.tensors()
+        needs_graph = torch.is_grad_enabled() and (
+            group.trainable or any(t.requires_grad for t in tensors) or any(t.requires_grad for t in ext))
+        if not needs_graph:
+            self.acquire_for_forward(group)
+            try:
+                with group.installed(group.slot_views()):
+                    return forward_fn(module, *args, **kwargs)
+            finally:
+                group.in_use -= 1
+                if group.in_use == 0:
+                    group.release()
+        call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
+        call.call_index = self.prefetcher.record_call(group)
+        # The shards get their gradients from the reducer, not from autograd; this empty leaf only makes
+        # the outputs require grad when the block's parameters do and its inputs do not.
+        anchor = torch.empty(0, requires_grad=group.trainable)
+        outs = BlockFunction.apply(call, anchor, *tensors, *ext)
+        assert call.outputs is not None
+        return call.outputs.rebuild(outs)
+
+    def gather_for_root(self, group: ShardGroup) -> list[list[torch.Tensor]]:
+        """Gather a group used outside blocks; tensors are autograd-connected to the shards."""
+        group.start_gather()
+        tensors = gathered_tensors(self, group)
+        group.release()  # "fresh" storage: from here on the autograd graph owns it
+        return tensors
+
+    # ---- backward --------------------------------------------------------------------------------------------
+    def acquire_for_backward(self, call: BlockCall) -> None:
+        """Gather this call's group, prefetching the calls backward reaches next."""
+        self.reducer.ensure_callback()
+        self._on_backward_start()
+        group = call.group
+        group.start_gather()
+        for g in self.prefetcher.backward_call(call.call_index):
+            g.start_gather()
+        group.wait_gathered()
+        group.in_use += 1
+
+    def release_after_backward(self, group: ShardGroup) -> None:
+        """The block's backward is done with its parameters (kept groups wait for the step's end)."""
+        group.in_use -= 1
+        if group.in_use == 0 and group.mode != "kept":
+            group.release()
+
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
+        """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
+        self.reducer.ensure_callback()
+        self._on_backward_start()
+        for buf, per_slot in zip(group.buffers, grads):
+            if not buf.spec.requires_grad:
+                continue
+            used = [g is not None for g in per_slot]
+            if not any(used) and self.world_size == 1:
+                continue
+            dtype = group.reduce_dtype or buf.dtype
+            full = self.pool.acquire(buf.full_numel, dtype, buf.device)
+            buf.flatten_grads_into(full, per_slot)
+            self.reducer.reduce(buf, full, used)
+
+    def _on_backward_start(self) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            self.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
+
+    def _end_backward(self) -> None:
+        self._backward_started = False
+        self.prefetcher.end_backward()
+        for g in self.groups:
+            if g.in_use == 0:
+                g.release()
+
+    def _release_strays(self) -> None:
+        for g in self.groups:
+            if g.in_use == 0 and g.gathered and g.mode != "kept":
+                g.release()
+
+    def wait_pending(self) -> None:
+        """Finish outstanding reduce-scatters (before reading gradients outside backward)."""
+        self.reducer.wait_all()
+
+
+def _or_zeros(t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return t if t is not None else torch.zeros(shape, dtype=dtype)
+
+
+# ---- the process's engine ---------------------------------------------------------------------------------------
+_ENGINE: Engine | None = None
+
+
+def get_engine() -> Engine:
+    """The engine of this process, created on first use (after ``init_distributed``)."""
+    global _ENGINE
+    if _ENGINE is None:
+        state = get_state()
+        _ENGINE = Engine(state.comm, state.device)
+    return _ENGINE
+
+
+def reset_engine() -> None:
+    """Forget every group (tests; a process that wraps models one after another)."""
+    global _ENGINE
+    _ENGINE = None

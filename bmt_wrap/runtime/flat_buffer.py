@@ -1,0 +1,121 @@
+"""One flat buffer of a shard group: this rank's shard, its gradient, and a parameter view per slot."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..dtypes import to_dtype
+from ..plan import FlatBufferSpec
+from .param import DistributedParameter
+
+if TYPE_CHECKING:
+    from .group import ShardGroup
+
+
+class FlatBuffer:
+    """Parameters of one dtype laid out contiguously; this rank keeps ``[r*S, (r+1)*S)``.
+
+    Alignment gaps and padding are zero in the shard and in the gradient shard, always: optimizers may
+    update a covering range in one call and norms need no masking.
+    """
+
+    def __init__(self, spec: FlatBufferSpec, group_name: str, rank: int, world_size: int,
+                 shard: torch.Tensor) -> None:
+        self.spec = spec
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.dtype = to_dtype(spec.dtype)
+        self.full_numel = spec.padded_numel(world_size)
+        self.shard_numel = spec.shard_numel(world_size)
+        if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:
+            raise ValueError(f"shard of {group_name!r} must be ({self.shard_numel},) {self.dtype}")
+        self.shard = shard
+        self.grad_shard: torch.Tensor | None = None
+        self.group: ShardGroup  # set by the owning group
+        self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
+        self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad, s.fqn,
+                                                     torch.Size(s.shape))
+                       for i, (s, (a, b)) in enumerate(zip(spec.slots, self.local_ranges))]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shard lives."""
+        return self.shard.device
+
+    @classmethod
+    def empty(cls, spec: FlatBufferSpec, group_name: str, rank: int, world_size: int,
+              device: torch.device | str) -> FlatBuffer:
+        """A zeroed shard (on ``meta``: no storage at all, to be materialised later)."""
+        numel = spec.shard_numel(world_size)
+        shard = torch.zeros(numel, dtype=to_dtype(spec.dtype), device=device)
+        return cls(spec, group_name, rank, world_size, shard)
+
+    # ---- moving data between full tensors and this rank's shard ----------------------------------
+    def slot_source_range(self, i: int) -> tuple[int, int]:
+        """``[start, end)`` inside the flattened original parameter that this rank's slice covers."""
+        slot = self.spec.slots[i]
+        lo = self.rank * self.shard_numel
+        a, b = self.local_ranges[i]
+        if a == b:
+            return 0, 0
+        return a + lo - slot.offset, b + lo - slot.offset
+
+    @torch.no_grad()
+    def load_slot(self, i: int, full: torch.Tensor) -> None:
+        """Copy this rank's part of the full tensor ``full`` of slot ``i`` into the shard."""
+        a, b = self.local_ranges[i]
+        if a == b:
+            return
+        s, e = self.slot_source_range(i)
+        self.shard[a:b].copy_(full.reshape(-1)[s:e])
+
+    @torch.no_grad()
+    def load_full_flat(self, full: torch.Tensor) -> None:
+        """Keep this rank's piece of an unsharded, padded flat buffer."""
+        lo = self.rank * self.shard_numel
+        self.shard.copy_(full[lo:lo + self.shard_numel])
+
+    @torch.no_grad()
+    def pack_full_flat(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Write full per-slot tensors into ``out``, a padded flat buffer, gaps zeroed."""
+        out.zero_()
+        for slot, t in zip(self.spec.slots, tensors):
+            out[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
+        return out
+
+    def slot_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a gathered full buffer, one per slot, in the original shapes."""
+        return [full[s.offset:s.offset + s.numel].view(s.shape) for s in self.spec.slots]
+
+    def flatten_grads_into(self, out: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Concatenate per-slot gradients into ``out`` (gaps, padding and missing grads as zeros)."""
+        pieces: list[torch.Tensor] = []
+        pos = 0
+        for slot, g in zip(self.spec.slots, grads):
+            if slot.offset > pos:
+                pieces.append(out.new_zeros(slot.offset - pos))
+            pieces.append(g.reshape(-1) if g is not None else out.new_zeros(slot.numel))
+            pos = slot.offset + slot.numel
+        if pos < out.numel():
+            pieces.append(out.new_zeros(out.numel() - pos))
+        # One cat into a pooled buffer is much cheaper than per-slice copies (DESIGN.md, CPU facts).
+        return torch.cat([p.to(out.dtype) for p in pieces], out=out)
+
+    # ---- gradients -----------------------------------------------------------------------------------
+    def ensure_grad_shard(self) -> torch.Tensor:
+        """The flat gradient shard, allocated (zeroed) on first use."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)
+        return self.grad_shard
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Slot ``i``'s slice of the gradient shard."""
+        a, b = self.local_ranges[i]
+        return self.ensure_grad_shard()[a:b]
+
+    def fqns(self) -> list[str]:
+        """Canonical names of the parameters in this buffer."""
+        return [s.fqn for s in self.spec.slots]

@@ -1,0 +1,47 @@
+"""Autograd-aware gather of a whole group for use outside any block (the root group, a bare
+``DistributedParameter`` read inside a ``DistributedModule``'s forward).
+
+Forward returns the gathered parameters as views of the full buffer. Backward runs once every use has
+contributed (autograd sums tied uses), flattens the gradients and hands them to the reducer; the
+sharded inputs get no gradient through autograd: the reducer sets their ``.grad`` at the end of backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .group import ShardGroup
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class GatherFunction(torch.autograd.Function):
+    """Gathered views of one trainable flat buffer of ``group``; gradients go to the reducer."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: Engine, group: ShardGroup, index: int,  # type: ignore[override]
+                *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.engine, ctx.group, ctx.index = engine, group, index
+        return tuple(group.slot_views()[index])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        grads_per_buffer: list[list[torch.Tensor | None]] = [[None] * len(b.params) for b in ctx.group.buffers]
+        grads_per_buffer[ctx.index] = list(grads)
+        ctx.engine.reduce_group_grads(ctx.group, grads_per_buffer)
+        return (None, None, None, *([None] * len(grads)))
+
+
+def gathered_tensors(engine: Engine, group: ShardGroup) -> list[list[torch.Tensor]]:
+    """Per buffer, per slot: full tensors to install, differentiable w.r.t. the shards when grad is on."""
+    views = group.slot_views()
+    out: list[list[torch.Tensor]] = []
+    for i, (b, v) in enumerate(zip(group.buffers, views)):
+        if torch.is_grad_enabled() and b.spec.requires_grad:
+            out.append(list(GatherFunction.apply(engine, group, i, *b.params)))
+        else:
+            out.append([t.detach() for t in v])
+    return out

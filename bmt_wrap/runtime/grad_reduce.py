@@ -1,0 +1,139 @@
+"""Reduce-scatter of gradients during backward, and the end-of-backward callback that finishes them.
+
+Every group's full gradient goes through ``reduce``: an async reduce-scatter (rank average, DDP
+semantics) into the group's gradient shard, overlapping the next block's backward. When backward
+returns, an autograd callback has waited for all of them, agreed across ranks which parameters got a
+gradient (one small all-reduce), and set each parameter's ``.grad`` to its view of the gradient shard;
+a parameter no rank used keeps ``.grad is None``, as in torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .buffer_pool import BufferPool
+from .comm import Communicator, Handle
+from .flat_buffer import FlatBuffer
+
+MAX_IN_FLIGHT = 2  # gloo serialises reduce-scatters anyway; more in flight only holds more memory
+
+
+@dataclass
+class _Touched:
+    buffer: FlatBuffer
+    had_grad: list[bool]
+    used: list[bool]
+    accumulate: bool  # False: the first reduce-scatter of this step may overwrite the shard
+
+
+@dataclass
+class _Pending:
+    handle: Handle
+    done: Callable[[], None]
+
+
+@dataclass
+class GradReducer:
+    """Owns outstanding reduce-scatters of one backward pass."""
+
+    comm: Communicator
+    pool: BufferPool
+    on_finalize: list[Callable[[], None]] = field(default_factory=list)
+    _pending: deque = field(default_factory=deque)
+    _touched: dict[int, _Touched] = field(default_factory=dict)
+    callback_queued: bool = False
+
+    def ensure_callback(self) -> None:
+        """Queue the end-of-backward callback once per backward (call from inside backward)."""
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+            self.callback_queued = True
+
+    def reduce(self, buffer: FlatBuffer, full_grad: torch.Tensor, used: list[bool]) -> None:
+        """Start the rank-average reduce-scatter of ``full_grad`` (a pool buffer, released when done)."""
+        self.ensure_callback()
+        touched = self._touch(buffer)
+        touched.used = [a or b for a, b in zip(touched.used, used)]
+        grad_shard = buffer.ensure_grad_shard()
+        if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
+            out = grad_shard
+            done: Callable[[], None] = lambda: self.pool.release(full_grad)
+        else:
+            out = self.pool.acquire(buffer.shard_numel, full_grad.dtype, full_grad.device)
+            accumulate = touched.accumulate
+
+            def done() -> None:
+                if accumulate:
+                    grad_shard.add_(out)
+                else:
+                    grad_shard.copy_(out)
+                self.pool.release(out)
+                self.pool.release(full_grad)
+        touched.accumulate = True  # a second call of the same block in this step adds to the first
+        handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
+        self._pending.append(_Pending(handle, done))
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _touch(self, buffer: FlatBuffer) -> _Touched:
+        touched = self._touched.get(id(buffer))
+        if touched is None:
+            had = [p.grad is not None for p in buffer.params]
+            touched = _Touched(buffer, had, [False] * len(had), accumulate=any(had))
+            if touched.accumulate:
+                _adopt_existing_grads(buffer)
+            self._touched[id(buffer)] = touched
+        return touched
+
+    def _complete_oldest(self) -> None:
+        pending = self._pending.popleft()
+        pending.handle.wait()
+        pending.done()
+
+    def wait_all(self) -> None:
+        """Finish every outstanding reduce-scatter."""
+        while self._pending:
+            self._complete_oldest()
+
+    def finalize(self) -> None:
+        """End of backward: finish reductions, agree on used parameters, set ``.grad`` views."""
+        try:
+            self.wait_all()
+            touched = list(self._touched.values())
+            if touched:
+                mask = torch.tensor([u for t in touched for u in t.used], dtype=torch.float32)
+                if self.comm.world_size > 1:
+                    self.comm.all_reduce(mask, "max", label="used-parameter mask")
+                pos = 0
+                for t in touched:
+                    for i, p in enumerate(t.buffer.params):
+                        if mask[pos] > 0 or t.had_grad[i]:
+                            view = t.buffer.grad_view(i)
+                            if p.grad is None or not _is_view_of(p.grad, view):
+                                p.grad = view
+                        pos += 1
+        finally:
+            self._touched.clear()
+            self.callback_queued = False
+            for fn in self.on_finalize:
+                fn()
+
+
+@torch.no_grad()
+def _adopt_existing_grads(buffer: FlatBuffer) -> None:
+    """Before accumulating: make the gradient shard hold exactly the parameters' current ``.grad``."""
+    for i, p in enumerate(buffer.params):
+        view = buffer.grad_view(i)
+        if p.grad is None:
+            view.zero_()
+        elif not _is_view_of(p.grad, view):
+            view.copy_(p.grad)
+            p.grad = view
+
+
+def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.numel() == view.numel() and (view.numel() == 0 or grad.data_ptr() == view.data_ptr())

@@ -1,0 +1,153 @@
+"""A shard group: the unit of gathering (one block, or the root), and where its parameters live.
+
+Three storage modes, chosen from the group's checkpoint and ZeRO settings:
+- ``pooled``: gathered into a pool buffer and given back right after use (checkpointed blocks: nothing
+  from forward references the parameters, recompute gathers again);
+- ``resizable``: one dedicated buffer whose storage is freed after forward and refilled in place before
+  backward (non-checkpointed blocks: the kept autograd graph references it, so a pool would make reuse
+  undetectable corruption; the refill's version bump is undone);
+- ``kept``: a dedicated buffer gathered in forward and kept until backward ends (``zero_level=2``);
+- ``fresh``: a new buffer per gather, owned by the autograd graph once released (the root group).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..errors import UninitializedParameterError
+from ..plan import ShardGroupSpec
+from .buffer_pool import BufferPool
+from .comm import Communicator, Handle
+from .flat_buffer import FlatBuffer
+
+Location = tuple[nn.Module, str]
+
+
+class ShardGroup:
+    """Flat buffers of one block (or the root) plus the module attributes their parameters occupy."""
+
+    def __init__(self, spec: ShardGroupSpec, buffers: list[FlatBuffer], locations: list[list[list[Location]]],
+                 comm: Communicator, pool: BufferPool, mode: str) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.buffers = buffers
+        self.locations = locations  # [buffer][slot] -> every (module, attribute) holding the parameter
+        self.comm = comm
+        self.pool = pool
+        self.mode = mode
+        self._full: list[torch.Tensor] | None = None
+        self._handles: list[Handle] | None = None
+        self._versions: list[int] = []
+        self._dedicated: list[torch.Tensor] | None = None
+        self.in_use = 0  # executors currently running on the gathered parameters
+        self.reduce_dtype: torch.dtype | None = None  # None: reduce gradients in each buffer's dtype
+        self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
+        for b in buffers:
+            b.group = self
+
+    # ---- state -------------------------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        """True while gathered or gathering."""
+        return self._full is not None
+
+    @property
+    def trainable(self) -> bool:
+        """True if any parameter of the group requires grad."""
+        return any(b.spec.requires_grad for b in self.buffers)
+
+    def fqns(self) -> list[str]:
+        """Every canonical parameter name in the group."""
+        return [n for b in self.buffers for n in b.fqns()]
+
+    # ---- gather / release -----------------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Start gathering every buffer (no-op if gathered or in flight)."""
+        if self._full is not None:
+            return
+        meta = [f for b in self.buffers if b.shard.is_meta for f in b.fqns()]
+        if meta:
+            raise UninitializedParameterError(
+                f"parameters of {self.name!r} are still on the meta device: {meta[:5]}"
+                f"{' ...' if len(meta) > 5 else ''}. Materialise them first: bmt.init_parameters(model), "
+                "or bmt.load(model, path).")
+        full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
+        self._versions = [t._version for t in full]
+        self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
+                         for f, b in zip(full, self.buffers)]
+        self._full = full
+
+    def wait_gathered(self) -> list[torch.Tensor]:
+        """The gathered full buffers, waiting for (or starting) the gather."""
+        if self._full is None:
+            self.start_gather()
+        if self._handles is not None:
+            for h in self._handles:
+                h.wait()
+            self._handles = None
+            if self.mode in ("resizable", "kept"):
+                # Saved tensors of a kept autograd graph view this storage; the refill is the same
+                # values, so the version bump it caused must not fail their check in backward.
+                torch._C._autograd._unsafe_set_version_counter(tuple(self._full), tuple(self._versions))
+        assert self._full is not None
+        return self._full
+
+    def release(self) -> None:
+        """Give the gathered storage back (waits for an in-flight gather first)."""
+        if self._full is None:
+            return
+        if self._handles is not None:
+            self.wait_gathered()
+        full, self._full = self._full, None
+        if self.mode == "pooled":
+            for f in full:
+                self.pool.release(f)
+        elif self.mode in ("resizable", "kept"):
+            for f in full:
+                f.untyped_storage().resize_(0)
+        # "fresh": the autograd graph may still own the buffer; dropping our reference is enough.
+
+    def _alloc(self, i: int, b: FlatBuffer) -> torch.Tensor:
+        if self.mode == "pooled":
+            return self.pool.acquire(b.full_numel, b.dtype, b.device)
+        if self.mode == "fresh":
+            return torch.empty(b.full_numel, dtype=b.dtype, device=b.device)
+        if self._dedicated is None:
+            self._dedicated = [torch.empty(x.full_numel, dtype=x.dtype, device=x.device) for x in self.buffers]
+        t = self._dedicated[i]
+        nbytes = b.full_numel * b.dtype.itemsize
+        if t.untyped_storage().nbytes() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+        return t
+
+    # ---- installing tensors into the modules ----------------------------------------------------------
+    def slot_views(self) -> list[list[torch.Tensor]]:
+        """Per buffer, per slot: views of the gathered parameters in their original shapes."""
+        return [b.slot_views(f) for b, f in zip(self.buffers, self.wait_gathered())]
+
+    def install(self, tensors: list[list[torch.Tensor]]) -> None:
+        """Put full tensors where the sharded parameters are, at every location (tied aliases too)."""
+        for per_buffer, locs in zip(tensors, self.locations):
+            for t, slot_locs in zip(per_buffer, locs):
+                for module, attr in slot_locs:
+                    module._parameters[attr] = t  # bypasses __setattr__: a plain tensor while running
+
+    def restore(self) -> None:
+        """Put the sharded parameters back at every location."""
+        for b, locs in zip(self.buffers, self.locations):
+            for p, slot_locs in zip(b.params, locs):
+                for module, attr in slot_locs:
+                    module._parameters[attr] = p
+
+    @contextmanager
+    def installed(self, tensors: list[list[torch.Tensor]]) -> Iterator[None]:
+        """Full tensors installed for the duration of the block."""
+        self.install(tensors)
+        try:
+            yield
+        finally:
+            self.restore()

@@ -1,0 +1,61 @@
+"""``DistributedParameter``: the 1-D view of this rank's slice of one original parameter.
+
+Every sharded parameter, whether made by the wrapper, a ``CheckpointBlock`` or by hand, is one of these:
+a real ``nn.Parameter`` (so any optimizer and name-based param groups work) viewing this rank's piece
+of a flat shard, with ``.fqn`` and ``.full_shape`` describing the original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .flat_buffer import FlatBuffer
+
+
+class DistributedParameter(nn.Parameter):
+    """A parameter sharded across ranks: holds this rank's 1-D slice of the full tensor.
+
+    ``DistributedParameter(data, requires_grad=True, init_method=None, group=None)`` (BMTrain's
+    signature) takes the full tensor, which every rank passes identically, and keeps this rank's slice.
+    """
+
+    fqn: str
+    full_shape: torch.Size
+    _bmt_buffer: FlatBuffer
+    _bmt_slot: int
+    _init_method: Callable[[torch.Tensor], Any] | None
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
+                init_method: Callable[[torch.Tensor], Any] | None = None, group: str | None = None
+                ) -> DistributedParameter:
+        from .standalone import shard_standalone  # the engine builds the one-parameter group
+
+        return shard_standalone(data, requires_grad=requires_grad, init_method=init_method, group=group)
+
+    @classmethod
+    def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool,
+                 fqn: str, full_shape: torch.Size) -> DistributedParameter:
+        p = torch.Tensor._make_subclass(cls, view, requires_grad)
+        p.fqn = fqn
+        p.full_shape = torch.Size(full_shape)
+        p._bmt_buffer = buffer
+        p._bmt_slot = slot_index
+        p._init_method = None
+        return p
+
+    def __deepcopy__(self, memo: dict) -> DistributedParameter:
+        raise TypeError(f"cannot deepcopy sharded parameter {self.fqn!r}: copy the model before wrapping, "
+                        "or use `with bmt.gathered(model):` to read full values")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(f"cannot pickle sharded parameter {self.fqn!r} (it is one rank's slice); save "
+                        "with bmt.save(model, path) or bmt.save_checkpoint(dir, model)")
+
+    def __repr__(self) -> str:
+        return (f"DistributedParameter({self.fqn!r}, full_shape={tuple(self.full_shape)}, "
+                f"local={self.numel()} of {self.full_shape.numel()}, dtype={self.dtype})")

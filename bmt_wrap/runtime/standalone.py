@@ -1,0 +1,53 @@
+"""One-parameter groups: what ``DistributedParameter(data)`` builds outside any block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dtypes import dtype_name
+from ..errors import WrapError
+from ..plan import ParamInfo, ShardGroupSpec, layout_buffers
+from .engine import get_engine
+from .param import DistributedParameter
+
+_COUNTER = [0]
+
+
+def shard_standalone(data: torch.Tensor, requires_grad: bool = True,
+                     init_method: Callable[[torch.Tensor], Any] | None = None,
+                     group: str | None = None) -> DistributedParameter:
+    """Shard ``data`` (identical on every rank) into a group of its own; returns the sharded parameter."""
+    if not isinstance(data, torch.Tensor):
+        raise WrapError(f"DistributedParameter expects a tensor, got {type(data).__name__}")
+    if isinstance(data, DistributedParameter):
+        raise WrapError(f"{data.fqn!r} is already a DistributedParameter")
+    _COUNTER[0] += 1
+    name = f"param{_COUNTER[0]}"
+    info = ParamInfo(fqn=name, shape=list(data.shape), dtype=dtype_name(data.dtype),
+                     requires_grad=requires_grad)
+    spec = ShardGroupSpec(name=name, buffers=layout_buffers([info]), checkpoint=False, zero_level=3)
+    engine = get_engine()
+    g = engine.build_group(spec, [[[]]], [[data.detach()]], data.device, sync_from=0)
+    g.standalone = True
+    p = g.buffers[0].params[0]
+    p._init_method = init_method
+    p.bmt_group_name = group
+    return p
+
+
+def full_value(p: nn.Parameter) -> torch.Tensor:
+    """The full value of a parameter: gathered (collective) for a sharded one, detached otherwise."""
+    if not isinstance(p, DistributedParameter):
+        return p.detach()
+    group = p._bmt_buffer.group
+    if group.buffers[0].shard.is_meta:
+        return torch.empty(p.full_shape, dtype=p.dtype, device="meta")
+    group.start_gather()
+    try:
+        return group.slot_views()[group.buffers.index(p._bmt_buffer)][p._bmt_slot].clone()
+    finally:
+        group.release()
