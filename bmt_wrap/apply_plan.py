@@ -55,22 +55,25 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     device = check_single_device(sites, type(model).__name__)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
 
+    # Which root parameters each block uses is read off the original module tree, before any group
+    # replaces parameters with shards.
+    blocks = {spec.name: _submodule(model, spec.name) for spec in plan.groups if not spec.is_root}
+    ext = {name: [[loc for loc in by_name[n].locations if _inside(loc, module)]
+                  for n in _ext_names(module, root_params, by_name)] for name, module in blocks.items()}
     root_group: ShardGroup | None = None
     for spec in plan.groups:
         if spec.is_root:
             root_group = _build_root(engine, spec, by_name, device)
             continue
-        module = _submodule(model, spec.name)
-        ext = [[loc for loc in by_name[n].locations if _inside(loc, module)]
-               for n in _ext_names(module, root_params, by_name)]
-        bind_block(module, spec, sites, ext_locations=[e for e in ext if e])
+        module = blocks[spec.name]
+        bind_block(module, spec, sites, ext_locations=ext[spec.name])
         module._bmt_group.reduce_dtype = _reduce_dtype(mixed_precision)
     if root_group is not None:
         root_group.reduce_dtype = _reduce_dtype(mixed_precision)
     engine.sync_buffers(model, 0)
     engine.set_prefetch_depth(plan.prefetch_depth)
-    blocks = {g.name: g for g in engine.groups}
-    engine.prefetcher.set_order([blocks[n] for n in plan.order if n in blocks])
+    groups = {name: module._bmt_group for name, module in blocks.items()}
+    engine.prefetcher.set_order([groups[n] for n in plan.order if n in groups])
 
     model.__class__ = _root_class(type(model))
     model.plan = plan

@@ -19,7 +19,7 @@ class Layer(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has an identically zero gradient
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, hidden or 4 * d)
@@ -87,11 +87,16 @@ def manual_plan(model: nn.Module, blocks: list[str], *, checkpoint: bool | list[
             seen[id(p)].aliases.append(name)
             continue
         seen[id(p)] = ParamInfo(name, list(p.shape), dtype_name(p.dtype), p.requires_grad)
-        owner[id(p)] = next((b for b in blocks if name.startswith(b + ".")), ROOT)
+        owner[id(p)] = next((b for b in blocks if any(
+            name.startswith(n + ".") for n, m in model.named_modules(remove_duplicate=False)
+            if m is model.get_submodule(b))), ROOT)
     for b in blocks:  # parameters reachable from two blocks, or a block and the root, go to the root
-        for p in model.get_submodule(b).parameters():
+        block = model.get_submodule(b)
+        # A block module registered under several names (a shared layer) is still one block.
+        prefixes = tuple(n + "." for n, m in model.named_modules(remove_duplicate=False) if m is block)
+        for p in block.parameters():
             names = [seen[id(p)].fqn, *seen[id(p)].aliases]
-            if any(not n.startswith(b + ".") for n in names):
+            if any(not n.startswith(prefixes) for n in names):
                 owner[id(p)] = ROOT
     ckpt = checkpoint if isinstance(checkpoint, list) else [checkpoint] * len(blocks)
     groups = [ShardGroupSpec(ROOT, layout_buffers([i for k, i in seen.items() if owner[k] == ROOT]))]

@@ -1,0 +1,157 @@
+"""The engine against plain PyTorch: sharded training on 1, 2 and 4 ranks equals one-process training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from parity import lm_batches, train_side_by_side
+from toy import Layer, ToyGPT, manual_plan
+
+from bmt_wrap.apply_plan import apply_plan
+
+WORLD_SIZES = [1, 2, 4]
+BLOCKS3 = [f"layers.{i}" for i in range(3)]
+
+
+def _wrap(blocks: list[str], **plan_kwargs):
+    def wrap(model):
+        return apply_plan(model, manual_plan(model, blocks, **plan_kwargs))
+    return wrap
+
+
+def _toy_body(model_kwargs: dict, plan_kwargs: dict, optimizer: str, blocks: list[str] | None = None,
+              micro: int = 1, two_forwards: bool = False, batch: int = 8, steps: int = 5,
+              frozen: tuple[str, ...] = ()) -> dict:
+    def build():
+        m = ToyGPT(**model_kwargs)
+        for name in frozen:
+            m.get_parameter(name).requires_grad_(False)
+        return m
+    n_layers = model_kwargs.get("n_layers", 3)
+    blocks = [f"layers.{i}" for i in range(n_layers)] if blocks is None else blocks
+    return train_side_by_side(build, _wrap(blocks, **plan_kwargs), lm_batches(steps, batch),
+                              optimizer=optimizer, micro=micro, two_forwards=two_forwards)
+
+
+CASES = {
+    "checkpointed": ({}, {}),
+    "not-checkpointed": ({}, {"checkpoint": False}),
+    "mixed-checkpointing": ({}, {"checkpoint": [True, False, True]}),
+    "zero2": ({}, {"zero_level": 2}),
+    "zero2-not-checkpointed": ({}, {"zero_level": 2, "checkpoint": False}),
+    "prefetch0": ({}, {"prefetch_depth": 0}),
+    "prefetch2": ({}, {"prefetch_depth": 2}),
+    "untied": ({"tied": False}, {}),
+    "kwargs-and-dict-outputs": ({"dict_layers": True}, {}),
+    "blocks-of-different-sizes": ({"widths": [8, 64, 24]}, {}),
+}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity(case: str, optimizer: str, world_size: int) -> None:
+    model_kwargs, plan_kwargs = CASES[case]
+    results = run_distributed(_toy_body, world_size, model_kwargs, plan_kwargs, optimizer)
+    assert results[0]["losses"][-1] < results[0]["losses"][0], "training makes progress"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_frozen_parameters_get_no_gradient_and_stay_put(world_size: int) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, "sgd",
+                    frozen=("ln_f.weight", "layers.1.fc.weight", "layers.2.ln1.bias"))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gradient_accumulation_over_four_micro_batches(world_size: int) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, "sgd", micro=4, batch=16)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_two_forwards_before_one_backward(world_size: int, checkpoint: bool) -> None:
+    run_distributed(_toy_body, world_size, {}, {"checkpoint": checkpoint}, "sgd", two_forwards=True)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_model_without_blocks(world_size: int) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, "adamw", blocks=[])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_name_based_param_groups_with_torch_adamw(world_size: int) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, "adamw_groups")
+
+
+def _shared_block_body(checkpoint: bool) -> dict:
+    def build():
+        m = ToyGPT(n_layers=2)
+        m.layers.append(m.layers[0])  # layer 0 runs twice per forward: ALBERT-style sharing
+        return m
+    return train_side_by_side(build, _wrap(["layers.0", "layers.1"], checkpoint=checkpoint,
+                                           order=["layers.0", "layers.1", "layers.0"]),
+                              lm_batches(5, 8), optimizer="sgd")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_shared_block_called_twice(world_size: int, checkpoint: bool) -> None:
+    run_distributed(_shared_block_body, world_size, checkpoint)
+
+
+class _SharedWeightLayer(Layer):
+    pass
+
+
+def _param_shared_by_blocks_body() -> dict:
+    def build():
+        m = ToyGPT(n_layers=3)
+        for layer in m.layers[1:]:
+            layer.proj.weight = m.layers[0].proj.weight  # one Parameter inside three blocks
+        return m
+    return train_side_by_side(build, _wrap(BLOCKS3), lm_batches(5, 8), optimizer="sgd")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parameter_shared_by_several_blocks_lives_in_root(world_size: int) -> None:
+    run_distributed(_param_shared_by_blocks_body, world_size)
+
+
+def test_dropout_is_bit_exact_to_plain_pytorch_on_one_rank() -> None:
+    reference = run_distributed(_dropout_train_body, 1, None)[0]
+    for checkpoint in (True, False):
+        assert run_distributed(_dropout_train_body, 1, checkpoint)[0] == reference, checkpoint
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dropout_checkpointed_equals_not_checkpointed(world_size: int) -> None:
+    with_ckpt = run_distributed(_dropout_train_body, world_size, True)
+    without = run_distributed(_dropout_train_body, world_size, False)
+    assert with_ckpt == without
+
+
+def _dropout_train_body(checkpoint: bool | None) -> list[float]:
+    """Train with dropout; ``checkpoint=None`` trains the plain model (the reference)."""
+    import bmt_wrap as bmt
+    torch.manual_seed(0)
+    model = ToyGPT(dropout=0.2)
+    if checkpoint is not None:
+        model = apply_plan(model, manual_plan(model, BLOCKS3, checkpoint=checkpoint))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    torch.manual_seed(100 + bmt.rank())
+    for idx, tgt in lm_batches(4, 8):
+        loss = model(idx.chunk(bmt.world_size())[bmt.rank()], tgt.chunk(bmt.world_size())[bmt.rank()])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(bmt.sum_loss(loss.detach())))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rerun_is_bit_identical(world_size: int) -> None:
+    first = run_distributed(_dropout_train_body, world_size, True)
+    second = run_distributed(_dropout_train_body, world_size, True)
+    assert first == second
