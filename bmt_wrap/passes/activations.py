@@ -1,0 +1,115 @@
+"""Activation memory of one forward, measured on the exported graph with meta tensors (no compute).
+
+The exported graph is interpreted on meta tensors with autograd on; a saved-tensors hook records what
+autograd keeps for backward, attributed to the block call that is running. That is exactly what a
+non-checkpointed block keeps; a checkpointed block keeps only its inputs (and recomputes the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+BlockKey = tuple[str, tuple[str, ...]]  # (canonical block FQN, nn_module_stack keys identifying one call)
+
+
+@dataclass
+class BlockCallActivations:
+    """Bytes one block call keeps for backward."""
+
+    block: str
+    input_bytes: int  # tensors entering the call: all a checkpointed call keeps
+    saved_bytes: int  # tensors autograd saves inside the call: what a non-checkpointed call keeps
+
+
+@dataclass
+class ActivationProfile:
+    """Activation bytes of one forward at the measured batch shape."""
+
+    root_bytes: int  # saved outside every block
+    calls: list[BlockCallActivations] = field(default_factory=list)
+
+    def total(self, checkpointed: set[str]) -> int:
+        """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""
+        kept = sum(c.input_bytes if c.block in checkpointed else c.saved_bytes for c in self.calls)
+        # Backward recomputes one checkpointed call at a time: its saved tensors exist transiently.
+        recompute = max((c.saved_bytes for c in self.calls if c.block in checkpointed), default=0)
+        return self.root_bytes + kept + recompute
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Profiler(fx.Interpreter):
+    """Runs a graph node by node, tracking which block call each node belongs to."""
+
+    def __init__(self, gm: fx.GraphModule, block_of: Callable[[fx.Node], BlockKey | None]) -> None:
+        super().__init__(gm)
+        self.block_of = block_of
+        self.current: BlockKey | None = None
+        self.calls: list[BlockCallActivations] = []
+        self.root_bytes = 0
+        state = [*gm.parameters(), *gm.buffers()]
+        self.state_ids = {id(t) for t in state}
+        self.seen: dict[int, torch.Tensor] = {}  # every tensor saved so far (kept alive so ids stay unique)
+        self.entered: set[fx.Node] = set()
+        self.muted = False  # inside an attention op, whose saves are counted as a fused kernel's
+
+    def run_node(self, n: fx.Node) -> object:
+        """Attribute the node to its block call, counting the tensors that enter a call."""
+        key = self.block_of(n)
+        if key != self.current:
+            self.current, self.entered = key, set()
+            if key is not None:
+                self.calls.append(BlockCallActivations(key[0], 0, 0))
+        if key is not None:
+            for arg in n.all_input_nodes:
+                value = self.env.get(arg)
+                if (arg not in self.entered and self.block_of(arg) != key and arg.op != "get_attr"
+                        and isinstance(value, torch.Tensor)):
+                    self.entered.add(arg)
+                    self.calls[-1].input_bytes += _nbytes(value)
+        if "scaled_dot_product" not in str(n.target):
+            return super().run_node(n)
+        # On meta, attention dispatches to the math fallback, which saves L x L scores (in fp32). Real
+        # devices run a fused kernel that saves q, k, v, the output and the log-sum-exp: count that.
+        self.muted = True
+        try:
+            out = super().run_node(n)
+        finally:
+            self.muted = False
+        q = self.env[n.all_input_nodes[0]]
+        for t in (*(self.env[a] for a in n.all_input_nodes[:3]), out):
+            self.count(t)
+        self.count(torch.empty(q.shape[:-1], dtype=torch.float32, device="meta"))  # log-sum-exp
+        return out
+
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t`` once, for its first saver (parameters and buffers are not activations)."""
+        base = t if t._base is None else t._base
+        if id(base) in self.state_ids or id(base) in self.seen:
+            return
+        self.seen[id(base)] = base
+        if self.current is None:
+            self.root_bytes += _nbytes(base)
+        else:
+            self.calls[-1].saved_bytes += _nbytes(base)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensors hook: count what autograd keeps for backward."""
+        if not self.muted:
+            self.count(t)
+        return t
+
+
+def profile_activations(gm: fx.GraphModule, flat_inputs: list[object],
+                        block_of: Callable[[fx.Node], BlockKey | None]) -> ActivationProfile:
+    """Interpret ``gm`` (meta parameters) on meta ``flat_inputs`` and measure saved activations."""
+    profiler = _Profiler(gm, block_of)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t):
+        profiler.run(*flat_inputs)
+    return ActivationProfile(root_bytes=profiler.root_bytes, calls=profiler.calls)
