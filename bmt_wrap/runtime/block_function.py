@@ -39,14 +39,24 @@ def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
 
 
 class _Tree:
-    """A pytree split into its tensors (which cross the Function boundary) and everything else."""
+    """A pytree split into its tensors (which cross the Function boundary) and everything else.
+
+    Only the structure and the non-tensor leaves are kept: holding the tensors here would keep a block's
+    inputs alive for as long as the user holds the loss.
+    """
 
     def __init__(self, tree: Any) -> None:
-        self.leaves, self.spec = _flatten(tree)
-        self.tensor_pos = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        leaves, self.spec = _flatten(tree)
+        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.first_tensors = [leaves[i] for i in self.tensor_pos]
+        for i in self.tensor_pos:
+            leaves[i] = None
+        self.leaves = leaves
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.leaves[i] for i in self.tensor_pos]
+    def take_tensors(self) -> list[torch.Tensor]:
+        """The tensors found at construction; the tree forgets them."""
+        tensors, self.first_tensors = self.first_tensors, []
+        return tensors
 
     def rebuild(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -152,7 +162,7 @@ class BlockFunction(torch.autograd.Function):
                 call.state = _ForwardState(engine.cuda_devices(tensors))
                 out = call.run(tensors, group.slot_views(), ext)
                 call.outputs = _Tree(out)
-                flat = call.outputs.tensors()
+                flat = call.outputs.take_tensors()
                 ctx.save_for_backward(*tensors)
             else:
                 with torch.enable_grad():
@@ -160,7 +170,7 @@ class BlockFunction(torch.autograd.Function):
                     params = call.param_leaves(True)
                     out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
                 call.outputs = _Tree(out)
-                kept = call.outputs.tensors()
+                kept = call.outputs.take_tensors()
                 call.graph = (leaves, params, kept)
                 flat = [t.detach() for t in kept]
         finally:
@@ -182,7 +192,7 @@ class BlockFunction(torch.autograd.Function):
                 assert call.state is not None
                 with call.state.restored():
                     out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
-                outs = _Tree(out).tensors()
+                outs = _Tree(out).take_tensors()
             else:
                 assert call.graph is not None
                 leaves, params, outs = call.graph
@@ -199,6 +209,6 @@ class BlockFunction(torch.autograd.Function):
             engine.reduce_group_grads(group, [[next(param_grads) if p.requires_grad else None for p in b]
                                               for b in params])
         finally:
-            call.graph = None
+            call.graph, call.state = None, None  # the user may hold the loss (and this node) much longer
             engine.release_after_backward(group)
         return (None, None, *[next(input_grads) if t.requires_grad else None for t in leaves])

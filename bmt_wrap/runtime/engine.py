@@ -157,7 +157,7 @@ class Engine:
         """Execute one call of a block: the entry point of every block's forward."""
         ext = [locs[0][0]._parameters[locs[0][1]] for locs in ext_locations]
         inputs = _Tree((args, kwargs))
-        tensors = inputs.tensors()
+        tensors = inputs.take_tensors()
         needs_graph = torch.is_grad_enabled() and (
             group.trainable or any(t.requires_grad for t in tensors) or any(t.requires_grad for t in ext))
         if not needs_graph:
@@ -214,6 +214,7 @@ class Engine:
             if not any(used) and self.world_size == 1:
                 continue
             dtype = group.reduce_dtype or buf.dtype
+            self.reducer.make_room()
             full = self.pool.acquire(buf.full_numel, dtype, buf.device)
             buf.flatten_grads_into(full, per_slot)
             self.reducer.reduce(buf, full, used)

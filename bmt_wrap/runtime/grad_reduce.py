@@ -76,7 +76,10 @@ class GradReducer:
         touched.accumulate = True  # a second call of the same block in this step adds to the first
         handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
         self._pending.append(_Pending(handle, done))
-        while len(self._pending) > MAX_IN_FLIGHT:
+
+    def make_room(self) -> None:
+        """Before taking another full-gradient buffer: at most ``MAX_IN_FLIGHT`` exist at once."""
+        while len(self._pending) >= MAX_IN_FLIGHT:
             self._complete_oldest()
 
     def _touch(self, buffer: FlatBuffer) -> _Touched:
