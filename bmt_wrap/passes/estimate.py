@@ -1,0 +1,62 @@
+"""Per-rank memory and per-step communication a plan implies (DESIGN.md "Memory per rank").
+
+Model states follow the ZeRO paper: mixed-precision Adam keeps (2 + 2 + 12)Ψ/N bytes per rank
+(low-precision parameter and gradient, fp32 master, momentum and variance); fp32 Adam (4 + 4 + 8)Ψ/N.
+Every size is the padded shard or gathered size the runtime actually allocates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..dtypes import LOW_PRECISION, itemsize, to_dtype
+from ..plan import MemoryEstimate, ShardGroupSpec, WrapPlan
+from .activations import ActivationProfile
+
+
+def optimizer_bytes_per_elem(dtype: str) -> int:
+    """Adam state bytes per parameter element: momentum and variance, plus an fp32 master for fp16/bf16."""
+    if to_dtype(dtype) in LOW_PRECISION:
+        return 4 + 2 * 4
+    return 2 * itemsize(dtype)
+
+
+def _grad_bytes(group: ShardGroupSpec, world_size: int) -> int:
+    return sum(b.padded_numel(world_size) * itemsize(b.dtype) for b in group.buffers if b.requires_grad)
+
+
+def _scale(nbytes: int, world_size: int) -> int:
+    """Bytes a rank sends in a ring collective over ``nbytes`` of data: nbytes (N-1)/N."""
+    return nbytes * (world_size - 1) // world_size
+
+
+def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | None = None) -> MemoryEstimate:
+    """Bytes per rank and communicated bytes per training step for ``plan`` on ``world_size`` ranks."""
+    n = world_size
+    est = MemoryEstimate(world_size=n)
+    for group in plan.groups:
+        for b in group.buffers:
+            shard = b.shard_numel(n)
+            est.params += shard * itemsize(b.dtype)
+            if b.requires_grad:
+                est.grads += shard * itemsize(b.dtype)
+                est.optimizer += shard * optimizer_bytes_per_elem(b.dtype)
+
+    blocks = plan.blocks()
+    root = [g for g in plan.groups if g.is_root]
+    root_bytes = sum(g.padded_bytes(n) for g in root)
+    largest = max((g.padded_bytes(n) for g in blocks), default=0)
+    est.gathered = (root_bytes + (plan.prefetch_depth + 1) * largest
+                    + sum(g.padded_bytes(n) for g in blocks if g.zero_level == 2))
+    est.grads_in_flight = 2 * max((_grad_bytes(g, n) for g in blocks), default=0)
+    if activations is not None:
+        est.activations = activations.total({g.name for g in blocks if g.checkpoint})
+
+    # A block is gathered for forward, and again for backward unless zero_level=2 kept it without recompute.
+    calls = Counter(plan.order or [g.name for g in blocks])
+    gathered_per_step = root_bytes + sum(
+        calls[g.name] * g.padded_bytes(n) * (2 if g.checkpoint or g.zero_level == 3 else 1) for g in blocks)
+    est.comm_all_gather = _scale(gathered_per_step, n)
+    est.comm_reduce_scatter = _scale(sum(_grad_bytes(g, n) for g in plan.groups), n)
+    est.zero3_bound = _scale(3 * sum(g.padded_bytes(n) for g in plan.groups), n)
+    return est

@@ -1,0 +1,155 @@
+"""Planning: place parameters in shard groups (the layout), then choose the schedule.
+
+The layout (which parameter lives in which flat buffer, at which offset) depends on the module tree
+only, never on inputs or world size. The schedule (call order, checkpointing, prefetch depth) may be
+re-chosen when a capture arrives at the first forward: ``schedule`` does that on an existing plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from ..dtypes import dtype_name
+from ..errors import PlanError
+from ..plan import ROOT, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+from .activations import ActivationProfile
+from .capture import Capture
+from .discover import Discovery
+from .estimate import estimate
+
+#: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
+SCHEDULE_NOTE = "schedule: "
+
+#: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
+#: flight absorbs uneven block times. Deeper only holds more memory: collectives run one at a time.
+MAX_PREFETCH_DEPTH = 2
+
+
+def place_parameters(model: nn.Module, discovery: Discovery,
+                     param_dtype: str | torch.dtype | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
+    """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
+
+    A parameter reachable from more than one block, or from a block and the root, goes to the root
+    group: each parameter has exactly one home. Tied names become aliases of the first name.
+    """
+    names: dict[int, list[str]] = defaultdict(list)
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+        tensors[id(p)] = p
+    members: dict[str, list[ParamInfo]] = {ROOT: [], **{b.fqn: [] for b in discovery.blocks}}
+    shared: list[str] = []
+    for key, fqns in names.items():
+        owners = {discovery.owner(n) or ROOT for n in fqns}
+        home = next(iter(owners)) if len(owners) == 1 else ROOT
+        if len(owners) > 1:
+            shared.append(fqns[0])
+        p = tensors[key]
+        dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        try:
+            name = dtype_name(dtype)
+        except KeyError:
+            raise PlanError(f"parameter {fqns[0]!r} has dtype {dtype}, which bmt_wrap cannot shard; "
+                            "cast it to a floating dtype before wrapping") from None
+        members[home].append(ParamInfo(fqns[0], list(p.shape), name, p.requires_grad, fqns[1:]))
+    notes = []
+    if shared:
+        notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
+                     f"the root group: {', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''}")
+    groups = [ShardGroupSpec(name=g, buffers=layout_buffers(infos)) for g, infos in members.items()]
+    return groups, notes
+
+
+def self_checkpointed(model: nn.Module, discovery: Discovery) -> set[str]:
+    """Blocks that recompute themselves (``transformers``' ``gradient_checkpointing_enable()``)."""
+    return {b.fqn for b in discovery.blocks
+            if getattr(model.get_submodule(b.fqn), "gradient_checkpointing", False) is True}
+
+
+def _check_options(world_size: int, zero_level: int, prefetch_depth: int) -> None:
+    if world_size < 1:
+        raise PlanError(f"world_size must be >= 1, got {world_size}")
+    if zero_level not in (2, 3):
+        raise PlanError(f"zero_level must be 2 or 3, got {zero_level}")
+    if prefetch_depth < 0:
+        raise PlanError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
+
+
+def _fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size: int, budget: int,
+                may_uncheckpoint: bool) -> list[str]:
+    """Drop checkpointing where memory allows, then deepen prefetch; returns notes. Mutates ``plan``."""
+    def total() -> int:
+        return estimate(plan, world_size, activations).total
+
+    gib = 2 ** 30
+    if activations is None:
+        return ["memory budget: activation bytes unknown, so every block stays checkpointed "
+                "(pass example inputs to let the budget decide)"]
+    if total() > budget:
+        return [f"memory budget: {total() / gib:.2f} GiB per rank exceeds the budget of {budget / gib:.2f} GiB "
+                "even with every block checkpointed; use more ranks or a smaller batch"]
+    # Cheapest first: un-checkpointing a block costs what it saves for backward beyond its inputs.
+    extra: dict[str, int] = defaultdict(int)
+    for call in activations.calls:
+        extra[call.block] += call.saved_bytes - call.input_bytes
+    kept: list[str] = []
+    candidates = [g for g in plan.blocks() if g.checkpoint and may_uncheckpoint]
+    for group in sorted(candidates, key=lambda g: extra[g.name]):
+        group.checkpoint = False
+        if total() > budget:
+            group.checkpoint = True
+            break
+        kept.append(group.name)
+    notes = [f"memory budget: {len(kept)} of {len(plan.blocks())} blocks keep activations instead of recomputing"]
+    deepest = min(MAX_PREFETCH_DEPTH, max(len(plan.order) - 1, 0))
+    while plan.prefetch_depth < deepest:
+        plan.prefetch_depth += 1
+        if total() > budget:
+            plan.prefetch_depth -= 1
+            break
+    notes.append(f"memory budget: prefetch depth {plan.prefetch_depth}, "
+                 f"{total() / gib:.2f} GiB of {budget / gib:.2f} GiB per rank")
+    return notes
+
+
+def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int, checkpoint: bool = True,
+             zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
+             recomputed: set[str] | frozenset[str] = frozenset()) -> WrapPlan:
+    """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched.
+
+    ``recomputed`` names blocks that checkpoint themselves: they are never recomputed a second time.
+    """
+    _check_options(world_size, zero_level, prefetch_depth)
+    new = copy.deepcopy(plan)
+    new.order = list(capture.order) if capture is not None else [g.name for g in new.blocks()]
+    new.capture = capture.method if capture is not None else "none"
+    new.prefetch_depth = prefetch_depth
+    for group in new.blocks():
+        group.zero_level = zero_level
+        group.checkpoint = checkpoint and group.name not in recomputed
+    notes = list(capture.notes) if capture is not None else []
+    if recomputed:
+        notes.append(f"{len(recomputed)} block(s) already recompute themselves (transformers gradient "
+                     "checkpointing): not checkpointed again")
+    activations = capture.activations if capture is not None else None
+    if memory_budget is not None:
+        notes += _fit_budget(new, activations, world_size, memory_budget, checkpoint)
+    new.notes = [n for n in plan.notes if not n.startswith(SCHEDULE_NOTE)] + [SCHEDULE_NOTE + n for n in notes]
+    new.estimates = {str(world_size): estimate(new, world_size, activations)}
+    return new
+
+
+def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, checkpoint: bool = True,
+               zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
+               param_dtype: str | torch.dtype | None = None, capture: Capture | None = None) -> WrapPlan:
+    """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any)."""
+    _check_options(world_size, zero_level, prefetch_depth)
+    groups, notes = place_parameters(model, discovery, param_dtype)
+    plan = WrapPlan(groups=groups, notes=discovery.notes + notes)
+    return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
+                    prefetch_depth=prefetch_depth, memory_budget=memory_budget,
+                    recomputed=self_checkpointed(model, discovery))
