@@ -1,0 +1,104 @@
+"""Rewrite: insert ``prefetch``/``wait``/``release`` and checkpoint markers around every block call.
+
+The rewritten graph is the schedule: call i is preceded by the prefetch of call i + depth (the first
+``depth`` prefetches are issued as soon as the inputs exist), then ``wait(i)``; ``release(i)`` follows
+it. Every block call gets exactly one of each. The graph is for display and as the schedule source;
+it is never executed (the model's own forward runs, with blocks replaced in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from ..errors import PlanError
+from ..plan import WrapPlan
+from .capture import Capture
+
+MARKER_KINDS = ("prefetch", "wait", "checkpoint_begin", "checkpoint_end", "release")
+_META = "bmt_schedule"
+
+
+def prefetch(group: str, call: int) -> None:
+    """Schedule marker: start gathering ``group`` for block call ``call`` (never executed)."""
+
+
+def wait(group: str, call: int) -> None:
+    """Schedule marker: block until ``group``'s gather for ``call`` has landed (never executed)."""
+
+
+def checkpoint_begin(group: str, call: int) -> None:
+    """Schedule marker: ``call`` runs without keeping activations; backward recomputes it (never executed)."""
+
+
+def checkpoint_end(group: str, call: int) -> None:
+    """Schedule marker: end of a recomputed region (never executed)."""
+
+
+def release(group: str, call: int) -> None:
+    """Schedule marker: return ``group``'s gathered buffer to the pool (never executed)."""
+
+
+_TARGETS = {"prefetch": prefetch, "wait": wait, "checkpoint_begin": checkpoint_begin,
+            "checkpoint_end": checkpoint_end, "release": release}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One entry of the schedule: a marker or a block call."""
+
+    kind: str  # "call" or one of MARKER_KINDS
+    group: str
+    call: int  # index into ``plan.order``
+
+
+def rewrite(capture: Capture, plan: WrapPlan) -> fx.Graph:
+    """A copy of ``capture.graph`` with the schedule's markers inserted around each block call."""
+    blocks = {g.name: g for g in plan.blocks()}
+    calls = [n for n in capture.graph.nodes if n.op == "call_module" and n.target in blocks]
+    order = [str(n.target) for n in calls]
+    if order != plan.order:
+        raise PlanError(f"the plan's block order {plan.order} does not match the captured graph's {order}; "
+                        "re-plan from this capture (passes.schedule)")
+    depth = plan.prefetch_depth
+    index = {n: i for i, n in enumerate(calls)}
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def mark(kind: str, call: int) -> None:
+        node = out.call_function(_TARGETS[kind], (order[call], call))
+        node.meta[_META] = Step(kind, order[call], call)
+
+    started = False
+    for node in capture.graph.nodes:
+        if not started and node.op != "placeholder":
+            started = True
+            for j in range(min(depth, len(calls))):
+                mark("prefetch", j)
+        i = index.get(node)
+        if i is None:
+            env[node] = out.node_copy(node, env.__getitem__)
+            continue
+        if i + depth < len(calls):
+            mark("prefetch", i + depth)
+        mark("wait", i)
+        checkpointed = blocks[order[i]].checkpoint
+        if checkpointed:
+            mark("checkpoint_begin", i)
+        env[node] = out.node_copy(node, env.__getitem__)
+        env[node].meta[_META] = Step("call", order[i], i)
+        if checkpointed:
+            mark("checkpoint_end", i)
+        mark("release", i)
+    return out
+
+
+def steps(graph: fx.Graph) -> list[Step]:
+    """The schedule of a rewritten graph, in order: markers and block calls."""
+    return [n.meta[_META] for n in graph.nodes if _META in n.meta]
+
+
+def step_of(node: fx.Node) -> Step | None:
+    """The schedule step a node of a rewritten graph stands for (None for model code)."""
+    return node.meta.get(_META)
