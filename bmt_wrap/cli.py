@@ -1,0 +1,186 @@
+"""``bmt-wrap``: show how bmt_wrap would shard a model, without running it or allocating its weights.
+
+    bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16] [--memory-budget 40GiB] [--input SPEC ...]
+
+MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
+FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
+``input_ids=int64[1,128]`` (or ``float32[2,3,224,224]`` for a positional input) gives the shapes
+``torch.export`` and the activation estimate need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .dtypes import to_dtype
+from .errors import BMTError, CLIError
+from .passes.capture import Call, capture
+from .passes.discover import discover_blocks
+from .passes.planner import build_plan
+from .passes.render import fmt_bytes, render_dot, render_estimates, render_json, render_text, summary
+from .passes.rewrite import rewrite
+from .passes.util import describe
+
+_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
+_BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_input(spec: str) -> tuple[str | None, torch.Tensor]:
+    """``name=dtype[d0,d1,...]`` (or ``dtype[...]`` for a positional input) -> (name, meta tensor)."""
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise CLIError(f"bad --input {spec!r}: expected NAME=DTYPE[D0,D1,...], e.g. 'input_ids=int64[1,128]'")
+    try:
+        dtype = to_dtype(match["dtype"])
+    except BMTError as exc:
+        raise CLIError(f"bad --input {spec!r}: {exc}") from None
+    shape = [int(d) for d in match["shape"].split(",")] if match["shape"] else []
+    return match["name"], torch.empty(shape, dtype=dtype, device="meta")
+
+
+def parse_inputs(specs: list[str]) -> Call | None:
+    """Every ``--input`` as one call: unnamed specs are positional, in order; named ones keyword."""
+    if not specs:
+        return None
+    args: list[torch.Tensor] = []
+    kwargs: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        name, tensor = parse_input(spec)
+        if name is None:
+            args.append(tensor)
+        elif name in kwargs:
+            raise CLIError(f"--input {name!r} is given twice")
+        else:
+            kwargs[name] = tensor
+    return tuple(args), kwargs
+
+
+def parse_bytes(text: str) -> int:
+    """``40GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes."""
+    match = _BYTES.match(text.strip())
+    if match is None:
+        raise CLIError(f"bad --memory-budget {text!r}: expected a size such as 40GiB, 512MiB or 80GB")
+    return int(float(match["value"]) * _UNIT[(match["unit"] or "").lower()])
+
+
+def _on_path(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def load_factory(target: str) -> Callable[[], object]:
+    """Resolve ``MODULE:FACTORY`` (a dotted module or a ``.py`` path) to the factory callable."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"bad model {target!r}: expected MODULE:FACTORY, e.g. 'mypkg.models:build' or "
+                       "'tests/models.py:llama_7b'")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                raise CLIError(f"no such file {module_name!r}")
+            spec = importlib.util.spec_from_file_location(f"bmt_wrap_cli_target.{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look classes up by module name
+            _on_path(path.resolve().parent)  # so the file's own sibling imports work
+            spec.loader.exec_module(module)
+        else:
+            _on_path(Path.cwd())  # console scripts do not put the current directory on sys.path
+            module = importlib.import_module(module_name)
+    except CLIError:
+        raise
+    except Exception as exc:
+        raise CLIError(f"cannot import {module_name!r}: {describe(exc)}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CLIError(f"{module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def build_model(target: str) -> nn.Module:
+    """Call the factory under the meta device: no weight is allocated."""
+    factory = load_factory(target)
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:
+        raise CLIError(f"factory {target!r} raised {describe(exc)}") from exc
+    if not isinstance(model, nn.Module):
+        raise CLIError(f"factory {target!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bmt-wrap", description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", help="MODULE:FACTORY, e.g. tests/models.py:llama_7b")
+    common.add_argument("--input", action="append", default=[], metavar="SPEC",
+                        help="example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable")
+    common.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32); default: the model's")
+    common.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 40GiB")
+    common.add_argument("--prefetch-depth", type=int, default=1)
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", parents=[common], help="print the rewritten graph and the plan")
+    dump.add_argument("--world-size", type=int, default=1)
+    dump.add_argument("--format", choices=("text", "json", "dot"), default="text")
+    plan = sub.add_parser("plan", parents=[common], help="print per-rank memory and communication estimates")
+    plan.add_argument("--world-size", type=int, nargs="+", required=True)
+    return parser
+
+
+def _run(opts: argparse.Namespace) -> str:
+    model = build_model(opts.model)
+    inputs = parse_inputs(opts.input)
+    budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
+    dtype = None
+    if opts.dtype is not None:
+        try:
+            dtype = to_dtype(opts.dtype)
+        except BMTError as exc:
+            raise CLIError(f"bad --dtype: {exc}") from None
+    if dtype is not None:
+        model = model.to(dtype)  # meta: free; activations are then measured in the training dtype
+    discovery = discover_blocks(model)
+    captured = capture(model, discovery, inputs)
+    sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
+    plans = [build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
+                        param_dtype=dtype, capture=captured) for n in sizes]
+    if opts.command == "plan":
+        psi = sum(g.param_numel() for g in plans[0].groups)
+        dtypes = sorted({b.dtype for g in plans[0].groups for b in g.buffers})
+        lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
+                 f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
+                 *(f"N={n}: {summary(p)}" for n, p in zip(sizes, plans, strict=True)),
+                 render_estimates(plans), *(f"note: {n}" for n in plans[0].notes)]
+        return "\n".join(lines)
+    graph = rewrite(captured, plans[0])
+    render = {"text": render_text, "json": render_json, "dot": render_dot}[opts.format]
+    return render(graph, plans[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``bmt-wrap``; returns the exit status."""
+    opts = _parser().parse_args(argv)
+    try:
+        print(_run(opts))
+    except Exception as exc:
+        if opts.debug:
+            traceback.print_exc()
+        print(f"bmt-wrap: error: {describe(exc) if not isinstance(exc, CLIError) else exc}", file=sys.stderr)
+        return 2 if isinstance(exc, CLIError) else 1
+    return 0

@@ -1,0 +1,119 @@
+"""The ``bmt-wrap`` command: dump and plan on meta models, and one clear line for every user error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bmt_wrap.cli import main, parse_bytes, parse_input
+from bmt_wrap.errors import CLIError
+from bmt_wrap.plan import WrapPlan
+
+MODELS = str(Path(__file__).with_name("models.py"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dump_json_is_a_reappliable_plan_and_a_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "dump", f"{MODELS}:gpt2", "--world-size", "4", "--format", "json",
+                         "--input", "input_ids=int64[2,16]")
+    assert code == 0, err
+    doc = json.loads(out)
+    plan = WrapPlan.from_json(json.dumps(doc["plan"]))
+    assert plan.capture == "export" and plan.order == ["transformer.h.0", "transformer.h.1"]
+    assert plan.estimates["4"].activations is not None
+    kinds = [r["step"]["kind"] for r in doc["graph"] if r["step"]]
+    assert kinds.count("prefetch") == kinds.count("wait") == kinds.count("release") == 2
+
+
+def test_dump_text_and_dot(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "dump", f"{MODELS}:ToyGPT")
+    assert code == 0 and out.startswith("capture: fx | blocks: 4")
+    code, out, _ = run(capsys, "dump", f"{MODELS}:ToyGPT", "--format", "dot", "--prefetch-depth", "2")
+    assert code == 0 and out.startswith("digraph") and "prefetch depth: 2" in out
+
+
+def test_plan_table_has_a_column_per_world_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", f"{MODELS}:llama", "--world-size", "1", "8", "--dtype", "bf16",
+                       "--memory-budget", "1GiB", "--input", "input_ids=int64[1,32]")
+    assert code == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("per rank"))
+    assert header.split()[-2:] == ["N=1", "N=8"]
+    assert "(bfloat16)" in lines[0]
+    assert next(line for line in lines if "activations" in line).split()[-1] != "n/a"
+
+
+def test_dotted_module_names_import_from_the_current_directory(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    (tmp_path / "mymodels.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    code, out, _ = run(capsys, "plan", "mymodels:build", "--world-size", "2")
+    assert code == 0 and "6 parameters" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "no_such_module_xyz:f", "--world-size", "2"], "cannot import 'no_such_module_xyz'"),
+    (["plan", f"{MODELS}:nope", "--world-size", "2"], "has no callable 'nope'"),
+    (["plan", "missing/file.py:f", "--world-size", "2"], "no such file"),
+    (["plan", "just_a_name", "--world-size", "2"], "expected MODULE:FACTORY"),
+    (["plan", f"{MODELS}:VOCAB", "--world-size", "2"], "has no callable 'VOCAB'"),
+    (["plan", f"{MODELS}:token_ids", "--world-size", "2"], "returned Tensor, not a torch.nn.Module"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "ids=int64(1,2)"], "bad --input"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "ids=complex7[1]"], "unknown dtype"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "a=int64[1]", "--input", "a=int64[2]"],
+     "given twice"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--memory-budget", "lots"], "bad --memory-budget"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--dtype", "fp8"], "bad --dtype"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "0"], "world_size must be >= 1"),
+])
+def test_errors_are_one_line_without_traceback(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                               message: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("bmt-wrap: error: ")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_factory_raising_is_reported_and_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build():\n    raise ValueError('config is broken')\n")
+    code, _, err = run(capsys, "plan", f"{bad}:build", "--world-size", "2")
+    assert code == 2 and err.strip() == \
+        f"bmt-wrap: error: factory '{bad}:build' raised ValueError: config is broken"
+    code, _, err = run(capsys, "plan", f"{bad}:build", "--world-size", "2", "--debug")
+    assert code == 2 and "Traceback" in err and "config is broken" in err.splitlines()[-1]
+
+
+def test_parsers() -> None:
+    name, t = parse_input("input_ids=int64[1, 128]")
+    assert name == "input_ids" and t.shape == (1, 128) and t.is_meta and str(t.dtype) == "torch.int64"
+    name, t = parse_input("bf16[2,3]")
+    assert name is None and t.shape == (2, 3)
+    assert parse_input("float32[]")[1].shape == ()
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512mib") == 512 * 2**20 and parse_bytes("1000") == 1000
+    with pytest.raises(CLIError):
+        parse_input("input_ids=int64")
+
+
+def test_console_script_plans_a_7b_llama_on_meta() -> None:
+    script = Path(sys.executable).with_name("bmt-wrap")
+    proc = subprocess.run([str(script), "plan", f"{MODELS}:llama_7b", "--world-size", "8", "--dtype", "bf16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "6,738,415,616 parameters (bfloat16)" in proc.stdout
+    states = next(line for line in proc.stdout.splitlines() if "= model states" in line)
+    assert states.split()[-2:] == ["12.55", "GiB"]  # 16 bytes x 6.74e9 / 8 ranks
