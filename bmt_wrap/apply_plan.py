@@ -147,9 +147,9 @@ def _root_class(cls: type) -> type:
 def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     engine = get_engine()
     model._bmt_outermost = not engine.in_forward
-    if model._bmt_outermost:
-        engine.begin_forward()
     root = model._bmt_root
+    if model._bmt_outermost:
+        engine.begin_forward(lead=root)
     if root is not None:
         root.install(engine.gather_for_root(root))
     mp = model._bmt_mp

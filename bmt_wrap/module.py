@@ -32,7 +32,7 @@ class DistributedModule(ShardedModuleMixin, nn.Module):
         engine = get_engine()
         outermost = not engine.in_forward
         if outermost:
-            _check_plain_parameters(self, engine.world_size)
+            _check_parameters(self, engine.world_size)
             engine.begin_forward()
         try:
             return super().__call__(*args, **kwargs)
@@ -41,15 +41,26 @@ class DistributedModule(ShardedModuleMixin, nn.Module):
                 engine.end_forward()
 
 
-def _check_plain_parameters(root: nn.Module, world_size: int) -> None:
-    # A plain trainable parameter outside every block would train replicated with un-averaged gradients:
-    # a silent divergence across ranks. Refuse it, naming it.
-    if world_size == 1 or getattr(root, "_bmt_plain_checked", False):
+def _check_parameters(root: nn.Module, world_size: int) -> None:
+    """Refuse parameter placements the engine would get silently wrong, naming the parameter."""
+    if getattr(root, "_bmt_checked", False):
         return
-    for name, p in root.named_parameters():
-        if p.requires_grad and not isinstance(p, DistributedParameter):
-            raise WrapError(f"parameter {name!r} is a plain nn.Parameter outside every CheckpointBlock, so its "
-                            "gradient would not be averaged across ranks. Make it a bmt.DistributedParameter, "
-                            "put its module inside a CheckpointBlock, or wrap the model with "
-                            "bmt.BMTrainModelWrapper.")
-    object.__setattr__(root, "_bmt_plain_checked", True)
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            if isinstance(p, DistributedParameter):
+                group = p._bmt_buffer.group
+                if not group.standalone and not any(m is module and a == attr
+                                                    for locs in group.locations for slot in locs
+                                                    for m, a in slot):
+                    raise WrapError(
+                        f"parameter {name!r} belongs to block {group.name!r} ({p.fqn!r}) but is also used "
+                        "outside it; a block owns its parameters. Share it through a "
+                        "bmt.DistributedParameter outside every block instead.")
+            elif p is not None and p.requires_grad and world_size > 1:
+                # Trained replicated with un-averaged gradients: a silent divergence across ranks.
+                raise WrapError(
+                    f"parameter {name!r} is a plain nn.Parameter outside every CheckpointBlock, so its "
+                    "gradient would not be averaged across ranks. Make it a bmt.DistributedParameter, put "
+                    "its module inside a CheckpointBlock, or wrap the model with bmt.BMTrainModelWrapper.")
+    object.__setattr__(root, "_bmt_checked", True)

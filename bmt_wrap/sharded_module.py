@@ -89,12 +89,12 @@ class ShardedModuleMixin:
                 _GatherCache.clear()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        for name, p in self.named_parameters():  # type: ignore[attr-defined]
+        for p in self.parameters():  # type: ignore[attr-defined]
             if isinstance(p, DistributedParameter):
                 moved = fn(p)
                 if moved is not p and (moved.dtype != p.dtype or moved.device != p.device):
                     raise WrapError(
-                        f"cannot move or cast {name!r} after it was sharded ({p.dtype} on {p.device} -> "
+                        f"cannot move or cast {p.fqn!r} after it was sharded ({p.dtype} on {p.device} -> "
                         f"{moved.dtype} on {moved.device}). Call .to()/.half()/.cuda() before wrapping, or "
                         "pass mixed_precision=bmt.MixedPrecision(...) to the wrapper.")
         return super()._apply(lambda t: t if isinstance(t, DistributedParameter) else fn(t),  # type: ignore[misc]

@@ -116,10 +116,12 @@ class Engine:
         return sorted(d for d in devices if d is not None)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        """A root forward starts: drop stray gathers, prefetch the first blocks."""
+    def begin_forward(self, lead: ShardGroup | None = None) -> None:
+        """A root forward starts: drop stray gathers, gather ``lead`` (the root), prefetch the first blocks."""
         self.in_forward = True
         self._release_strays()
+        if lead is not None:
+            lead.start_gather()
         for g in self.prefetcher.begin_forward():
             g.start_gather()
 
