@@ -1,0 +1,81 @@
+"""CUDA sources for the fused optimizer and loss, and their lazy CuPy loader.
+
+The ``.cuh`` headers hold the per-element math as ``__host__ __device__`` functions (compiled into the
+CuPy kernels here and into a g++ host harness in the tests); the ``.cu`` files hold the kernels.
+CuPy is imported only when a kernel is first launched, so this module imports without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``name`` with its local ``#include "..."`` headers inlined (each header once).
+
+    Inlining makes the source self-contained, so NVRTC needs no include path and CuPy's compile
+    cache (keyed by source text) sees header changes.
+    """
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        if file in seen:
+            return ""
+        seen.add(file)
+        text = (KERNEL_DIR / file).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def source_define(name: str, macro: str) -> int:
+    """The integer value of ``#define macro N`` in source file ``name`` (launch shapes the kernel assumes)."""
+    match = re.search(rf"^\s*#\s*define\s+{macro}\s+(\d+)", (KERNEL_DIR / name).read_text(), re.MULTILINE)
+    if match is None:
+        raise KeyError(f"{name} defines no integer macro {macro}")
+    return int(match.group(1))
+
+
+def cupy_usable(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` lives on a CUDA device and CuPy imports, so the CuPy kernels can run on it."""
+    if tensor.device.type != "cuda":
+        return False
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CuPy build that does not match the driver
+        return False
+    return True
+
+
+@functools.cache
+def cupy_function(source: str, function: str) -> Any:
+    """The compiled CuPy kernel ``function`` from source file ``source`` (compiled once per process)."""
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(source), options=("--std=c++17",)).get_function(function)
+
+
+def launch(source: str, function: str, device: torch.device, grid: int, block: int, args: tuple) -> None:
+    """Launch a kernel on ``device``'s current torch stream; tensors in ``args`` are passed as pointers."""
+    import cupy
+    import numpy as np
+
+    packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
+    kernel = cupy_function(source, function)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        kernel((grid,), (block,), packed)
+
+
+def grid_for(numel: int, block: int, device: torch.device) -> int:
+    """Blocks for a grid-stride loop over ``numel`` elements: enough to fill every SM a few times."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min((numel + block - 1) // block, sms * 8))
