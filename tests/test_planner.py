@@ -132,15 +132,19 @@ def test_communication_and_gathered_bytes_follow_the_formulas() -> None:
     assert plain.comm_total <= plain.zero3_bound
 
 
-def test_zero2_blocks_are_gathered_once_and_stay_resident() -> None:
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_zero2_blocks_are_gathered_once_and_stay_resident(checkpoint: bool) -> None:
     n = 4
-    z3 = plan_for("toy_gpt", world_size=n, checkpoint=False).estimates[str(n)]
-    z2 = plan_for("toy_gpt", world_size=n, checkpoint=False, zero_level=2)
+    z3 = plan_for("toy_gpt", world_size=n, checkpoint=checkpoint).estimates[str(n)]
+    z2 = plan_for("toy_gpt", world_size=n, checkpoint=checkpoint, zero_level=2)
     est = z2.estimates[str(n)]
+    root = z2.group(ROOT).padded_bytes(n)
     blocks = sum(g.padded_bytes(n) for g in z2.blocks())
-    assert est.gathered == z3.gathered + blocks
-    assert z3.comm_all_gather - est.comm_all_gather == blocks * (n - 1) // n
-    assert all(g.zero_level == 2 and not g.checkpoint for g in z2.blocks())
+    assert est.gathered == root + blocks  # every block kept; no prefetch buffers needed
+    assert z3.gathered == root + 2 * max(g.padded_bytes(n) for g in z2.blocks())
+    assert est.comm_all_gather == (root + blocks) * (n - 1) // n
+    assert z3.comm_all_gather == (root + 2 * blocks) * (n - 1) // n
+    assert all(g.zero_level == 2 and g.checkpoint == checkpoint for g in z2.blocks())
 
 
 def test_padding_keeps_shards_aligned_at_every_world_size() -> None:
@@ -211,3 +215,10 @@ def test_unsupported_parameter_dtype_raises_with_a_fix() -> None:
     model.extra = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(PlanError, match="cast it to a floating dtype"):
         build_plan(model, discover_blocks(model), world_size=1)
+
+
+def test_blocks_dropped_from_an_edited_plan_are_not_scheduled() -> None:
+    model, c = captured("toy_gpt")
+    plan = build_plan(model, discover_blocks(model), world_size=2)
+    plan.groups = [g for g in plan.groups if g.name != "layers.3"]
+    assert schedule(plan, c, world_size=2).order == ["layers.0", "layers.1", "layers.2"]

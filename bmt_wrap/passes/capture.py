@@ -147,6 +147,8 @@ def capture(model: nn.Module, discovery: Discovery, example_inputs: object = Non
     activations = exported.activations if exported is not None else None
     if call is None:
         notes.append("activation bytes unknown: no example inputs")
+    elif exported is None:
+        notes.append("activation bytes unknown: they are measured on the exported graph")
 
     if fx_result is not None:
         return Capture("fx", fx_result[1], fx_result[0], notes, activations)

@@ -45,17 +45,19 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     blocks = plan.blocks()
     root = [g for g in plan.groups if g.is_root]
     root_bytes = sum(g.padded_bytes(n) for g in root)
-    largest = max((g.padded_bytes(n) for g in blocks), default=0)
+    # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through
+    # (depth + 1) pooled buffers sized for the largest of them.
+    largest = max((g.padded_bytes(n) for g in blocks if g.zero_level == 3), default=0)
     est.gathered = (root_bytes + (plan.prefetch_depth + 1) * largest
                     + sum(g.padded_bytes(n) for g in blocks if g.zero_level == 2))
     est.grads_in_flight = 2 * max((_grad_bytes(g, n) for g in blocks), default=0)
     if activations is not None:
         est.activations = activations.total({g.name for g in blocks if g.checkpoint})
 
-    # A block is gathered for forward, and again for backward unless zero_level=2 kept it without recompute.
+    # A zero-3 block is gathered for forward and again for backward; zero_level=2 kept it in between.
     calls = Counter(plan.order or [g.name for g in blocks])
     gathered_per_step = root_bytes + sum(
-        calls[g.name] * g.padded_bytes(n) * (2 if g.checkpoint or g.zero_level == 3 else 1) for g in blocks)
+        calls[g.name] * g.padded_bytes(n) * (2 if g.zero_level == 3 else 1) for g in blocks)
     est.comm_all_gather = _scale(gathered_per_step, n)
     est.comm_reduce_scatter = _scale(sum(_grad_bytes(g, n) for g in plan.groups), n)
     est.zero3_bound = _scale(3 * sum(g.padded_bytes(n) for g in plan.groups), n)

@@ -125,7 +125,9 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     """
     _check_options(world_size, zero_level, prefetch_depth)
     new = copy.deepcopy(plan)
-    new.order = list(capture.order) if capture is not None else [g.name for g in new.blocks()]
+    names = [g.name for g in new.blocks()]
+    # A block missing from the plan (an edited plan) stays unscheduled: it runs as root code.
+    new.order = [b for b in capture.order if b in names] if capture is not None else names
     new.capture = capture.method if capture is not None else "none"
     new.prefetch_depth = prefetch_depth
     for group in new.blocks():
