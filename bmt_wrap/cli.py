@@ -1,4 +1,4 @@
-"""``bmt-wrap``: show how bmt_wrap would shard a model, without running it or allocating its weights.
+"""bmt-wrap: show how bmt_wrap would shard a model, without running it or allocating its weights.
 
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16] [--memory-budget 40GiB] [--input SPEC ...]
@@ -125,14 +125,15 @@ def build_model(target: str) -> nn.Module:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bmt-wrap", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bmt-wrap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", help="MODULE:FACTORY, e.g. tests/models.py:llama_7b")
     common.add_argument("--input", action="append", default=[], metavar="SPEC",
-                        help="example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable")
+                        help="one rank's example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable")
     common.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32); default: the model's")
     common.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 40GiB")
-    common.add_argument("--prefetch-depth", type=int, default=1)
+    common.add_argument("--prefetch-depth", type=int, default=1, help="blocks gathered ahead (default 1)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     dump = sub.add_parser("dump", parents=[common], help="print the rewritten graph and the plan")

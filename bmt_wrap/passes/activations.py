@@ -40,8 +40,13 @@ class ActivationProfile:
         return self.root_bytes + kept + recompute
 
 
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s storage: views (an expanded mask, a transposed weight) cost nothing."""
+    return t if t._base is None else t._base
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.untyped_storage().nbytes()
 
 
 class _Profiler(fx.Interpreter):
@@ -55,24 +60,28 @@ class _Profiler(fx.Interpreter):
         self.root_bytes = 0
         state = [*gm.parameters(), *gm.buffers()]
         self.state_ids = {id(t) for t in state}
-        self.seen: dict[int, torch.Tensor] = {}  # every tensor saved so far (kept alive so ids stay unique)
-        self.entered: set[fx.Node] = set()
+        # Storages counted so far (kept alive so ids stay unique): one tensor kept by several calls,
+        # such as an attention mask every layer receives, occupies memory once.
+        self.seen: dict[int, torch.Tensor] = {}
+        self.entered: dict[int, torch.Tensor] = {}
         self.muted = False  # inside an attention op, whose saves are counted as a fused kernel's
 
     def run_node(self, n: fx.Node) -> object:
         """Attribute the node to its block call, counting the tensors that enter a call."""
         key = self.block_of(n)
         if key != self.current:
-            self.current, self.entered = key, set()
+            self.current = key
             if key is not None:
                 self.calls.append(BlockCallActivations(key[0], 0, 0))
         if key is not None:
             for arg in n.all_input_nodes:
                 value = self.env.get(arg)
-                if (arg not in self.entered and self.block_of(arg) != key and arg.op != "get_attr"
-                        and isinstance(value, torch.Tensor)):
-                    self.entered.add(arg)
-                    self.calls[-1].input_bytes += _nbytes(value)
+                if self.block_of(arg) == key or not isinstance(value, torch.Tensor):
+                    continue
+                base = _base(value)
+                if id(base) not in self.entered and id(base) not in self.state_ids:
+                    self.entered[id(base)] = base
+                    self.calls[-1].input_bytes += _nbytes(base)
         if "scaled_dot_product" not in str(n.target):
             return super().run_node(n)
         # On meta, attention dispatches to the math fallback, which saves L x L scores (in fp32). Real
@@ -90,7 +99,7 @@ class _Profiler(fx.Interpreter):
 
     def count(self, t: torch.Tensor) -> None:
         """Count ``t`` once, for its first saver (parameters and buffers are not activations)."""
-        base = t if t._base is None else t._base
+        base = _base(t)
         if id(base) in self.state_ids or id(base) in self.seen:
             return
         self.seen[id(base)] = base
