@@ -1,7 +1,8 @@
 """Small, deterministic test models shared by the pass, engine and wrapper tests.
 
-Every factory builds the same weights on every call (a fixed seed inside a forked RNG, so the caller's
-RNG is untouched) and works under ``with torch.device("meta")``. Transformers models are built from tiny
+Every factory function (lowercase, and the ``TOY``/``HF`` catalogues) builds the same weights on every
+call (a fixed seed inside a forked RNG, so the caller's RNG is untouched); calling a class directly
+uses the caller's RNG. Everything works under ``with torch.device("meta")``. Transformers models are built from tiny
 configs (nothing is downloaded) with dropout off, so wrapped and plain runs can be compared exactly.
 Each toy model documents which blocks discovery must find: tests assert exactly that.
 """

@@ -110,3 +110,14 @@ def test_discovery_is_deterministic_and_numel_counts_unique_parameters() -> None
     model = M.ToyGPT(tie=True)
     assert a.total_numel == sum(p.numel() for p in model.parameters())
     assert a.blocks[0].numel == sum(p.numel() for p in model.layers[0].parameters())
+
+
+@pytest.mark.parametrize("name", ["toy_gpt", "resnet_stage", "gpt2", "t5", "classifier"])
+def test_factories_are_deterministic_and_leave_the_callers_rng_alone(name: str) -> None:
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = ALL[name][0]()
+    assert torch.equal(torch.rand(1), expected_next)
+    b = ALL[name][0]()
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

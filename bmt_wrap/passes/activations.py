@@ -92,7 +92,8 @@ class _Profiler(fx.Interpreter):
         finally:
             self.muted = False
         q = self.env[n.all_input_nodes[0]]
-        for t in (*(self.env[a] for a in n.all_input_nodes[:3]), out):
+        first = out[0] if isinstance(out, (tuple, list)) else out  # the _scaled_dot_product_* ops return tuples
+        for t in (*(self.env[a] for a in n.all_input_nodes[:3]), first):
             self.count(t)
         self.count(torch.empty(q.shape[:-1], dtype=torch.float32, device="meta"))  # log-sum-exp
         return out
