@@ -13,7 +13,7 @@ import torch
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import Capture, Step, build_plan, capture, discover_blocks, rewrite, steps
 from bmt_wrap.passes.render import graph_records, render_dot, render_json, render_text
-from bmt_wrap.passes.rewrite import step_of
+from bmt_wrap.passes.rewrite import MARKER_KINDS, step_of
 from bmt_wrap.plan import WrapPlan
 
 ALL = {**M.TOY, **M.HF}
@@ -34,6 +34,7 @@ def planned(name: str, **kw: object) -> tuple[Capture, WrapPlan]:
 def check_schedule(schedule: list[Step], plan: WrapPlan) -> None:
     """The invariants of a schedule, stated independently of how rewrite builds it."""
     depth, n = plan.prefetch_depth, len(plan.order)
+    assert {s.kind for s in schedule} <= {"call", *MARKER_KINDS}
     for kind in ("prefetch", "wait", "call", "release"):
         assert sorted(s.call for s in schedule if s.kind == kind) == list(range(n)), kind
     assert all(s.group == plan.order[s.call] for s in schedule)

@@ -16,7 +16,6 @@ from ..errors import PlanError
 from ..plan import WrapPlan
 from .capture import Capture
 
-MARKER_KINDS = ("prefetch", "wait", "checkpoint_begin", "checkpoint_end", "release")
 _META = "bmt_schedule"
 
 
@@ -42,6 +41,7 @@ def release(group: str, call: int) -> None:
 
 _TARGETS = {"prefetch": prefetch, "wait": wait, "checkpoint_begin": checkpoint_begin,
             "checkpoint_end": checkpoint_end, "release": release}
+MARKER_KINDS = tuple(_TARGETS)
 
 
 @dataclass(frozen=True)
