@@ -30,23 +30,32 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
     models. Use ``bmt.save`` to write big models.
     """
     groups = sharded_groups(model)
+    # Where each sharded parameter sits, found by walking the model: a bare DistributedParameter's
+    # group does not know the module it was assigned to.
+    sites: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if isinstance(p, DistributedParameter):
+                sites.setdefault(id(p), []).append((module, attr))
     for g in groups:
         g.start_gather()
-    installed: list[tuple[ShardGroup, list[list[nn.Parameter]]]] = []
+    full: list[tuple[DistributedParameter, nn.Parameter]] = []
     try:
         for g in groups:
-            full = [[nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, b.params)]
-                    for views, b in zip(g.slot_views(), g.buffers)]
-            g.install(full)
-            installed.append((g, full))
+            for views, b in zip(g.slot_views(), g.buffers):
+                for v, p in zip(views, b.params):
+                    whole = nn.Parameter(v, requires_grad=p.requires_grad)
+                    full.append((p, whole))
+                    for module, attr in sites.get(id(p), []):
+                        module._parameters[attr] = whole
         yield model
         if writeback:
             with torch.no_grad():
-                for g, full in installed:
-                    for b, params in zip(g.buffers, full):
-                        for i, p in enumerate(params):
-                            b.load_slot(i, p)
+                for p, whole in full:
+                    p._bmt_buffer.load_slot(p._bmt_slot, whole)
     finally:
+        for p, _ in full:
+            for module, attr in sites.get(id(p), []):
+                module._parameters[attr] = p
         for g in groups:
-            g.restore()
             g.release()

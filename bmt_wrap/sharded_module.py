@@ -75,11 +75,20 @@ def install_state_hooks(module: nn.Module) -> None:
     module._bmt_state_hooks = True
 
 
+def _install_below(root: nn.Module) -> None:
+    # Bare DistributedParameters are assigned to modules after they are built, so their holders are
+    # found here rather than when the parameter is made.
+    for m in root.modules():
+        if any(isinstance(p, DistributedParameter) for p in m._parameters.values()):
+            install_state_hooks(m)
+
+
 class ShardedModuleMixin:
     """Mixed into blocks, ``DistributedModule`` and wrapped roots (see the module docstring)."""
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors on CPU under the original names; a collective (every rank must call it)."""
+        _install_below(self)  # type: ignore[arg-type]
         _GatherCache.depth += 1
         try:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
@@ -87,6 +96,11 @@ class ShardedModuleMixin:
             _GatherCache.depth -= 1
             if _GatherCache.depth == 0:
                 _GatherCache.clear()
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load full tensors; each rank keeps its slices of sharded parameters."""
+        _install_below(self)  # type: ignore[arg-type]
+        return super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         for p in self.parameters():  # type: ignore[attr-defined]

@@ -28,9 +28,7 @@ from .prefetch import Prefetcher
 
 
 def storage_mode(spec: ShardGroupSpec) -> str:
-    """How a group's gathered storage is managed (see ``group.py``)."""
-    if spec.is_root:
-        return "fresh"
+    """How a block's gathered storage is managed (see ``group.py``)."""
     if spec.zero_level == 2:
         return "kept"
     return "pooled" if spec.checkpoint else "resizable"
@@ -55,12 +53,13 @@ class Engine:
     # ---- building groups --------------------------------------------------------------------------------
     def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
                     sources: list[list[torch.Tensor | None]], device: torch.device | str,
-                    sync_from: int | None = 0) -> ShardGroup:
+                    sync_from: int | None = 0, used_outside_blocks: bool = False) -> ShardGroup:
         """Shard ``sources`` (full tensors per buffer and slot) into a new group.
 
         ``sync_from``: rank whose values every rank keeps (one group-sized broadcast), or None when every
         rank passes identical values (BMTrain's contract for ``DistributedParameter``). Sources on the
         meta device give a meta shard, materialised later by ``init_parameters`` or ``load``.
+        ``used_outside_blocks``: gathered for code outside any block (the root, a bare parameter).
         """
         buffers: list[FlatBuffer] = []
         for bspec, tensors in zip(spec.buffers, sources):
@@ -79,7 +78,8 @@ class Engine:
                         if t is not None:
                             buf.load_slot(i, t.to(buf.dtype))
             buffers.append(buf)
-        group = ShardGroup(spec, buffers, locations, self.comm, self.pool, storage_mode(spec))
+        mode = "fresh" if used_outside_blocks or spec.is_root else storage_mode(spec)
+        group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
         group.restore()
         self.groups.append(group)
         return group

@@ -75,8 +75,10 @@ class ShardGroup:
                 f"parameters of {self.name!r} are still on the meta device: {meta[:5]}"
                 f"{' ...' if len(meta) > 5 else ''}. Materialise them first: bmt.init_parameters(model), "
                 "or bmt.load(model, path).")
-        full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
-        self._versions = [t._version for t in full]
+        # Buffers outlive this call: made under inference_mode they could never serve training again.
+        with torch.inference_mode(False):
+            full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
+            self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
         self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
                          for f, b in zip(full, self.buffers)]
         self._full = full

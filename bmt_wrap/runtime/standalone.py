@@ -31,7 +31,7 @@ def shard_standalone(data: torch.Tensor, requires_grad: bool = True,
                      requires_grad=requires_grad)
     spec = ShardGroupSpec(name=name, buffers=layout_buffers([info]), checkpoint=False, zero_level=3)
     engine = get_engine()
-    g = engine.build_group(spec, [[[]]], [[data.detach()]], data.device, sync_from=0)
+    g = engine.build_group(spec, [[[]]], [[data.detach()]], data.device, sync_from=0, used_outside_blocks=True)
     g.standalone = True
     p = g.buffers[0].params[0]
     p._init_method = init_method
