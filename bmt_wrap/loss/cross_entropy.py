@@ -1,0 +1,71 @@
+"""``FusedCrossEntropy``: cross-entropy over (N, C) logits without an fp32 copy of the logits."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..errors import BMTError
+from ..kernels import cupy_usable
+from . import cupy_rows, torch_rows
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _backend(logits: torch.Tensor) -> ModuleType:
+    return cupy_rows if logits.dtype in cupy_rows.KERNEL_DTYPES and cupy_usable(logits) else torch_rows
+
+
+class _RowCrossEntropy(torch.autograd.Function):
+    """Per-row losses (fp32); saves only the logits and one fp32 log-sum-exp per row for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                smoothing: float) -> torch.Tensor:
+        backend = _backend(logits)
+        loss, lse = backend.forward(logits, target, ignore_index, smoothing)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.backend, ctx.ignore_index, ctx.smoothing = backend, ignore_index, smoothing
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        logits, target, lse = ctx.saved_tensors
+        row_scale = torch.where(target != ctx.ignore_index, grad_loss.float(), 0.0).contiguous()
+        return ctx.backend.backward(logits, target, lse, row_scale, ctx.smoothing), None, None, None
+
+
+class FusedCrossEntropy(torch.nn.Module):
+    """Cross-entropy between (N, C) logits of any float dtype and (N,) class indices, like
+    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``reduction``, ``label_smoothing``) but
+    returning an fp32 loss and never materialising fp32 logits: a CuPy kernel on CUDA, slices of rows
+    through torch on CPU. ``mean`` averages over the rows whose target is not ``ignore_index``.
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise BMTError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise BMTError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = float(label_smoothing)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of ``input`` (N, C) against ``target`` (N,)."""
+        if input.dim() != 2 or target.shape != input.shape[:1]:
+            raise BMTError(f"FusedCrossEntropy takes (N, C) logits and (N,) targets; got {tuple(input.shape)} and "
+                           f"{tuple(target.shape)}: flatten first, e.g. loss(logits.view(-1, C), labels.view(-1))")
+        target = target.long().contiguous()
+        valid = target != self.ignore_index
+        if input.device.type == "cpu" and bool(((target < 0) | (target >= input.shape[1]))[valid].any()):
+            raise BMTError(f"a target is outside [0, {input.shape[1]}) and is not ignore_index={self.ignore_index}")
+        rows = _RowCrossEntropy.apply(input.contiguous(), target, self.ignore_index, self.label_smoothing)
+        if self.reduction == "none":
+            return rows
+        if self.reduction == "sum":
+            return rows.sum()
+        return rows.sum() / valid.sum()

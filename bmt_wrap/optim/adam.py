@@ -1,0 +1,217 @@
+"""``AdamOptimizer``: Adam with decoupled weight decay that updates each flat shard in one fused call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any, NamedTuple
+
+import torch
+
+from ..dtypes import FLOATING, LOW_PRECISION
+from ..errors import OptimizerError
+from ..kernels import cupy_usable
+from . import torch_adam
+from .adam_math import AdamHyper
+from .cupy_adam import KERNEL_DTYPES, cupy_step
+from .fusion import PlanCache, plan_runs
+from .grad_scaler_guard import check_no_grad_scaler
+
+
+class _StateViews(NamedTuple):
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None
+
+
+def _validate(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, hold_steps: int) -> None:
+    problems = []
+    if not lr >= 0.0:
+        problems.append(f"lr={lr} must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        problems.append(f"betas={betas} must be two values in [0, 1)")
+    if not eps >= 0.0:
+        problems.append(f"eps={eps} must be >= 0")
+    if not weight_decay >= 0.0:
+        problems.append(f"weight_decay={weight_decay} must be >= 0")
+    if hold_steps < 0:
+        problems.append(f"hold_steps={hold_steps} must be >= 0")
+    if problems:
+        raise OptimizerError("invalid Adam hyperparameters: " + "; ".join(problems))
+
+
+class AdamOptimizer(torch.optim.Optimizer):
+    """Adam with decoupled weight decay for every dtype (``torch.optim.AdamW`` semantics).
+
+    fp16/bf16 parameters keep an fp32 master copy and fp32 moments; fp32 parameters are updated in
+    place. Adjacent views of one flat buffer (the engine's shards) with equal hyperparameters are
+    updated by one fused call: the CuPy kernel on CUDA, ``torch._fused_adamw_`` otherwise. Parameters
+    whose ``.grad`` is None are left untouched, moments included. ``hold_steps``: the first that many
+    updates of each parameter use lr 0 (moments still accumulate), as in BMTrain.
+    """
+
+    #: OptimManager passes the loss scale to ``step(scale=...)``, which unscales inside the fused update.
+    _bmtrain_optimizer = True
+    _offload = False
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 hold_steps: int = 0) -> None:
+        _validate(lr, betas, eps, weight_decay, hold_steps)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for p in chain.from_iterable(g["params"] for g in self.param_groups):
+            if p.dtype not in FLOATING:
+                raise OptimizerError(f"{type(self).__name__} updates floating-point parameters only; got one of "
+                                     f"dtype {p.dtype}: leave it out of the optimizer's params")
+        self.hold_steps = hold_steps
+        self._views: dict[torch.Tensor, _StateViews] = {}
+        self._plans = PlanCache()
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        #: Fused update calls (runs) made by the last step: tests and benchmarks read it.
+        self.last_step_runs = 0
+
+    # ---- where the state lives ----------------------------------------------------------------------
+    def _state_device(self, p: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self._offload else p.device
+
+    def _keeps_master(self, p: torch.Tensor) -> bool:
+        return self._offload or p.dtype in LOW_PRECISION
+
+    def _zeros(self, shape: torch.Size, p: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        pin = self._offload and torch.cuda.is_available()
+        return torch.zeros(shape, dtype=dtype, device=self._state_device(p), pin_memory=pin)
+
+    def _reserve(self) -> None:
+        """Allocate state for every trainable parameter not yet covered, mirroring the parameters' layout:
+        state of adjacent views of one flat buffer is adjacent too, so runs fuse over it as well."""
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p not in self._views]
+        items = [(p.detach(),) for p in params]
+        for run in plan_runs(items, [0] * len(items)):
+            (cover,) = run.views(items)
+            buffers = [self._zeros(cover.shape, cover) for _ in range(3 if self._keeps_master(cover) else 2)]
+            for i in run.members:
+                p = params[i]
+                if len(run.members) == 1:
+                    views = buffers
+                else:
+                    start = p.storage_offset() - cover.storage_offset()
+                    views = [b[start:start + p.numel()].view(p.shape) for b in buffers]
+                self._views[p] = _StateViews(views[0], views[1], views[2] if len(views) == 3 else None)
+
+    def _views_for(self, p: torch.Tensor) -> _StateViews:
+        if p not in self._views:
+            self._reserve()
+        if p not in self._views:  # empty or frozen: nothing to share a buffer with
+            self._views[p] = _StateViews(self._zeros(p.shape, p), self._zeros(p.shape, p),
+                                         self._zeros(p.shape, p) if self._keeps_master(p) else None)
+        return self._views[p]
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        views = self._views_for(p)
+        views.exp_avg.zero_()
+        views.exp_avg_sq.zero_()
+        state.update(step=0, exp_avg=views.exp_avg, exp_avg_sq=views.exp_avg_sq)
+        if views.master is not None:
+            views.master.copy_(p.detach())
+            state["master"] = views.master
+
+    # ---- the update -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, scale: float = 1.0) -> Any:
+        """One Adam update of every parameter with a gradient; gradients arrive multiplied by ``scale``."""
+        check_no_grad_scaler(self)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items: list[tuple[torch.Tensor, ...]] = []
+        keys: list[AdamHyper | None] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                items.append(self._item(p))
+                keys.append(None if p.grad is None else self._advance(p, group))
+        runs = self._plans.plan(items, keys)
+        self._apply([(run.views(items), keys[run.members[0]]) for run in runs], scale)
+        self.last_step_runs = len(runs)
+        return loss
+
+    def _item(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g = p.grad
+        if g is None:
+            return (p.detach(),)
+        if g.is_sparse:
+            raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
+                                 "nn.Embedding(sparse=True)): build that layer with sparse=False")
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        master = (state["master"],) if "master" in state else ()
+        return (p.detach(), g, state["exp_avg"], state["exp_avg_sq"]) + master
+
+    def _advance(self, p: torch.Tensor, group: dict[str, Any]) -> AdamHyper:
+        state = self.state[p]
+        state["step"] += 1
+        lr = 0.0 if state["step"] <= self.hold_steps else float(group["lr"])
+        beta1, beta2 = group["betas"]
+        return AdamHyper(lr, float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                         state["step"])
+
+    def _apply(self, work: list[tuple[tuple[torch.Tensor, ...], AdamHyper]], scale: float) -> None:
+        in_place: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+        with_master: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+        write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for views, hyper in work:
+            param, grad, exp_avg, exp_avg_sq, *master = views
+            if not param.is_contiguous():  # a lone strided parameter: the fused kernels want dense memory
+                write_back.append((param, param.contiguous()))
+                param = write_back[-1][1]
+            grad = grad.contiguous()
+            if param.is_cuda and not self._offload and param.dtype in KERNEL_DTYPES and cupy_usable(param):
+                cupy_step(param, grad, master[0] if master else None, exp_avg, exp_avg_sq, hyper, scale)
+            elif master:
+                with_master.setdefault((hyper, exp_avg.device), []).append((param, grad, master[0], exp_avg, exp_avg_sq))
+            else:
+                in_place.setdefault((hyper, param.device, param.dtype), []).append((param, grad, exp_avg, exp_avg_sq))
+        for (hyper, *_), batch in in_place.items():
+            torch_adam.step_in_place(*(list(t) for t in zip(*batch, strict=True)), hyper, scale)
+        for (hyper, device), batch in with_master.items():
+            torch_adam.step_with_master(batch, hyper, scale, self._scratch_on(device, batch))
+        for param, dense in write_back:
+            param.copy_(dense)
+
+    def _scratch_on(self, device: torch.device, batch: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        need = min(torch_adam.SCRATCH_ELEMS, sum(item[0].numel() for item in batch))
+        scratch = self._scratch.get(device)
+        if scratch is None or scratch.numel() < need:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            scratch = self._scratch[device] = torch.empty(need, dtype=torch.float32, device=device, pin_memory=pin)
+        return scratch[:need]
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (ours, or torch's Adam/AdamW one: a missing master is taken from the parameter)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)):
+            raise OptimizerError(
+                f"optimizer state has {[len(s['params']) for s in saved_groups]} parameters per group, this "
+                f"optimizer {[len(g['params']) for g in self.param_groups]}: build the optimizer with the same "
+                "param groups, in the same order, as the one that was saved")
+        by_id = dict(zip(chain.from_iterable(s["params"] for s in saved_groups),
+                         chain.from_iterable(g["params"] for g in self.param_groups), strict=True))
+        self.state.clear()
+        with torch.no_grad():
+            for pid, saved in state_dict["state"].items():
+                p = by_id[pid]
+                state = self.state[p]
+                self._init_state(p, state)
+                state["step"] = int(saved["step"])
+                for name in ("exp_avg", "exp_avg_sq", "master"):
+                    if name in saved and name in state:
+                        if saved[name].numel() != p.numel():
+                            raise OptimizerError(f"saved {name} has {saved[name].numel()} elements, the parameter "
+                                                 f"{p.numel()}: the checkpoint was saved with another layout")
+                        state[name].copy_(saved[name].reshape(p.shape))
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
