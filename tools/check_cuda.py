@@ -8,12 +8,14 @@ run time (headers inlined). Exits non-zero on any failure. Needs no GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "bmt_wrap" / "kernels"
 ARCH = "sm_90"
@@ -31,14 +33,19 @@ def nvcc_check(nvcc: str, source: Path, workdir: Path) -> str | None:
     return None if done.returncode == 0 else f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
 
 
+def _sources_module() -> ModuleType:
+    # By path: importing the bmt_wrap package would import torch, which this check does not need.
+    spec = importlib.util.spec_from_file_location("bmt_kernel_source", KERNEL_DIR / "source.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def nvrtc_check(source: Path) -> str | None:
     """Compile one ``.cu`` with NVRTC (through CuPy), as the runtime does; return the error text, if any."""
     from cupy.cuda import nvrtc
 
-    sys.path.insert(0, str(KERNEL_DIR.parents[1]))
-    from bmt_wrap.kernels import kernel_source
-
-    prog = nvrtc.createProgram(kernel_source(source.name), source.name, [], [])
+    prog = nvrtc.createProgram(_sources_module().kernel_source(source.name), source.name, [], [])
     try:
         nvrtc.compileProgram(prog, [f"--gpu-architecture=compute_{ARCH[3:]}", "--std=c++17"])
     except nvrtc.NVRTCError as exc:
@@ -66,7 +73,9 @@ def main() -> int:
             if error:
                 failures.append(error)
     try:
-        import cupy.cuda.nvrtc  # noqa: F401
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()  # loads the NVRTC library itself
     except Exception as exc:  # no CuPy, or one that cannot load NVRTC here
         print(f"NVRTC check skipped: CuPy's NVRTC is not importable ({type(exc).__name__}: {exc})")
     else:

@@ -8,41 +8,13 @@ CuPy is imported only when a kernel is first launched, so this module imports wi
 from __future__ import annotations
 
 import functools
-import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parent
+from .source import KERNEL_DIR, kernel_source, source_define
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
-
-
-def kernel_source(name: str) -> str:
-    """The text of ``name`` with its local ``#include "..."`` headers inlined (each header once).
-
-    Inlining makes the source self-contained, so NVRTC needs no include path and CuPy's compile
-    cache (keyed by source text) sees header changes.
-    """
-    seen: set[str] = set()
-
-    def expand(file: str) -> str:
-        if file in seen:
-            return ""
-        seen.add(file)
-        text = (KERNEL_DIR / file).read_text()
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
-
-    return expand(name)
-
-
-def source_define(name: str, macro: str) -> int:
-    """The integer value of ``#define macro N`` in source file ``name`` (launch shapes the kernel assumes)."""
-    match = re.search(rf"^\s*#\s*define\s+{macro}\s+(\d+)", (KERNEL_DIR / name).read_text(), re.MULTILINE)
-    if match is None:
-        raise KeyError(f"{name} defines no integer macro {macro}")
-    return int(match.group(1))
+__all__ = ["KERNEL_DIR", "cupy_function", "cupy_usable", "grid_for", "kernel_source", "launch", "source_define"]
 
 
 def cupy_usable(tensor: torch.Tensor) -> bool:
