@@ -88,7 +88,10 @@ def _memory_body(depth: int, zero_level: int) -> dict:
     largest = max(g.padded_bytes(n) for g in blocks)
     gathered = root.padded_bytes(n) + (
         sum(g.padded_bytes(n) for g in blocks) if zero_level == 2 else (depth + 1) * largest)
-    formula = 4 * state + gathered + 2 * largest  # params + grads + Adam's two moments, all / N
+    # Gradient shards live from a block's reduce-scatter until zero_grad(set_to_none=True): at the probe
+    # (backward of layers.1) only layers.2 and layers.3 have theirs.
+    grads = sum(padded(g) for g in blocks[2:])
+    formula = 3 * state + grads + gathered + 2 * largest  # params + Adam's two moments + grads so far
     return {"measured": peak["bytes"], "formula": formula + peak["activations"],
             "activations": peak["activations"]}
 

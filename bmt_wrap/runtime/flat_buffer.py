@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,9 @@ class FlatBuffer:
         if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:
             raise ValueError(f"shard of {group_name!r} must be ({self.shard_numel},) {self.dtype}")
         self.shard = shard
-        self.grad_shard: torch.Tensor | None = None
+        # Weak: the parameters' ``.grad`` views keep the gradient shard alive, so
+        # ``zero_grad(set_to_none=True)`` frees it as it frees plain torch gradients.
+        self._grad_shard: weakref.ref[torch.Tensor] | None = None
         self.group: ShardGroup  # set by the owning group
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad, s.fqn,
@@ -105,11 +108,18 @@ class FlatBuffer:
         return torch.cat([p.to(out.dtype) for p in pieces], out=out)
 
     # ---- gradients -----------------------------------------------------------------------------------
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """The flat gradient shard while any parameter (or the reducer) holds it, else None."""
+        return self._grad_shard() if self._grad_shard is not None else None
+
     def ensure_grad_shard(self) -> torch.Tensor:
-        """The flat gradient shard, allocated (zeroed) on first use."""
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)
-        return self.grad_shard
+        """The flat gradient shard, allocated (zeroed) when none is alive; callers keep it alive."""
+        grad = self.grad_shard
+        if grad is None:
+            grad = torch.zeros_like(self.shard)
+            self._grad_shard = weakref.ref(grad)
+        return grad
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Slot ``i``'s slice of the gradient shard."""

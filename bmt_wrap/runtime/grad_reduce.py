@@ -28,6 +28,7 @@ class _Touched:
     had_grad: list[bool]
     used: list[bool]
     accumulate: bool  # False: the first reduce-scatter of this step may overwrite the shard
+    grad_shard: torch.Tensor  # held until the parameters' .grad views hold it
 
 
 @dataclass
@@ -58,7 +59,7 @@ class GradReducer:
         self.ensure_callback()
         touched = self._touch(buffer)
         touched.used = [a or b for a, b in zip(touched.used, used)]
-        grad_shard = buffer.ensure_grad_shard()
+        grad_shard = touched.grad_shard
         if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
             out = grad_shard
             done: Callable[[], None] = lambda: self.pool.release(full_grad)
@@ -86,7 +87,8 @@ class GradReducer:
         touched = self._touched.get(id(buffer))
         if touched is None:
             had = [p.grad is not None for p in buffer.params]
-            touched = _Touched(buffer, had, [False] * len(had), accumulate=any(had))
+            touched = _Touched(buffer, had, [False] * len(had), accumulate=any(had),
+                               grad_shard=buffer.ensure_grad_shard())
             if touched.accumulate:
                 _adopt_existing_grads(buffer)
             self._touched[id(buffer)] = touched
