@@ -19,6 +19,7 @@ from toy import ToyGPT, manual_plan
 import bmt_wrap as bmt
 from bmt_wrap.apply_plan import apply_plan
 from bmt_wrap.dtypes import itemsize
+from bmt_wrap.runtime.grad_reduce import MAX_IN_FLIGHT
 
 D, LAYERS = 64, 4
 BLOCKS = [f"layers.{i}" for i in range(LAYERS)]
@@ -91,7 +92,9 @@ def _memory_body(depth: int, zero_level: int) -> dict:
     # Gradient shards live from a block's reduce-scatter until zero_grad(set_to_none=True): at the probe
     # (backward of layers.1) only layers.2 and layers.3 have theirs.
     grads = sum(padded(g) for g in blocks[2:])
-    formula = 3 * state + grads + gathered + 2 * largest  # params + Adam's two moments + grads so far
+    # gloo's ring reduce-scatter (N > 2) holds one shard of scratch while a reduce-scatter is in flight.
+    ring = largest // n if n > 2 else 0
+    formula = 3 * state + grads + gathered + MAX_IN_FLIGHT * (largest + ring)  # params, Adam moments, grads
     return {"measured": peak["bytes"], "formula": formula + peak["activations"],
             "activations": peak["activations"]}
 

@@ -183,32 +183,45 @@ class BlockFunction(torch.autograd.Function):
         call: BlockCall = ctx.call
         engine, group = call.engine, call.group
         engine.acquire_for_backward(call)
+        released = False
         try:
-            if call.checkpoint:
-                saved = ctx.saved_tensors
-                leaves = [_leaf(t, need) for t, need in zip(saved, call.input_needs_grad)]
-                params = call.param_leaves(True)
-                n_in = len(call.inputs.tensor_pos)
-                assert call.state is not None
-                with call.state.restored():
-                    out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
-                outs = _Tree(out).take_tensors()
-            else:
-                assert call.graph is not None
-                leaves, params, outs = call.graph
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            wrt_inputs = [t for t in leaves if t.requires_grad]
-            wrt_params = [p for b in params for p in b if p.requires_grad]
-            if pairs and (wrt_inputs or wrt_params):
-                got = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + wrt_params,
-                                          [g for _, g in pairs], allow_unused=True)
-            else:
-                got = (None,) * (len(wrt_inputs) + len(wrt_params))
-            input_grads = iter(got[:len(wrt_inputs)])
-            param_grads = iter(got[len(wrt_inputs):])
-            engine.reduce_group_grads(group, [[next(param_grads) if p.requires_grad else None for p in b]
-                                              for b in params])
-        finally:
+            input_grads, param_grads, needs = _block_grads(ctx, call, grads)
+            # The gathered parameters are done with before the gradient is flattened, so the pool can
+            # hand their buffer to the gradient: one block's worth less at the backward peak.
             call.graph, call.state = None, None  # the user may hold the loss (and this node) much longer
             engine.release_after_backward(group)
-        return (None, None, *[next(input_grads) if t.requires_grad else None for t in leaves])
+            released = True
+            engine.reduce_group_grads(group, param_grads)
+        finally:
+            if not released:
+                call.graph, call.state = None, None
+                engine.release_after_backward(group)
+        return (None, None, *[next(input_grads) if need else None for need in needs])
+
+
+def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ...]
+                 ) -> tuple[Iterator[torch.Tensor | None], list[list[torch.Tensor | None]], list[bool]]:
+    """Input gradients (in order, for inputs that need one), per-slot parameter gradients, and which
+    inputs need one; recomputes the block first when it is checkpointed."""
+    if call.checkpoint:
+        leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad)]
+        params = call.param_leaves(True)
+        n_in = len(call.inputs.tensor_pos)
+        assert call.state is not None
+        with call.state.restored():
+            out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
+        outs = _Tree(out).take_tensors()
+    else:
+        assert call.graph is not None
+        leaves, params, outs = call.graph
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    wrt_inputs = [t for t in leaves if t.requires_grad]
+    wrt_params = [p for b in params for p in b if p.requires_grad]
+    if pairs and (wrt_inputs or wrt_params):
+        got = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + wrt_params, [g for _, g in pairs],
+                                  allow_unused=True)
+    else:
+        got = (None,) * (len(wrt_inputs) + len(wrt_params))
+    param_grads = iter(got[len(wrt_inputs):])
+    per_slot = [[next(param_grads) if p.requires_grad else None for p in b] for b in params]
+    return iter(got[:len(wrt_inputs)]), per_slot, [t.requires_grad for t in leaves]

@@ -19,7 +19,9 @@ from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
 
-MAX_IN_FLIGHT = 2  # gloo serialises reduce-scatters anyway; more in flight only holds more memory
+# One reduce-scatter in flight overlaps the next block's whole recompute and backward, which is enough to
+# hide it; gloo runs them one at a time anyway, and each one more in flight holds a block of memory.
+MAX_IN_FLIGHT = 1
 
 
 @dataclass
