@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bmt_wrap.dtypes import align_elems
-from bmt_wrap.optim import AdamOptimizer, plan_runs
+from bmt_wrap.optim import AdamOptimizer, plan_runs, torch_adam
 
 
 def _flat_views(numels: list[int], dtype: torch.dtype = torch.float32, seed: int = 0
@@ -146,3 +146,19 @@ def test_cached_plans_do_not_keep_gradients_alive() -> None:
         gc.collect()
         assert watch() is None
         assert opt.last_step_runs == 1
+
+
+def test_scratch_slices_spanning_ranges_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    results = []
+    for scratch in (torch_adam.SCRATCH_ELEMS, 50):  # 50: every range is cut, and slices mix ranges
+        monkeypatch.setattr(torch_adam, "SCRATCH_ELEMS", scratch)
+        _, _, params = _flat_views([33, 128, 5, 77], torch.bfloat16)
+        loose = torch.nn.Parameter(torch.randn(9, 11, generator=torch.Generator().manual_seed(5)).bfloat16())
+        opt = AdamOptimizer([dict(params=params + [loose], lr=1e-2)])
+        for step in range(3):
+            _fill_grads(params, step)
+            loose.grad = torch.full_like(loose, 0.5 - step)
+            opt.step(scale=2.0)
+        results.append([p.detach().clone() for p in params + [loose]] + [opt.state[loose]["master"].clone()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -13,7 +13,7 @@ import bmt_wrap as bmt
 from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import OptimizerError
 from bmt_wrap.lr_scheduler import NoDecay
-from bmt_wrap.optim import REPLICATED_ATTR, AdamOptimizer, OptimManager, install_grad_scaler_guard
+from bmt_wrap.optim import REPLICATED_ATTR, AdamOptimizer, OptimManager, grad_norm, install_grad_scaler_guard
 
 SHAPES = [(7, 5), (5,), (3, 4), (9,)]
 
@@ -247,6 +247,21 @@ def test_clip_leaves_non_finite_gradients_for_the_overflow_check() -> None:
     assert math.isinf(mgr.clip_grad_norm(1.0))
     assert torch.equal(p.grad, torch.tensor([1.0, math.inf, 2.0]))
     assert not mgr.step() and torch.equal(p.detach(), torch.zeros(3))
+
+
+def test_low_precision_norm_matches_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grad_norm, "SCRATCH_ELEMS", 7)  # convert in many slices, as a large shard does
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in SHAPES]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    for p, r, g in zip(params, ref, _full("grad"), strict=True):
+        p.grad = g.bfloat16()
+        r.grad = p.grad.float()
+    mgr = OptimManager()
+    mgr.add_optimizer(AdamOptimizer(params))
+    norm = mgr.clip_grad_norm(max_norm=1.0)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref, 1.0), rtol=1e-5, atol=0)
+    for p, r in zip(params, ref, strict=True):
+        assert_within_one_rounding(p.grad, r.grad.double())
 
 
 def test_clip_argument_errors() -> None:

@@ -18,9 +18,7 @@ from ..dtypes import LOW_PRECISION
 from ..errors import OptimizerError
 from .fusion import PlanCache
 from .sharding import is_replicated
-
-#: fp32 elements per slice when a CPU norm converts a half-precision gradient (see _norm_power).
-_CHUNK = 1 << 18
+from .torch_adam import SCRATCH_ELEMS
 
 
 class GradRanges:
@@ -64,10 +62,10 @@ def _norm_power(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     if t.dtype in LOW_PRECISION and t.device.type == "cpu":
         # CPU reductions of half types into fp32 run ~5x slower than converting slices and reducing those.
         flat = t.reshape(-1)
-        scratch = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32)
+        scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMS), dtype=torch.float32)
         total = torch.zeros((), dtype=torch.float64)
-        for start in range(0, flat.numel(), _CHUNK):
-            piece = scratch[:min(_CHUNK, flat.numel() - start)]
+        for start in range(0, flat.numel(), SCRATCH_ELEMS):
+            piece = scratch[:min(SCRATCH_ELEMS, flat.numel() - start)]
             piece.copy_(flat[start:start + piece.numel()])
             total += torch.linalg.vector_norm(piece, norm_type).double() ** norm_type
         return total

@@ -15,8 +15,10 @@ import torch
 
 from .adam_math import AdamHyper
 
-#: fp32 elements per scratch slice: big enough to amortise per-call overhead, small enough for cache.
-SCRATCH_ELEMS = 1 << 18
+#: fp32 elements per scratch slice (16 MiB). Measured on 2 busy cores, 100M bf16 elements: 2^18-element
+#: slices 1.4 s/step, 2^22 0.55 s (each slice is three parallel regions, and on an oversubscribed CPU
+#: every region waits for its slowest thread); on an idle machine both take 0.09 s.
+SCRATCH_ELEMS = 1 << 22
 
 
 def step_in_place(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
