@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--mmap-threshold", default="glibc-default",
+                        help="MALLOC_MMAP_THRESHOLD_ for every system, or glibc-default to leave it unset")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**30))  # same allocator behaviour for every system
+    if args.mmap_threshold != "glibc-default":  # same allocator behaviour for every system either way
+        env["MALLOC_MMAP_THRESHOLD_"] = args.mmap_threshold
     systems = args.systems.split(",")
     runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
     for _ in range(args.rounds):
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(runs, args.world_size)
     print(f"toy GPT, {rows and runs[systems[0]][0][0]['params'] / 1e6:.1f}M params, {args.world_size} ranks, "
           f"batch 1/rank, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-          f"MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}")
+          f"MALLOC_MMAP_THRESHOLD_={env.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}")
     print_table(rows)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1))

@@ -78,7 +78,7 @@ class Engine:
                         if t is not None:
                             buf.load_slot(i, t.to(buf.dtype))
             buffers.append(buf)
-        mode = "fresh" if used_outside_blocks or spec.is_root else storage_mode(spec)
+        mode = "graph" if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
         group.restore()
         self.groups.append(group)
@@ -184,7 +184,9 @@ class Engine:
         """Gather a group used outside blocks; tensors are autograd-connected to the shards."""
         group.start_gather()
         tensors = gathered_tensors(self, group)
-        group.release()  # "fresh" storage: from here on the autograd graph owns it
+        group.release()  # from here on the autograd graph owns the storage
+        if not torch.is_grad_enabled():
+            group.recycle()
         return tensors
 
     # ---- backward --------------------------------------------------------------------------------------------
@@ -232,6 +234,7 @@ class Engine:
         for g in self.groups:
             if g.in_use == 0:
                 g.release()
+                g.recycle()
 
     def _release_strays(self) -> None:
         for g in self.groups:

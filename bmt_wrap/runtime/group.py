@@ -7,7 +7,9 @@ Three storage modes, chosen from the group's checkpoint and ZeRO settings:
   backward (non-checkpointed blocks: the kept autograd graph references it, so a pool would make reuse
   undetectable corruption; the refill's version bump is undone);
 - ``kept``: a dedicated buffer gathered in forward and kept until backward ends (``zero_level=2``);
-- ``fresh``: a new buffer per gather, owned by the autograd graph once released (the root group).
+- ``graph``: gathered for code outside blocks (the root group, a bare parameter); once released the
+  autograd graph owns the buffer, and it is reused only after backward finished (``recycle``) — a graph
+  kept with ``retain_graph`` that still read it would fail autograd's version check, not read new values.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ShardGroup:
         self._handles: list[Handle] | None = None
         self._versions: list[int] = []
         self._dedicated: list[torch.Tensor] | None = None
+        self._last: list[torch.Tensor] | None = None  # "graph" mode: the buffers the graph may hold
+        self._spare: list[torch.Tensor] | None = None  # "graph" mode: buffers no graph holds any more
         self.in_use = 0  # executors currently running on the gathered parameters
         self.reduce_dtype: torch.dtype | None = None  # None: reduce gradients in each buffer's dtype
         self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
@@ -78,6 +82,7 @@ class ShardGroup:
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
+            self._spare = None
             self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
         self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
                          for f, b in zip(full, self.buffers)]
@@ -111,12 +116,20 @@ class ShardGroup:
         elif self.mode in ("resizable", "kept"):
             for f in full:
                 f.untyped_storage().resize_(0)
-        # "fresh": the autograd graph may still own the buffer; dropping our reference is enough.
+        if self.mode == "graph":
+            self._last = full  # the autograd graph may still read it: reusable only after ``recycle``
+
+    def recycle(self) -> None:
+        """No autograd graph holds the last gathered buffers any more (backward ended, or no grad)."""
+        if self._last is not None:
+            self._spare, self._last = self._last, None
 
     def _alloc(self, i: int, b: FlatBuffer) -> torch.Tensor:
         if self.mode == "pooled":
             return self.pool.acquire(b.full_numel, b.dtype, b.device)
-        if self.mode == "fresh":
+        if self.mode == "graph":
+            if self._spare is not None:
+                return self._spare[i]
             return torch.empty(b.full_numel, dtype=b.dtype, device=b.device)
         if self._dedicated is None:
             self._dedicated = [torch.empty(x.full_numel, dtype=x.dtype, device=x.device) for x in self.buffers]
