@@ -163,6 +163,19 @@ def test_state_dict_round_trip_continues_identically(dtype: torch.dtype) -> None
             assert torch.equal(torch.as_tensor(opt.state[p][key]), torch.as_tensor(twin_opt.state[t][key])), key
 
 
+def test_loading_its_own_live_state_dict_changes_nothing() -> None:
+    params = _params(SHAPES, torch.bfloat16)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, twin_opt = AdamOptimizer(params), AdamOptimizer(twins)
+    _train(opt, params, range(1, 3))
+    _train(twin_opt, twins, range(1, 3))
+    opt.load_state_dict(opt.state_dict())  # the saved tensors are the optimizer's own state
+    _train(opt, params, range(3, 5))
+    _train(twin_opt, twins, range(3, 5))
+    for p, t in zip(params, twins, strict=True):
+        assert torch.equal(p, t) and torch.equal(opt.state[p]["master"], twin_opt.state[t]["master"])
+
+
 def test_loads_torch_adamw_state_taking_master_from_parameter() -> None:
     params = _params(SHAPES, torch.bfloat16)
     torch_opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)

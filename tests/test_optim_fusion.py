@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bmt_wrap.dtypes import align_elems
-from bmt_wrap.optim import AdamOptimizer, plan_runs, torch_adam
+from bmt_wrap.optim import AdamOptimizer, fusion, plan_runs, torch_adam
 
 
 def _flat_views(numels: list[int], dtype: torch.dtype = torch.float32, seed: int = 0
@@ -162,3 +162,16 @@ def test_scratch_slices_spanning_ranges_change_nothing(monkeypatch: pytest.Monke
         results.append([p.detach().clone() for p in params + [loose]] + [opt.state[loose]["master"].clone()])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_changing_learning_rate_does_not_replan(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real_plan = fusion.plan_runs
+    monkeypatch.setattr(fusion, "plan_runs", lambda *a: calls.append(1) or real_plan(*a))
+    _, _, params = _flat_views([16, 16, 16])
+    opt = AdamOptimizer([dict(params=params[:2]), dict(params=params[2:], weight_decay=0.1)])
+    for step in range(5):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * (step + 1)
+        opt.step()
+    assert len(calls) == 1 and opt.last_step_runs == 2

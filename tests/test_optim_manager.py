@@ -13,7 +13,14 @@ import bmt_wrap as bmt
 from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import OptimizerError
 from bmt_wrap.lr_scheduler import NoDecay
-from bmt_wrap.optim import REPLICATED_ATTR, AdamOptimizer, OptimManager, grad_norm, install_grad_scaler_guard
+from bmt_wrap.optim import (
+    REPLICATED_ATTR,
+    AdamOptimizer,
+    OptimManager,
+    clip_grad_norm_,
+    grad_norm,
+    install_grad_scaler_guard,
+)
 
 SHAPES = [(7, 5), (5,), (3, 4), (9,)]
 
@@ -88,6 +95,10 @@ def _clip_body(norm_type: float, loss_scale: float | None) -> float:
 
     again = mgr.clip_grad_norm(max_norm=1.0, norm_type=norm_type)  # every managed group
     torch.testing.assert_close(again, torch.tensor(1.0), rtol=1e-4, atol=0)
+    for p in opt.param_groups[0]["params"]:
+        p.grad.mul_(4.0)
+    once_more = clip_grad_norm_(opt.param_groups[0]["params"], 2.0, norm_type)  # stored gradients carry the scale
+    torch.testing.assert_close(once_more, torch.tensor(4.0 * scale), rtol=1e-4, atol=0)
     return float(norm)
 
 

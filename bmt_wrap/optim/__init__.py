@@ -3,11 +3,12 @@
 from .adam import AdamOptimizer
 from .adam_offload import AdamOffloadOptimizer
 from .fusion import Run, plan_runs
+from .grad_norm import clip_grad_norm_
 from .grad_scaler_guard import check_no_grad_scaler, install_grad_scaler_guard
 from .optim_manager import OptimManager
 from .sharding import REPLICATED_ATTR
 
 __all__ = [
     "AdamOffloadOptimizer", "AdamOptimizer", "OptimManager", "REPLICATED_ATTR", "Run", "check_no_grad_scaler",
-    "install_grad_scaler_guard", "plan_runs",
+    "clip_grad_norm_", "install_grad_scaler_guard", "plan_runs",
 ]

@@ -107,14 +107,27 @@ class AdamOptimizer(torch.optim.Optimizer):
                                          self._zeros(p.shape, p) if self._keeps_master(p) else None)
         return self._views[p]
 
-    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], saved: dict[str, Any] | None = None) -> None:
+        """Fresh state for ``p`` (moments zero, master from the parameter), or the ``saved`` one. Saved
+        tensors may be these very views (loading our own state_dict), so each is copied, never zeroed first."""
+        saved = saved or {}
         views = self._views_for(p)
-        views.exp_avg.zero_()
-        views.exp_avg_sq.zero_()
-        state.update(step=0, exp_avg=views.exp_avg, exp_avg_sq=views.exp_avg_sq)
+        fields = {"exp_avg": views.exp_avg, "exp_avg_sq": views.exp_avg_sq}
         if views.master is not None:
-            views.master.copy_(p.detach())
-            state["master"] = views.master
+            fields["master"] = views.master
+        for name, view in fields.items():
+            source = saved.get(name)
+            if source is not None:
+                if source.numel() != p.numel():
+                    raise OptimizerError(f"saved {name} has {source.numel()} elements, the parameter {p.numel()}: "
+                                         "the checkpoint was saved with another layout")
+                view.copy_(source.reshape(view.shape))
+            elif name == "master":
+                view.copy_(p.detach())
+            else:
+                view.zero_()
+        state.clear()
+        state.update(step=int(saved.get("step", 0)), **fields)
 
     # ---- the update -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -126,13 +139,17 @@ class AdamOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         items: list[tuple[torch.Tensor, ...]] = []
-        keys: list[AdamHyper | None] = []
+        hypers: list[AdamHyper | None] = []
         for group in self.param_groups:
             for p in group["params"]:
                 items.append(self._item(p))
-                keys.append(None if p.grad is None else self._advance(p, group))
+                hypers.append(None if p.grad is None else self._advance(p, group))
+        # Plan on which items share hyperparameters, not on their values: a scheduler changes lr (and
+        # the step count grows) every step, and the layout must not be replanned for that.
+        classes: dict[AdamHyper, int] = {}
+        keys = [None if h is None else classes.setdefault(h, len(classes)) for h in hypers]
         runs = self._plans.plan(items, keys)
-        self._apply([(run.views(items), keys[run.members[0]]) for run in runs], scale)
+        self._apply([(run.views(items), hypers[run.members[0]]) for run in runs], scale)
         self.last_step_runs = len(runs)
         return loss
 
@@ -184,7 +201,7 @@ class AdamOptimizer(torch.optim.Optimizer):
         need = min(torch_adam.SCRATCH_ELEMS, sum(item[0].numel() for item in batch))
         scratch = self._scratch.get(device)
         if scratch is None or scratch.numel() < need:
-            pin = device.type == "cpu" and torch.cuda.is_available()
+            pin = self._offload and torch.cuda.is_available()
             scratch = self._scratch[device] = torch.empty(need, dtype=torch.float32, device=device, pin_memory=pin)
         return scratch[:need]
 
@@ -200,18 +217,10 @@ class AdamOptimizer(torch.optim.Optimizer):
                 "param groups, in the same order, as the one that was saved")
         by_id = dict(zip(chain.from_iterable(s["params"] for s in saved_groups),
                          chain.from_iterable(g["params"] for g in self.param_groups), strict=True))
+        loaded = {by_id[pid]: saved for pid, saved in state_dict["state"].items()}
         self.state.clear()
         with torch.no_grad():
-            for pid, saved in state_dict["state"].items():
-                p = by_id[pid]
-                state = self.state[p]
-                self._init_state(p, state)
-                state["step"] = int(saved["step"])
-                for name in ("exp_avg", "exp_avg_sq", "master"):
-                    if name in saved and name in state:
-                        if saved[name].numel() != p.numel():
-                            raise OptimizerError(f"saved {name} has {saved[name].numel()} elements, the parameter "
-                                                 f"{p.numel()}: the checkpoint was saved with another layout")
-                        state[name].copy_(saved[name].reshape(p.shape))
+            for p, saved in loaded.items():
+                self._init_state(p, self.state[p], saved)
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -134,3 +134,11 @@ def clip_grads_(sharded: list[torch.Tensor], replicated: list[torch.Tensor], max
     if math.isfinite(value) and coef < 1.0:
         torch._foreach_mul_(sharded + replicated, coef)
     return total.float()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float | str = 2.0,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for sharded parameters: clips to the norm of the full gradient
+    over every rank (one all-reduce) and returns that norm. Call it on every rank."""
+    sharded, replicated = GradRanges()(parameters)
+    return clip_grads_(sharded, replicated, float(max_norm), float(norm_type), eps, 1.0)
