@@ -1,6 +1,13 @@
-"""bmt_wrap: one-line ZeRO-3 sharding, activation checkpointing and prefetch for any torch.nn.Module."""
+"""bmt_wrap: one-line ZeRO-3 sharding, activation checkpointing and prefetch for any torch.nn.Module.
 
-from . import errors
+    import bmt_wrap as bmt
+    bmt.init_distributed()
+    model = bmt.BMTrainModelWrapper(model)
+"""
+
+from . import errors, passes
+from .apply_plan import is_wrapped
+from .block import Block, CheckpointBlock, TransformerBlockList
 from .distributed import (
     barrier,
     comm_stats,
@@ -15,10 +22,21 @@ from .distributed import (
     synchronize,
     world_size,
 )
+from .gathered import gathered
+from .init import init_parameters
+from .mixed_precision import MixedPrecision
+from .module import DistributedModule
+from .plan import WrapPlan
+from .runtime.param import DistributedParameter
+from .verify import VerifyReport
+from .wrapper import BMTrainModelWrapper, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "barrier", "comm_stats", "errors", "get_state", "init_distributed", "is_initialized", "local_rank",
-    "print_rank", "rank", "reset_comm_stats", "sum_loss", "synchronize", "world_size",
+    "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
+    "MixedPrecision", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier", "comm_stats", "errors",
+    "gathered", "get_state", "init_distributed", "init_parameters", "is_initialized", "is_wrapped",
+    "local_rank", "passes", "print_rank", "rank", "reset_comm_stats", "sum_loss", "synchronize", "world_size",
+    "wrap",
 ]

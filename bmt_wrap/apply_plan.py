@@ -17,7 +17,7 @@ from .dtypes import to_dtype
 from .errors import PlanError, WrapError
 from .mixed_precision import MixedPrecision
 from .plan import WrapPlan
-from .runtime.engine import Engine, get_engine
+from .runtime.engine import Engine, get_engine, storage_mode
 from .runtime.group import Location, ShardGroup
 from .runtime.module_params import ParamSite, check_single_device, param_sites
 from .runtime.standalone import full_value
@@ -84,6 +84,31 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     return model
 
 
+def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
+    """Adopt ``plan``'s schedule (order, prefetch depth, checkpoint and ZeRO level per block).
+
+    The layout must be the one already applied: groups, parameters and offsets never change after
+    wrapping (DESIGN.md, contracts).
+    """
+    old = model.plan
+    if [(g.name, g.buffers) for g in old.groups] != [(g.name, g.buffers) for g in plan.groups]:
+        raise PlanError("a new schedule may not change the layout fixed at wrap time (groups, parameters, "
+                        "offsets); pass the layout-changing plan to BMTrainModelWrapper(model, plan=...) instead")
+    engine = get_engine()
+    groups: dict[str, ShardGroup] = {}
+    for spec in plan.blocks():
+        group = model.get_submodule(spec.name)._bmt_group
+        if group.gathered and storage_mode(spec) != group.mode:
+            raise PlanError(f"cannot change how block {spec.name!r} is checkpointed while its parameters "
+                            "are gathered")
+        group.spec = spec
+        group.mode = storage_mode(spec)
+        groups[spec.name] = group
+    engine.set_prefetch_depth(plan.prefetch_depth)
+    engine.prefetcher.set_order([groups[n] for n in plan.order if n in groups])
+    model.plan = plan
+
+
 # ---- building ---------------------------------------------------------------------------------------------
 def _check_plan_covers(model: nn.Module, plan: WrapPlan, sites: list[ParamSite]) -> None:
     placed = set(plan.all_fqns())
@@ -146,6 +171,9 @@ def _root_class(cls: type) -> type:
 # ---- the root's forward ----------------------------------------------------------------------------------
 def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     engine = get_engine()
+    first = getattr(model, "_bmt_first_forward", None)
+    if first is not None:
+        first.before(model, args, kwargs)
     model._bmt_outermost = not engine.in_forward
     root = model._bmt_root
     if model._bmt_outermost:
@@ -164,6 +192,10 @@ def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
         model._bmt_root.restore()
     if getattr(model, "_bmt_outermost", True):
         engine.end_forward()
+    first = getattr(model, "_bmt_first_forward", None)
+    if first is not None:
+        model._bmt_first_forward = None
+        first.after(model)
     mp = model._bmt_mp
     if mp is not None and mp.output_dtype is not None:
         return pytree.tree_map(mp.cast_output, output)

@@ -235,3 +235,19 @@ def comm_stats() -> dict[str, dict[str, int]]:
 def reset_comm_stats() -> None:
     """Zero the collective counters."""
     get_state().comm.reset()
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Rank ``src``'s bytes on every rank (two broadcasts: length, then payload)."""
+    state = get_state()
+    if state.world_size == 1:
+        assert data is not None
+        return data
+    length = torch.tensor([len(data) if state.rank == src and data is not None else 0], dtype=torch.int64,
+                          device=state.device)
+    state.comm.broadcast(length, src, label="object length")
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=state.device)
+    if state.rank == src and data is not None:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    state.comm.broadcast(payload, src, label="object")
+    return bytes(payload.cpu().numpy().tobytes())

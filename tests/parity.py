@@ -21,6 +21,7 @@ from bmt_wrap.runtime.param import DistributedParameter
 LOSS_RTOL = 1e-5
 SGD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 ADAMW_REL = 5e-3
+NOISE_GRAD = 1e-6  # a reference gradient never above this is fp32 rounding noise around an exact zero
 
 
 def local_slice(full: torch.Tensor, p: DistributedParameter) -> torch.Tensor:
@@ -43,11 +44,19 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
                              lr=1e-3)
 
 
-def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str) -> float:
-    """Assert the sharded parameters equal the reference's slices; returns the largest difference."""
+def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
+                   noise_only: frozenset[str] = frozenset()) -> float:
+    """Assert the sharded parameters equal the reference's slices; returns the largest difference.
+
+    ``noise_only``: parameters whose exact gradient is zero (an attention key bias: softmax ignores it),
+    so the reference's gradient is rounding noise that Adam turns into lr-sized steps; under AdamW they
+    cannot be compared by any implementation and are left to the SGD runs, which check them exactly.
+    """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in model.named_parameters():
+        if optimizer != "sgd" and name in noise_only:
+            continue
         full = ref_params[name].detach()
         mine = local_slice(full, p)
         if optimizer == "sgd":
@@ -79,7 +88,8 @@ def compare_grads(ref: nn.Module, model: nn.Module, what: str) -> float:
 
 def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module],
                        batches: list[tuple[torch.Tensor, ...]], *, optimizer: str = "sgd", micro: int = 1,
-                       two_forwards: bool = False, check_grads: bool = True) -> dict[str, Any]:
+                       two_forwards: bool = False, check_grads: bool = True,
+                       loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """Train reference and sharded copies on ``batches`` (global batches); assert parity each step."""
     torch.manual_seed(0)
     ref = build()
@@ -87,33 +97,40 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
     ref_opt, opt = make_optimizer(optimizer, ref), make_optimizer(optimizer, model)
     rank, n = bmt.rank(), bmt.world_size()
     losses, ref_losses, grad_diff = [], [], 0.0
+    grad_peak: dict[str, float] = {}
     for step, batch in enumerate(batches):
         local = tuple(t.chunk(n)[rank] for t in batch)
-        ref_loss = _step_loss(ref, batch, micro, two_forwards)
-        loss = _step_loss(model, local, micro, two_forwards)
+        ref_loss = _step_loss(ref, batch, micro, two_forwards, loss_fn)
+        loss = _step_loss(model, local, micro, two_forwards, loss_fn)
         ref_losses.append(float(ref_loss))
         losses.append(float(bmt.sum_loss(loss)))
         if check_grads:
             grad_diff = max(grad_diff, compare_grads(ref, model, f"step {step}"))
+        for name, rp in ref.named_parameters(remove_duplicate=False):
+            if rp.grad is not None:
+                grad_peak[name] = max(grad_peak.get(name, 0.0), float(rp.grad.abs().max()))
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
                                    msg=lambda m: f"losses differ at step {step}: {m}")
-    param_diff = compare_params(ref, model, optimizer, "after training")
+    noise_only = frozenset(n for n, g in grad_peak.items() if g < NOISE_GRAD)
+    param_diff = compare_params(ref, model, optimizer, "after training", noise_only)
     return {"losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "param_diff": param_diff,
             "comm": bmt.comm_stats()}
 
 
-def _step_loss(model: nn.Module, batch: tuple[torch.Tensor, ...], micro: int, two_forwards: bool) -> torch.Tensor:
+def _step_loss(model: nn.Module, batch: tuple[torch.Tensor, ...], micro: int, two_forwards: bool,
+               loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    run = loss_fn or (lambda m, *b: m(*b))
     total = torch.zeros(())
     for chunk in zip(*(t.chunk(micro) for t in batch)):
         if two_forwards:
             halves = list(zip(*(t.chunk(2) for t in chunk)))
-            loss = (model(*halves[0]) + model(*halves[1])) / 2
+            loss = (run(model, *halves[0]) + run(model, *halves[1])) / 2
         else:
-            loss = model(*chunk)
+            loss = run(model, *chunk)
         (loss / micro).backward()
         total = total + loss.detach() / micro
     return total

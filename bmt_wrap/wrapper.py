@@ -1,0 +1,111 @@
+"""``BMTrainModelWrapper``: the one-liner. Runs the passes, applies the plan, fixes the schedule at the
+first forward when the model could not be captured without inputs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from . import passes
+from .apply_plan import apply_plan, is_wrapped, update_schedule
+from .distributed import broadcast_bytes, get_state
+from .errors import PlanError, WrapError
+from .log import get_logger
+from .mixed_precision import MixedPrecision
+from .plan import WrapPlan
+from .verify import attach_verify
+
+
+class _FirstForward:
+    """Captures the block order at the first call (export of a meta copy, else hooks on the real call)
+    and replaces the plan's schedule; rank 0 decides, every rank receives its choice."""
+
+    def __init__(self, skeleton: nn.Module, discovery: passes.Discovery, options: dict[str, Any]) -> None:
+        self.skeleton, self.discovery, self.options = skeleton, discovery, options
+        self.recorder: passes.EagerRecorder | None = None
+        self.notes: list[str] = []
+
+    def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Export a meta copy on these inputs; if that fails, record the real call about to run."""
+        cap = passes.capture(self.skeleton, self.discovery, (args, kwargs))
+        if cap.method != "none":
+            self._adopt(model, cap)
+        else:
+            self.notes = cap.notes
+            self.recorder = passes.EagerRecorder(model, self.discovery).__enter__()
+
+    def after(self, model: nn.Module) -> None:
+        """The recorded real call ended: its block order is the schedule."""
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self._adopt(model, passes.eager_capture(self.recorder, self.notes))
+
+    def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
+        state = get_state()
+        mine = passes.schedule(model.plan, cap, world_size=state.world_size, **self.options)
+        chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
+        update_schedule(model, chosen)
+        get_logger().debug("first forward: block order captured by %s", chosen.capture)
+
+
+def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level: int = 3, prefetch_depth: int = 1,
+                        memory_budget: int | None = None, plan: WrapPlan | None = None,
+                        example_inputs: Any = None, mixed_precision: MixedPrecision | None = None) -> nn.Module:
+    """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
+
+    Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
+    ``torch.export`` of a meta copy (with ``example_inputs=`` or at the first call) or hooks on the first
+    call. ``plan=`` re-applies a saved ``WrapPlan``; ``memory_budget=`` (bytes per rank) checkpoints only
+    as many blocks as needed. ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
+    """
+    state = get_state()
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"BMTrainModelWrapper expects an nn.Module, got {type(model).__name__}")
+    if is_wrapped(model):
+        raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
+                        "place and returns it, so call it once")
+    options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
+               "memory_budget": memory_budget}
+    notes = _take_over_hf_checkpointing(model) if checkpoint else []
+    discovery = passes.discover_blocks(model)
+    if plan is None:
+        mine = None
+        if state.rank == 0:
+            cap = passes.capture(model, discovery, example_inputs)
+            mine = passes.build_plan(model, discovery, world_size=state.world_size, capture=cap,
+                                     param_dtype=mixed_precision.param_dtype if mixed_precision else None, **options)
+            mine.notes += notes
+        plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
+    else:
+        if not isinstance(plan, WrapPlan):
+            raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
+        plan = copy.deepcopy(plan)
+    first = None
+    if plan.capture == "none":
+        first = _FirstForward(passes.meta_skeleton(model), discovery, options)
+    apply_plan(model, plan, mixed_precision)
+    model._bmt_first_forward = first
+    attach_verify(model)
+    for note in plan.notes:
+        get_logger().debug("plan: %s", note)
+    return model
+
+
+wrap = BMTrainModelWrapper
+
+
+def _take_over_hf_checkpointing(model: nn.Module) -> list[str]:
+    """Turn off ``transformers``' own gradient checkpointing on layers: our executor recomputes them once.
+
+    Left on, a layer would run our executor inside ``torch.utils.checkpoint``, which re-runs (and
+    re-gathers) it a second time.
+    """
+    names = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for name in names:
+        model.get_submodule(name).gradient_checkpointing = False
+    if names:
+        return [f"transformers gradient checkpointing was on for {len(names)} module(s): bmt_wrap's "
+                "checkpointing recomputes those blocks instead (once)"]
+    return []

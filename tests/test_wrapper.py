@@ -1,0 +1,202 @@
+"""BMTrainModelWrapper end to end: transformers models and toy models on 1, 2 and 4 ranks against plain
+PyTorch, plan round-trips, the first-forward capture, HF gradient checkpointing and generate()."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_distributed
+from parity import train_side_by_side
+
+import bmt_wrap as bmt
+from bmt_wrap.errors import PlanError, WrapError
+from bmt_wrap.plan import WrapPlan
+from bmt_wrap.wrapper import BMTrainModelWrapper
+
+STEPS = 5
+
+
+def _lm_loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _cls_loss(model, ids, labels):
+    return F.cross_entropy(model(input_ids=ids).logits, labels)
+
+
+def _t5_loss(model, ids, dec):
+    logits = model(input_ids=ids, decoder_input_ids=dec).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+
+def _classifier_loss(model, ids, labels):
+    return F.cross_entropy(model(ids), labels)
+
+
+def _batches(name: str) -> tuple[list[tuple[torch.Tensor, ...]], object]:
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, models.VOCAB, (4, 8), generator=g) for _ in range(STEPS)]
+    labels = [torch.randint(0, 3, (4,), generator=g) for _ in range(STEPS)]
+    if name == "bert":
+        return [(i, y) for i, y in zip(ids, labels)], _cls_loss
+    if name == "classifier":
+        return [(i, y) for i, y in zip(ids, labels)], _classifier_loss
+    if name == "t5":
+        return [(i, i.roll(1, dims=1)) for i in ids], _t5_loss
+    return [(i,) for i in ids], _lm_loss
+
+
+def _hf_body(name: str, optimizer: str) -> dict:
+    factory = models.HF[name][0]
+    batches, loss_fn = _batches(name)
+    wrapped: dict = {}
+
+    def wrap(m):
+        m = BMTrainModelWrapper(m)
+        wrapped["model"] = m
+        return m
+
+    result = train_side_by_side(factory, wrap, batches, optimizer=optimizer, loss_fn=loss_fn)
+    plan = wrapped["model"].plan
+    result["capture"] = plan.capture
+    result["blocks"] = [g.name for g in plan.blocks()]
+    return result
+
+
+@pytest.mark.parametrize("name", list(models.HF))
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_transformers_models_match_plain_pytorch_on_two_ranks(name: str, optimizer: str) -> None:
+    results = run_distributed(_hf_body, 2, name, optimizer)
+    assert results[0]["blocks"] == models.HF[name][2]
+    assert results[0]["capture"] == "export"
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_gpt2_matches_plain_pytorch_at_other_world_sizes(world_size: int) -> None:
+    run_distributed(_hf_body, world_size, "gpt2", "sgd")
+
+
+def _toy_body(name: str) -> dict:
+    factory, inputs, blocks = models.TOY[name]
+    args, _ = inputs()
+    batch = tuple(torch.cat([a] * 2) for a in args)  # global batch of 4 rows, sliced per rank
+    wrapped: dict = {}
+
+    def wrap(m):
+        wrapped["m"] = BMTrainModelWrapper(m)
+        return wrapped["m"]
+
+    def loss_fn(model, *xs):
+        return model(*xs).float().pow(2).mean()
+
+    train_side_by_side(factory, wrap, [batch] * 3, optimizer="sgd", loss_fn=loss_fn)
+    return {"capture": wrapped["m"].plan.capture, "blocks": [g.name for g in wrapped["m"].plan.blocks()]}
+
+
+@pytest.mark.parametrize("name", list(models.TOY))
+def test_toy_models_match_plain_pytorch(name: str) -> None:
+    result = run_distributed(_toy_body, 2, name)[0]
+    assert result["capture"] == "fx"
+    assert result["blocks"] == models.TOY[name][2]
+
+
+def _verify_body(name: str) -> dict:
+    factory = models.HF[name][0]
+    batches, loss_fn = _batches(name)
+    ref = factory()
+    model = BMTrainModelWrapper(copy.deepcopy(ref))
+    report = model.verify(ref, batches, lambda m, b: loss_fn(m, *b), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                          steps=3)
+    return {"steps": len(report.steps), "loss": report.max_loss, "grad": report.max_grad,
+            "param": report.max_param}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_verify_reports_the_same_differences(name: str) -> None:
+    r = run_distributed(_verify_body, 2, name)[0]
+    assert r["steps"] == 3
+    assert r["loss"] < 1e-4 and r["grad"] < 1e-5 and r["param"] < 1e-5, r
+
+
+def _plan_roundtrip_body() -> dict:
+    factory, inputs, _ = models.HF["llama"]
+    args, kwargs = inputs()
+    a = BMTrainModelWrapper(factory(), example_inputs=(args, kwargs))
+    text = a.plan.to_json()
+    b = BMTrainModelWrapper(factory(), plan=WrapPlan.from_json(text))
+    layout = [[(p.fqn, tuple(p.shape)) for p in m.parameters()] for m in (a, b)]
+    assert layout[0] == layout[1], "a re-applied plan gives identical groups and shards"
+    assert b.plan.to_json() == text
+    with pytest.raises(WrapError, match="already wrapped"):
+        BMTrainModelWrapper(a)
+    broken = WrapPlan.from_json(text)
+    broken.groups[1].buffers[0].slots.pop()
+    with pytest.raises(PlanError, match="does not match"):
+        BMTrainModelWrapper(factory(), plan=broken)
+    return {"capture": a.plan.capture}
+
+
+def test_plan_json_roundtrip_and_reapply() -> None:
+    assert run_distributed(_plan_roundtrip_body, 2)[0]["capture"] == "export"
+
+
+def _hf_checkpointing_body() -> dict:
+    factory = models.HF["llama"][0]
+    batches, loss_fn = _batches("llama")
+    calls = {"n": 0}
+
+    def build():
+        m = factory()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        return m
+
+    def wrap(m):
+        m = BMTrainModelWrapper(m)
+        m.model.layers[0].mlp.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+        return m
+
+    train_side_by_side(build, wrap, batches[:2], optimizer="sgd", loss_fn=loss_fn)
+    return calls
+
+
+def test_transformers_gradient_checkpointing_is_not_recomputed_twice() -> None:
+    calls = run_distributed(_hf_checkpointing_body, 2)[0]
+    assert calls["n"] == 4, f"layer 0 ran {calls['n']} times in 2 steps: one forward + one recompute each"
+
+
+def _generate_body() -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    factory = models.HF["llama"][0]
+    ref = factory()
+    model = BMTrainModelWrapper(copy.deepcopy(ref))
+    ids = models.token_ids(batch=1, seq=5)
+    cfg = GenerationConfig(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.inference_mode():
+        ours = model.generate(ids, generation_config=cfg)
+        theirs = ref.generate(ids, generation_config=cfg)
+    assert torch.equal(ours, theirs), (ours, theirs)
+    return ours.tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_generate_under_inference_mode(world_size: int) -> None:
+    results = run_distributed(_generate_body, world_size)
+    assert all(r == results[0] for r in results)
+
+
+def test_wrapper_needs_init_distributed() -> None:
+    import subprocess
+    import sys
+
+    code = ("import torch, bmt_wrap as bmt\n"
+            "try:\n    bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2))\n"
+            "except bmt.errors.NotInitializedError as e:\n    print('ok', 'init_distributed' in str(e))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok True", out.stderr
