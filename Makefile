@@ -1,0 +1,37 @@
+# Set-up and the project's two jobs. Both create .venv themselves.
+#   make demo   - install, then train a small GPT on 2 ranks with torchrun (gloo on CPU, NCCL on GPU)
+#   make test   - install, then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines get the CPU build of torch 2.13.0 (a plain `pip install torch` would pull several GB
+# of CUDA libraries); machines with an NVIDIA driver get the ordinary wheel.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13,<2.15,torch==2.13.0)
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
+
+.PHONY: demo test install-test install-examples clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(VENV)/bin/python
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	touch $@
+
+install-test: $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[test]"
+
+install-examples: $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[examples]"
+
+test: install-test
+	$(PY) -m pytest -q
+
+demo: install-examples
+	$(VENV)/bin/torchrun --nproc_per_node=2 examples/train_gpt.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
