@@ -1,0 +1,136 @@
+"""Distributed state: init_distributed, its helpers, errors before initialisation, the rank logger."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+from dist_harness import COMM_TIMEOUT, run_distributed
+
+import bmt_wrap as bmt
+from bmt_wrap.errors import InitError
+
+
+def _run_fresh(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                 "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=full_env)
+
+
+def test_single_process_needs_no_environment_or_port() -> None:
+    out = _run_fresh("import bmt_wrap as bmt, torch.distributed as d\n"
+                     "s = bmt.init_distributed(seed=3)\n"
+                     "print(s.rank, s.world_size, s.backend, d.is_initialized(), bmt.comm_stats())\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:4] == ["0", "1", "gloo", "True"]
+
+
+def test_calling_distributed_functions_before_init_names_the_fix() -> None:
+    out = _run_fresh("import bmt_wrap as bmt\n"
+                     "for f in (bmt.rank, bmt.world_size, bmt.barrier, bmt.comm_stats):\n"
+                     "    try:\n        f()\n    except bmt.errors.NotInitializedError as e:\n"
+                     "        print('init_distributed' in str(e))\n")
+    assert out.stdout.split() == ["True"] * 4, out.stderr
+
+
+def test_bad_environment_is_refused() -> None:
+    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed()\n"
+                     "except bmt.errors.InitError as e:\n    print('MASTER_ADDR' in str(e))\n",
+                     env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert out.stdout.strip() == "True", out.stderr
+    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed(backend='mpi')\n"
+                     "except bmt.errors.InitError as e:\n    print('unknown backend' in str(e))\n")
+    assert out.stdout.strip() == "True", out.stderr
+    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed(backend='nccl')\n"
+                     "except bmt.errors.InitError as e:\n    print('CUDA' in str(e))\n")
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def _reinit_body() -> None:
+    state = bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT)  # same arguments: harmless
+    assert state is bmt.get_state()
+    with pytest.raises(InitError, match="already called"):
+        bmt.init_distributed(seed=1, backend="gloo", timeout=COMM_TIMEOUT)
+
+
+def test_init_twice_same_arguments_is_harmless_different_raises() -> None:
+    run_distributed(_reinit_body, 2)
+
+
+def _helpers_body() -> dict:
+    n, r = bmt.world_size(), bmt.rank()
+    assert bmt.local_rank() == r and bmt.is_initialized()
+    loss = torch.tensor(float(r + 1))
+    mean = bmt.sum_loss(loss)
+    assert torch.equal(mean, torch.tensor(sum(range(1, n + 1)) / n))
+    bmt.synchronize()
+    bmt.barrier()
+    # every rank seeded alike: identical draws
+    from bmt_wrap.distributed import seed_everything
+
+    seed_everything(7)
+    draw = torch.rand(3)
+    everyone = torch.zeros(n, 3)
+    everyone[r] = draw
+    bmt.get_state().comm.all_reduce(everyone.view(-1))
+    assert all(torch.equal(everyone[0], everyone[k]) for k in range(n))
+    return {"timeout": bmt.get_state().timeout == timedelta(seconds=60)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_helpers(world_size: int) -> None:
+    assert all(r["timeout"] for r in run_distributed(_helpers_body, world_size))
+
+
+def _print_rank_body(caplog_level: int) -> list[str]:
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(self.format(record))
+
+    from bmt_wrap.log import get_logger
+
+    logger = get_logger()
+    handler = Grab()
+    handler.setFormatter(logger.handlers[0].formatter)
+    handler.addFilter(logger.handlers[0].filters[0])
+    logger.addHandler(handler)
+    try:
+        bmt.print_rank("hello", 42, rank=1)
+        logger.warning("everyone")
+    finally:
+        logger.removeHandler(handler)
+    return records
+
+
+def test_print_rank_and_logger_prefix_the_rank() -> None:
+    results = run_distributed(_print_rank_body, 2, logging.INFO)
+    assert results[0] == ["[rank 0] everyone"]
+    assert results[1] == ["[rank 1] hello 42", "[rank 1] everyone"]
+
+
+def test_cupy_backend_imports_without_a_gpu() -> None:
+    from bmt_wrap.runtime.comm import CupyNcclCommunicator, cupy_available
+
+    assert CupyNcclCommunicator.backend_name == "cupy-nccl"
+    if not torch.cuda.is_available():
+        assert cupy_available() is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CuPy NCCL backend)")
+def test_cupy_backend_collectives_on_gpu() -> None:
+    out = _run_fresh("import torch, bmt_wrap as bmt\n"
+                     "s = bmt.init_distributed(backend='cupy')\n"
+                     "x = torch.arange(8., device='cuda'); o = torch.empty(8, device='cuda')\n"
+                     "s.comm.all_gather_into(o, x); s.comm.all_reduce(x); torch.cuda.synchronize()\n"
+                     "print(bool(torch.equal(o, torch.arange(8., device='cuda'))))\n")
+    assert out.stdout.strip() == "True", out.stderr
