@@ -5,7 +5,7 @@
     model = bmt.BMTrainModelWrapper(model)
 """
 
-from . import errors, passes
+from . import errors, inspect, passes
 from .apply_plan import is_wrapped
 from .block import Block, CheckpointBlock, TransformerBlockList
 from .distributed import (
@@ -24,6 +24,7 @@ from .distributed import (
 )
 from .gathered import gathered
 from .init import init_parameters
+from .inspect import see_memory
 from .mixed_precision import MixedPrecision
 from .module import DistributedModule
 from .plan import WrapPlan
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
     "MixedPrecision", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier", "comm_stats", "errors",
-    "gathered", "get_state", "init_distributed", "init_parameters", "is_initialized", "is_wrapped",
-    "local_rank", "passes", "print_rank", "rank", "reset_comm_stats", "sum_loss", "synchronize", "world_size",
-    "wrap",
+    "gathered", "get_state", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped",
+    "local_rank", "passes", "print_rank", "rank", "reset_comm_stats", "see_memory", "sum_loss", "synchronize",
+    "world_size", "wrap",
 ]

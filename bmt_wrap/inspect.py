@@ -1,0 +1,161 @@
+"""Inspection tools (BMTrain's ``bmt.inspect``): per-parameter statistics of a sharded model, and memory per rank.
+
+``inspect_model`` is a collective: every rank must call it with the same ``pattern``. Statistics of a
+sharded parameter are reduced from each rank's slice (count, sum, min, max, then the squared deviations
+from the global mean) instead of gathering the full tensor, so they cost a few small all-reduces for the
+whole model and no parameter-sized memory; they equal those of the unsharded tensor.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import resource
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed
+from .log import get_logger
+from .optim.sharding import is_sharded
+
+STAT_KEYS = ("mean", "std", "min", "max")
+
+
+def _local_slices(p: torch.Tensor, mine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's contribution (values, gradient) to ``p``'s statistics, flattened, fp32 or wider."""
+    empty = p.detach().new_empty(0, dtype=torch.float32)
+    if not mine:  # a replicated parameter counts once: rank 0 contributes it
+        return empty, None if p.grad is None else empty
+    values = p.detach().reshape(-1)
+    grad = None if p.grad is None else p.grad.detach().reshape(-1)
+    return values, grad
+
+
+def _partials(x: torch.Tensor | None) -> list[float]:
+    """[has, count, sum, max, -min] of one local slice (neutral elements when empty or absent)."""
+    if x is None:
+        return [0.0, 0.0, 0.0, float("-inf"), float("-inf")]
+    if x.numel() == 0:
+        return [1.0, 0.0, 0.0, float("-inf"), float("-inf")]
+    return [1.0, float(x.numel()), float(torch.sum(x, dtype=torch.float64)),
+            float(x.max()), float(-x.min())]
+
+
+def _device() -> torch.device:
+    state = distributed.current_state()
+    return state.device if state is not None else torch.device("cpu")
+
+
+def _reduce(values: list[list[float]], width: int, op: str) -> torch.Tensor:
+    """One all-reduce of a [rows x width] table across ranks (no communication in a single process)."""
+    t = torch.tensor(values, dtype=torch.float64, device=_device()).reshape(len(values), width)
+    if distributed.is_initialized() and distributed.world_size() > 1 and t.numel():
+        flat = t.reshape(-1).contiguous()
+        distributed.comm().all_reduce(flat, op, label="inspect_model")
+        t = flat.reshape(t.shape)
+    return t.cpu()
+
+
+def _stats(sums: torch.Tensor, extremes: torch.Tensor, sq: torch.Tensor, i: int) -> dict[str, float] | None:
+    has, count, total = sums[i].tolist()
+    if has == 0:
+        return None
+    if count == 0:
+        return {k: float("nan") for k in STAT_KEYS}
+    mean = total / count
+    # torch.std's default (Bessel-corrected) so numbers match ``p.std()`` on the unsharded tensor.
+    std = (float(sq[i]) / (count - 1)) ** 0.5 if count > 1 else float("nan")
+    return {"mean": mean, "std": std, "min": -float(extremes[i, 1]), "max": float(extremes[i, 0])}
+
+
+def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
+    """Mean/std/min/max of every parameter (and its gradient) whose name matches ``pattern`` (fnmatch).
+
+    Returns one dict per parameter: ``name``, ``shape`` (the full shape), ``mean``, ``std``, ``min``,
+    ``max`` and ``grad_mean``, ``grad_std``, ``grad_min``, ``grad_max`` (None without a gradient).
+    A collective: call it on every rank. Print it with ``format_summary``.
+    """
+    rank0 = not distributed.is_initialized() or distributed.rank() == 0
+    names, shapes, slices = [], [], []
+    for name, p in model.named_parameters():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        sharded = is_sharded(p)
+        names.append(name)
+        shapes.append(tuple(p.full_shape) if sharded else tuple(p.shape))
+        slices.extend(_local_slices(p, sharded or rank0))
+    parts = [_partials(x) for x in slices]
+    sums = _reduce([q[:3] for q in parts], 3, "sum")
+    extremes = _reduce([q[3:] for q in parts], 2, "max")
+    # Second pass: squared deviations from the global mean (exact, unlike sum-of-squares minus mean²).
+    sq_local = []
+    for i, x in enumerate(slices):
+        has, count, total = sums[i].tolist()
+        mean = total / count if count else 0.0
+        sq_local.append([0.0 if x is None or x.numel() == 0 else
+                         float(torch.sum((x.float() - mean).square(), dtype=torch.float64))])
+    sq = _reduce(sq_local, 1, "sum").reshape(-1)
+    summary = []
+    for j, (name, shape) in enumerate(zip(names, shapes)):
+        row: dict[str, Any] = {"name": name, "shape": shape}
+        values, grads = _stats(sums, extremes, sq, 2 * j), _stats(sums, extremes, sq, 2 * j + 1)
+        row.update(values or {k: float("nan") for k in STAT_KEYS})
+        row.update({f"grad_{k}": None if grads is None else grads[k] for k in STAT_KEYS})
+        summary.append(row)
+    return summary
+
+
+def format_summary(summary: list[dict[str, Any]]) -> str:
+    """``inspect_model``'s result as an aligned text table."""
+    cols = ["name", "shape", *STAT_KEYS, *(f"grad_{k}" for k in STAT_KEYS)]
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3e}"
+        if isinstance(v, tuple):
+            return "x".join(map(str, v)) or "scalar"
+        return str(v)
+
+    rows = [[cell(r[c]) for c in cols] for r in summary]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    return "\n".join(lines)
+
+
+def memory_stats() -> dict[str, Any]:
+    """This rank's memory, no communication: CUDA allocated/peak bytes on GPU, else resident set size."""
+    state = distributed.current_state()
+    if state is not None and state.device.type == "cuda":
+        return {"kind": "cuda", "current": torch.cuda.memory_allocated(state.device),
+                "peak": torch.cuda.max_memory_allocated(state.device),
+                "reserved": torch.cuda.memory_reserved(state.device)}
+    with open("/proc/self/statm") as f:
+        current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # ru_maxrss is in KiB on Linux, and the kernel updates its high-water mark lazily: it can trail statm.
+    peak = max(current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"kind": "rss", "current": current, "peak": peak, "reserved": None}
+
+
+def see_memory(message: str = "") -> list[dict[str, Any]]:
+    """Print every rank's memory (CUDA or RSS) from rank 0 and return it; a collective when distributed."""
+    mine = memory_stats()
+    ranks, me = (distributed.world_size(), distributed.rank()) if distributed.is_initialized() else (1, 0)
+    table = [[0.0, 0.0, 0.0] for _ in range(ranks)]
+    table[me] = [float(mine["current"]), float(mine["peak"]), float(mine["reserved"] or 0)]
+    rows = _reduce(table, 3, "sum").tolist()
+    per_rank = [{"rank": r, "kind": mine["kind"], "current": int(c), "peak": int(p),
+                 "reserved": int(v) if mine["kind"] == "cuda" else None} for r, (c, p, v) in enumerate(rows)]
+    if me == 0:
+        head = f"memory{f' ({message})' if message else ''}, {mine['kind']}:"
+        lines = [head] + [f"  rank {m['rank']}: {m['current'] / 2**30:.2f} GiB now, {m['peak'] / 2**30:.2f} GiB peak"
+                          + (f", {m['reserved'] / 2**30:.2f} GiB reserved" if m["reserved"] is not None else "")
+                          for m in per_rank]
+        get_logger().info("\n".join(lines))
+    return per_rank
