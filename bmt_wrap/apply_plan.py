@@ -45,6 +45,9 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
         raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
                         "(BMTrainModelWrapper returns the same object, changed in place)")
     plan.validate()
+    if plan.resident:
+        raise PlanError(f"the plan keeps {len(plan.resident)} parameter(s) resident (unsharded), which this "
+                        f"version cannot execute yet: {plan.resident[:3]}. Empty plan.resident to shard them.")
     sites = param_sites(model)
     check_single_device(sites, type(model).__name__)
     _check_plan_covers(model, plan, sites)

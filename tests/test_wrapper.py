@@ -200,3 +200,54 @@ def test_wrapper_needs_init_distributed() -> None:
             "except bmt.errors.NotInitializedError as e:\n    print('ok', 'init_distributed' in str(e))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok True", out.stderr
+
+
+def _rank0_values_body() -> bool:
+    torch.manual_seed(100 + bmt.rank())  # ranks build different weights on purpose
+    model = models.ToyGPT()
+    buf = torch.full((3,), float(bmt.rank()))
+    model.register_buffer("marker", buf)
+    model = BMTrainModelWrapper(model)
+    torch.manual_seed(100)
+    expected = models.ToyGPT().state_dict()
+    got = model.state_dict()
+    assert torch.equal(got["marker"], torch.zeros(3)), "buffers come from rank 0"
+    return all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_parameters_and_buffers_are_broadcast_from_rank_zero() -> None:
+    assert run_distributed(_rank0_values_body, 2) == [True, True]
+
+
+def _budget_body() -> dict:
+    factory, inputs, _ = models.TOY["toy_gpt"]
+    args, _ = inputs()
+    batch = tuple(torch.cat([a] * 2) for a in args)
+    wrapped = {}
+
+    def wrap(m):
+        wrapped["m"] = BMTrainModelWrapper(m, example_inputs=(tuple(a.chunk(2)[0] for a in batch), {}),
+                                           memory_budget=2**40)
+        return wrapped["m"]
+
+    train_side_by_side(factory, wrap, [batch] * 3, optimizer="sgd",
+                       loss_fn=lambda model, *xs: model(*xs).float().pow(2).mean())
+    plan = wrapped["m"].plan
+    return {"checkpointed": [g.checkpoint for g in plan.blocks()], "depth": plan.prefetch_depth}
+
+
+def test_generous_memory_budget_keeps_activations_and_deepens_prefetch() -> None:
+    r = run_distributed(_budget_body, 2)[0]
+    assert not any(r["checkpointed"]) and r["depth"] >= 2, r
+
+
+def _resident_body() -> None:
+    factory = models.TOY["toy_gpt"][0]
+    plan = BMTrainModelWrapper(factory()).plan
+    plan.resident = [plan.groups[0].buffers[0].slots[0].fqn]
+    with pytest.raises(PlanError, match="resident"):
+        BMTrainModelWrapper(factory(), plan=plan)
+
+
+def test_resident_parameters_are_refused_clearly() -> None:
+    run_distributed(_resident_body, 1)
