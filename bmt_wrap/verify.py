@@ -90,7 +90,7 @@ def verify(model: nn.Module, reference: nn.Module, batches: Iterable[Any],
         diffs = torch.tensor([0.0, _max_diff(model, reference, grads=True), 0.0], dtype=torch.float64)
         mean = loss.detach().double().reshape(1).clone()
         comm.all_reduce(mean, "avg", label="verify loss")
-        diffs[0] = abs(float(mean) - float(ref_loss))
+        diffs[0] = abs(float(mean) - float(ref_loss.detach()))
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()

@@ -43,7 +43,7 @@ class Engine:
         self.device = device
         self.pool = BufferPool()
         self.prefetcher: Prefetcher[ShardGroup] = Prefetcher(prefetch_depth)
-        self.reducer = GradReducer(comm, self.pool)
+        self.reducer = GradReducer(comm, self.pool, device)
         self.reducer.on_finalize.append(self._end_backward)
         self.groups: list[ShardGroup] = []
         self.in_forward = False

@@ -45,6 +45,7 @@ class GradReducer:
 
     comm: Communicator
     pool: BufferPool
+    device: torch.device = torch.device("cpu")  # where the communicator takes tensors (NCCL: the GPU)
     on_finalize: list[Callable[[], None]] = field(default_factory=list)
     _pending: deque = field(default_factory=deque)
     _touched: dict[int, _Touched] = field(default_factory=dict)
@@ -112,13 +113,14 @@ class GradReducer:
             self.wait_all()
             touched = list(self._touched.values())
             if touched:
-                mask = torch.tensor([u for t in touched for u in t.used], dtype=torch.float32)
+                mask = torch.tensor([u for t in touched for u in t.used], dtype=torch.float32, device=self.device)
                 if self.comm.world_size > 1:
                     self.comm.all_reduce(mask, "max", label="used-parameter mask")
+                used = (mask > 0).tolist()
                 pos = 0
                 for t in touched:
                     for i, p in enumerate(t.buffer.params):
-                        if mask[pos] > 0 or t.had_grad[i]:
+                        if used[pos] or t.had_grad[i]:
                             view = t.buffer.grad_view(i)
                             if p.grad is None or not _is_view_of(p.grad, view):
                                 p.grad = view
