@@ -5,7 +5,7 @@
     model = bmt.BMTrainModelWrapper(model)
 """
 
-from . import errors, inspect, passes
+from . import errors, inspect, loss, lr_scheduler, optim, passes
 from .apply_plan import is_wrapped
 from .block import Block, CheckpointBlock, TransformerBlockList
 from .distributed import (
@@ -38,6 +38,6 @@ __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
     "MixedPrecision", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier", "comm_stats", "errors",
     "gathered", "get_state", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped",
-    "local_rank", "passes", "print_rank", "rank", "reset_comm_stats", "see_memory", "sum_loss", "synchronize",
-    "world_size", "wrap",
+    "local_rank", "loss", "lr_scheduler", "optim", "passes", "print_rank", "rank", "reset_comm_stats",
+    "see_memory", "sum_loss", "synchronize", "world_size", "wrap",
 ]
