@@ -56,6 +56,20 @@ class FlatBuffer:
         shard = torch.zeros(numel, dtype=to_dtype(spec.dtype), device=device)
         return cls(spec, group_name, rank, world_size, shard)
 
+    @torch.no_grad()
+    def materialize(self, device: torch.device | str) -> None:
+        """Give a meta shard real, zeroed storage on ``device``; the parameter objects stay, re-pointed at it."""
+        if not self.shard.is_meta:
+            return
+        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges)):
+            fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad, p.fqn, p.full_shape)
+            # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them.
+            fresh.__dict__.update(p.__dict__)
+            # Optimizers, modules and tied aliases hold p itself: swap its storage, not the object.
+            torch.utils.swap_tensors(p, fresh)
+        self.shard = shard
+
     # ---- moving data between full tensors and this rank's shard ----------------------------------
     def slot_source_range(self, i: int) -> tuple[int, int]:
         """``[start, end)`` inside the flattened original parameter that this rank's slice covers."""

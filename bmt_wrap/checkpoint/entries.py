@@ -1,0 +1,119 @@
+"""What a checkpoint holds for a model: one entry per tensor of its ``state_dict``, tied aliases merged.
+
+Found from ``model.state_dict(keep_vars=True)``, which never communicates (sharded parameters come back
+as themselves), so keys, their order and any state-dict hooks are exactly plain torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..runtime.flat_buffer import FlatBuffer
+from ..runtime.param import DistributedParameter
+from .formats import TensorSpec
+
+
+@dataclass
+class Entry:
+    """One tensor of the model under every ``state_dict`` key that holds it (canonical name first)."""
+
+    names: list[str]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    param: DistributedParameter | None = None  # sharded: this rank's slice
+    value: torch.Tensor | None = None  # replicated: every rank holds the whole tensor
+
+    @property
+    def name(self) -> str:
+        """The canonical name."""
+        return self.names[0]
+
+    @property
+    def buffer(self) -> FlatBuffer | None:
+        """The flat buffer of a sharded entry."""
+        return self.param._bmt_buffer if self.param is not None else None
+
+    def specs(self) -> list[TensorSpec]:
+        """One file tensor per name: aliases are written as plain torch writes them, each in full."""
+        return [TensorSpec(n, self.dtype, self.shape) for n in self.names]
+
+    def local(self) -> torch.Tensor:
+        """This rank's part, flattened: the slice of a sharded entry, the whole of a replicated one."""
+        if self.param is not None:
+            return self.param.detach()
+        assert self.value is not None
+        return self.value.detach().reshape(-1)
+
+    def local_range(self) -> tuple[int, int]:
+        """``[start, end)`` of the flattened full tensor that ``local()`` holds."""
+        if self.param is not None:
+            return self.param._bmt_buffer.slot_source_range(self.param._bmt_slot)
+        return 0, self.numel
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full tensor."""
+        return math.prod(self.shape)
+
+    @torch.no_grad()
+    def assign(self, flat: torch.Tensor) -> None:
+        """Set this rank's part from ``flat`` (``local_range()``'s elements), materialising a meta tensor."""
+        if self.param is not None:
+            self.param.detach().copy_(flat)
+            return
+        assert self.value is not None
+        if self.value.is_meta:
+            # Swap storage into the same object: aliases and optimizers keep referring to it.
+            real = flat.reshape(self.shape).to(self.value.dtype, copy=True)
+            if isinstance(self.value, nn.Parameter):
+                real = type(self.value)(real, requires_grad=self.value.requires_grad)
+            torch.utils.swap_tensors(self.value, real)
+        else:
+            self.value.copy_(flat.reshape(self.shape))
+
+
+def model_entries(model: nn.Module) -> list[Entry]:
+    """Every tensor in ``model``'s state dict, in state-dict order; tied aliases share one entry."""
+    by_id: dict[int, Entry] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"state dict key {name!r} holds a {type(t).__name__} (a module's extra state); "
+                                  "bmt_wrap checkpoints hold tensors only: keep that state in extra=")
+        entry = by_id.get(id(t))
+        if entry is not None:
+            entry.names.append(name)
+        elif isinstance(t, DistributedParameter):
+            by_id[id(t)] = Entry([name], tuple(t.full_shape), t.dtype, param=t)
+        else:
+            by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
+    return list(by_id.values())
+
+
+def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]], list[Entry]]:
+    """Sharded entries grouped by flat buffer (first-seen order, slot order inside), and replicated ones."""
+    groups: dict[int, tuple[FlatBuffer, list[Entry]]] = {}
+    replicated = []
+    for e in entries:
+        if e.buffer is None:
+            replicated.append(e)
+        else:
+            groups.setdefault(id(e.buffer), (e.buffer, []))[1].append(e)
+    for _, members in groups.values():
+        members.sort(key=lambda e: e.param._bmt_slot)  # type: ignore[union-attr]
+    return list(groups.values()), replicated
+
+
+def materialize(entries: list[Entry], device: torch.device) -> None:
+    """Give every meta flat buffer of ``entries`` real (zeroed) storage."""
+    for buffer, _ in by_buffer(entries)[0]:
+        buffer.materialize(device)
+
+
+def meta_names(entries: list[Entry]) -> list[str]:
+    """Names of entries still on the meta device."""
+    return [e.name for e in entries if (e.param if e.param is not None else e.value).is_meta]  # type: ignore[union-attr]

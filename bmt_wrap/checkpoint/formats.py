@@ -1,0 +1,216 @@
+"""File formats: a streaming safetensors writer, a ``torch.save`` writer, and readers of flattened ranges.
+
+Readers expose one operation, ``read(name, start, end)``: elements ``[start, end)`` of the flattened
+tensor, touching only the rows that hold them (safetensors ``get_slice``; ``torch.load(mmap=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+from .atomic import AtomicFile
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+TORCH_SUFFIXES = (".pt", ".bin", ".pth")
+
+
+def file_format(path: Path) -> str:
+    """``"safetensors"`` or ``"torch"``, from the file name's suffix."""
+    if path.suffix == ".safetensors":
+        return "safetensors"
+    if path.suffix in TORCH_SUFFIXES:
+        return "torch"
+    raise CheckpointError(f"{path}: unknown checkpoint format {path.suffix!r}; name the file *.safetensors "
+                          f"(streamed, recommended) or one of {', '.join('*' + s for s in TORCH_SUFFIXES)}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor in a file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (copied to the CPU only when it is elsewhere)."""
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+class SafetensorsWriter:
+    """Streams a safetensors file: the header first (every offset is known from the specs), then the
+    tensors in spec order, so no more than the tensor being written needs to be in memory."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata}
+        pos = 0
+        for s in specs:
+            if s.dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path}: tensor {s.name!r} has dtype {s.dtype}, which safetensors cannot "
+                                      "store; save to a .pt file instead")
+            header[s.name] = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape),
+                              "data_offsets": [pos, pos + s.nbytes]}
+            pos += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+        self.specs = specs
+        self._next = 0
+        self.out = AtomicFile(path)
+        self.out.write(struct.pack("<Q", len(raw)) + raw)
+
+    def put(self, names: list[str], tensor: torch.Tensor) -> None:
+        """Write ``tensor`` under each of ``names`` (the next specs, in order)."""
+        data = tensor_bytes(tensor)
+        for name in names:
+            spec = self.specs[self._next]
+            assert spec.name == name and len(data) == spec.nbytes, (spec, name, len(data))
+            self.out.write(data)
+            self._next += 1
+
+    def commit(self) -> int:
+        """Finish the file (atomically); returns its size."""
+        assert self._next == len(self.specs), "not every tensor was written"
+        return self.out.commit()
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        self.out.abort()
+
+
+class TorchWriter:
+    """Collects full tensors and writes them with ``torch.save`` at the end: the whole state is in memory
+    on the writing rank (use .safetensors to stream instead)."""
+
+    def __init__(self, path: Path, order: list[str]) -> None:
+        self.order = order
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.out = AtomicFile(path)  # opened now: an unwritable destination fails before anything is gathered
+
+    def put(self, names: list[str], tensor: torch.Tensor) -> None:
+        """Keep a CPU copy of ``tensor`` under each of ``names`` (one copy: aliases share it, as in torch)."""
+        copy = tensor.detach().to("cpu", copy=True)
+        for name in names:
+            self.tensors[name] = copy
+
+    def commit(self) -> int:
+        """Write the file (atomically); returns its size."""
+        assert self.out.file is not None
+        try:
+            torch.save({n: self.tensors[n] for n in self.order}, self.out.file)
+        except RuntimeError as exc:  # torch's zip writer reports the failed write() of the file object so
+            raise CheckpointError(f"cannot write {self.out.path}: {exc} — check free space and file size limits "
+                                  "(`ulimit -f`), or choose another destination") from exc
+        return self.out.commit()
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        self.out.abort()
+
+
+# ---- readers ---------------------------------------------------------------------------------------------
+class Source(Protocol):
+    """A checkpoint file opened for reading parts of tensors."""
+
+    path: Path
+
+    def keys(self) -> list[str]:
+        """Every tensor name in the file."""
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of ``name``."""
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name`` (1-D)."""
+
+
+class SafetensorsSource:
+    """A safetensors file, memory-mapped; reads touch only the rows they need."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = safe_open(str(path), framework="pt", device="cpu")
+        self.metadata: dict[str, str] = self._file.metadata() or {}
+
+    def keys(self) -> list[str]:
+        """Every tensor name in the file."""
+        return list(self._file.keys())
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of ``name``."""
+        sl = self._file.get_slice(name)
+        dtype = sl.get_dtype()
+        if dtype not in _TORCH_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {dtype}, which bmt_wrap does not load")
+        return tuple(sl.get_shape()), _TORCH_DTYPES[dtype]
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name``: whole rows are read, then cut."""
+        shape, dtype = self.info(name)
+        if end <= start:
+            return torch.empty(0, dtype=dtype)
+        if not shape:
+            return self._file.get_tensor(name).reshape(-1)[start:end]
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-end // row)
+        rows = self._file.get_slice(name)[first:last]
+        return rows.reshape(-1)[start - first * row:end - first * row]
+
+
+class TorchSource:
+    """A ``torch.save``'d state dict, memory-mapped (zip format), so reads touch only the pages they need."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of tensors: pass a "
+                                  "file written by bmt.save or torch.save(model.state_dict())")
+        self._state: dict[str, torch.Tensor] = state
+
+    def keys(self) -> list[str]:
+        """Every tensor name in the file."""
+        return list(self._state)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of ``name``."""
+        t = self._state[name]
+        return tuple(t.shape), t.dtype
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name``."""
+        return self._state[name].reshape(-1)[start:end]
+
+
+def open_source(path: Path) -> Source:
+    """Open a checkpoint file for reading; any failure is a ``CheckpointError`` naming the file."""
+    kind = file_format(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist or is not a file: check the path")
+    try:
+        return SafetensorsSource(path) if kind == "safetensors" else TorchSource(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse failure means the same thing: not a usable file
+        raise CheckpointError(f"{path} is not a readable {kind} file ({type(exc).__name__}: {exc}); it may be "
+                              "truncated, corrupted or of another format: save it again") from exc
