@@ -1,13 +1,22 @@
-"""The benchmarks' parameter-heavy toy GPT (8 blocks x d_model 1024, seq 32, vocab 8192: ~118M params)."""
+"""The benchmarks' parameter-heavy toy GPT (8 blocks x d_model 1024, seq 32, vocab 8192: ~118M params),
+as a plain module and written against BMTrain's explicit API (same parameter names, same computation)."""
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import bmt_wrap as bmt
+
+# The explicit model uses the BMTrain-style layers of examples/bmtrain_style.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from bmtrain_style import Embedding, Layernorm, Linear  # noqa: E402
 
 
 @dataclass
@@ -68,6 +77,22 @@ class ToyGPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class ToyGPTExplicit(bmt.DistributedModule):
+    """The toy GPT as a BMTrain user writes it: DistributedModule layers at the root, CheckpointBlocks."""
+
+    forward = ToyGPT.forward
+
+    def __init__(self, cfg: ToyGPTConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or ToyGPTConfig()
+        self.cfg = cfg
+        self.wte = Embedding(cfg.vocab, cfg.d_model)
+        self.wpe = Embedding(cfg.seq, cfg.d_model)
+        self.blocks = bmt.TransformerBlockList([bmt.CheckpointBlock(Block(cfg)) for _ in range(cfg.n_layers)])
+        self.ln_f = Layernorm(cfg.d_model)
+        self.head = Linear(cfg.d_model, cfg.vocab, bias=False)
 
 
 def token_batches(cfg: ToyGPTConfig, steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,74 @@
+"""The benchmark table (text, the README's format) and its plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MB = 1e6
+GIB = 2**30
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / MB:.1f} MB"
+
+
+def format_table(rows: list[dict], setup: dict[str, Any]) -> str:
+    """A Markdown table: one line per system, ratios to FSDP2, communication beside its bounds."""
+    head = (f"{setup['describe']}, {setup['params'] / 1e6:.1f}M params, {setup['world_size']} ranks, "
+            f"batch {setup['batch_per_rank']}/rank x seq {setup['seq']}, {setup['steps']} steps x "
+            f"{setup['rounds']} rounds after {setup['warmup']} warm-up, OMP_NUM_THREADS={setup['OMP_NUM_THREADS']}, "
+            f"MALLOC_MMAP_THRESHOLD_={setup['MALLOC_MMAP_THRESHOLD_']}")
+    cols = ["system", "step s: median (min-max)", "time vs FSDP2", "peak RSS/rank", "RSS vs FSDP2",
+            "comm/step", "ZeRO-3 bound", "comm vs bound", "plan predicts", "comm vs plan", "final loss",
+            "max Δloss vs single"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        diff = r["max_loss_diff_vs_single"]
+        ours = r["comm_bytes"] is not None
+        cells = [r["system"], f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f})", _ratio(r["time_vs_fsdp2"]),
+                 f"{r['peak_rss'] / GIB:.2f} GiB", _ratio(r["rss_vs_fsdp2"]), _mb(r["comm_bytes"]),
+                 _mb(r["zero3_bound"]) if ours else "-", _ratio(r["comm_vs_bound"]), _mb(r["plan_comm_bytes"]),
+                 _ratio(r["comm_vs_plan"]), f"{r['loss']:.4f}", "-" if diff is None else f"{diff:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"command: {setup['command']}"]
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict], setup: dict[str, Any]) -> None:
+    """Print ``format_table``."""
+    print(format_table(rows, setup))
+
+
+def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:
+    """Step time (median, min-max whiskers), peak RSS per rank, and communication against the bounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    med = [r["median_s"] for r in rows]
+    err = [[m - r["min_s"] for m, r in zip(med, rows)], [r["max_s"] - m for m, r in zip(med, rows)]]
+    axes[0].bar(names, med, yerr=err, capsize=4, color="tab:blue")
+    axes[0].set_ylabel("step time, s (median, min-max)")
+    axes[1].bar(names, [r["peak_rss"] / GIB for r in rows], color="tab:orange")
+    axes[1].set_ylabel("peak RSS per rank, GiB")
+    ours = [r for r in rows if r["comm_bytes"] is not None]
+    if ours:
+        x = range(len(ours))
+        axes[2].bar([i - 0.27 for i in x], [r["comm_bytes"] / MB for r in ours], 0.27, label="measured")
+        axes[2].bar(list(x), [(r["plan_comm_bytes"] or 0) / MB for r in ours], 0.27, label="plan predicts")
+        axes[2].bar([i + 0.27 for i in x], [r["zero3_bound"] / MB for r in ours], 0.27, label="ZeRO-3 bound")
+        axes[2].set_xticks(list(x), [r["system"] for r in ours])
+        axes[2].legend(loc="lower center", fontsize=8)
+    axes[2].set_ylabel("communicated MB per step")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{setup['describe']}, {setup['world_size']} ranks", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

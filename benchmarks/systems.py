@@ -1,0 +1,87 @@
+"""How each benchmarked system takes the same freshly built model: one function per system.
+
+Each returns the model to train (possibly a wrapper object) and, for bmt_wrap's wrapper, the plan whose
+estimates the report sets beside the measured communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from workloads import Workload
+
+import bmt_wrap as bmt
+
+
+def single(model: nn.Module, wl: Workload) -> nn.Module:
+    """Plain PyTorch in one process (it trains on the whole global batch)."""
+    return model
+
+
+def ddp(model: nn.Module, wl: Workload) -> nn.Module:
+    """torch DistributedDataParallel: every rank holds everything, gradients all-reduced."""
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def fsdp2(model: nn.Module, wl: Workload) -> nn.Module:
+    """``torch.distributed.fsdp.fully_shard`` on every block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in wl.block_list(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def fsdp1(model: nn.Module, wl: Workload) -> nn.Module:
+    """``FullyShardedDataParallel`` with a transformer wrap policy on the block class."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    block_cls = type(wl.block_list(model)[0])
+    # device_id: FSDP1 refuses CPU-only machines unless told the device explicitly.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({block_cls}), use_orig_params=True,
+                                    device_id=device)
+
+
+def bmt_wrapper(model: nn.Module, wl: Workload) -> nn.Module:
+    """bmt_wrap's one-liner: blocks found, traced and planned automatically."""
+    return bmt.BMTrainModelWrapper(model)
+
+
+def bmt_explicit(model: nn.Module, wl: Workload) -> nn.Module:
+    """bmt_wrap's explicit API: the same model written BMTrain-style, loaded with the same weights."""
+    if wl.explicit is None:
+        raise SystemExit(f"bmt_explicit needs a model written for the explicit API; {wl.name} has none "
+                         "(it exists for toy-gpt)")
+    return wl.explicit(model)
+
+
+def bmt_engine(model: nn.Module, wl: Workload) -> nn.Module:
+    """bmt_wrap's engine with the blocks marked by hand (a plan built without the passes)."""
+    from bmt_wrap.apply_plan import apply_plan
+    from bmt_wrap.dtypes import dtype_name
+    from bmt_wrap.plan import ROOT, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+
+    names = [f"{wl.blocks}.{i}" for i in range(len(wl.block_list(model)))]
+    owner: dict[str, list[ParamInfo]] = {ROOT: [], **{b: [] for b in names}}
+    seen: dict[int, ParamInfo] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # a tied parameter's second name (GPT-2's head): the first placement holds it
+            seen[id(p)].aliases.append(fqn)
+            continue
+        seen[id(p)] = ParamInfo(fqn, list(p.shape), dtype_name(p.dtype), p.requires_grad)
+        owner[next((b for b in names if fqn.startswith(b + ".")), ROOT)].append(seen[id(p)])
+    groups = [ShardGroupSpec(name, layout_buffers(infos)) for name, infos in owner.items()]
+    return apply_plan(model, WrapPlan(groups=groups, prefetch_depth=1, order=names, capture="explicit"))
+
+
+SYSTEMS: dict[str, Callable[[nn.Module, Workload], nn.Module]] = {
+    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp1": fsdp1,
+    "bmt_explicit": bmt_explicit, "bmt_wrapper": bmt_wrapper, "bmt_engine": bmt_engine,
+}
+#: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
+OURS = ("bmt_explicit", "bmt_wrapper", "bmt_engine")

@@ -1,0 +1,84 @@
+"""One rank of one benchmarked system (run by ``torchrun``; the harness launches it): train, measure, write JSON.
+
+Every system builds the same seeded model, trains it on this rank's slice of the same global batches
+(the single-process system on the whole batch) with ``torch.optim.AdamW(fused=True)``, and times each
+step between barriers. Communication is read from ``bmt.comm_stats()`` around the step only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from systems import OURS, SYSTEMS
+from workloads import WORKLOADS
+
+import bmt_wrap as bmt
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _step_comm_bytes() -> int:
+    return sum(v["bytes"] for v in bmt.comm_stats().values())
+
+
+def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_batch: int) -> dict:
+    """Train ``steps + warmup`` steps; return this rank's measurements."""
+    bmt.init_distributed(seed=0)
+    rank, n = bmt.rank(), bmt.world_size()
+    wl = WORKLOADS[workload]
+    model = wl.build(seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # Ψ of the ZeRO-3 bound
+    model = SYSTEMS[system](model, wl)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times, losses, comm = [], [], []
+    for i, (idx, tgt) in enumerate(wl.batches(warmup + steps, global_batch, seq)):
+        rows = slice(None) if n == 1 else slice(rank * (global_batch // n), (rank + 1) * (global_batch // n))
+        _barrier()
+        bmt.reset_comm_stats()
+        t0 = time.perf_counter()
+        loss = wl.loss(model, idx[rows], tgt[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        step_bytes = _step_comm_bytes()
+        losses.append(float(bmt.sum_loss(loss.detach())))
+        if i >= warmup:
+            times.append(elapsed)
+            comm.append(step_bytes)
+    plan = getattr(model, "plan", None)
+    estimate = plan.estimates.get(str(n)) if plan is not None else None
+    return {"system": system, "rank": rank, "world_size": n, "params": n_params, "times": times, "losses": losses,
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,
+            "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes}
+
+
+def main() -> None:
+    """Parse the harness's arguments, run, write ``<out-dir>/<system>-<rank>.json``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", required=True, choices=list(SYSTEMS))
+    p.add_argument("--workload", required=True, choices=list(WORKLOADS))
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    result = run(args.system, args.workload, args.steps, args.warmup, args.seq, args.global_batch)
+    Path(args.out_dir, f"{args.system}-{result['rank']}.json").write_text(json.dumps(result))
+    _barrier()
+
+
+if __name__ == "__main__":
+    main()
