@@ -8,6 +8,7 @@
 from . import errors, inspect, loss, lr_scheduler, optim, passes
 from .apply_plan import is_wrapped
 from .block import Block, CheckpointBlock, TransformerBlockList
+from .checkpoint import load, load_checkpoint, save, save_checkpoint
 from .distributed import (
     barrier,
     comm_stats,
@@ -38,6 +39,6 @@ __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
     "MixedPrecision", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier", "comm_stats", "errors",
     "gathered", "get_state", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped",
-    "local_rank", "loss", "lr_scheduler", "optim", "passes", "print_rank", "rank", "reset_comm_stats",
-    "see_memory", "sum_loss", "synchronize", "world_size", "wrap",
+    "load", "load_checkpoint", "local_rank", "loss", "lr_scheduler", "optim", "passes", "print_rank", "rank",
+    "reset_comm_stats", "save", "save_checkpoint", "see_memory", "sum_loss", "synchronize", "world_size", "wrap",
 ]
