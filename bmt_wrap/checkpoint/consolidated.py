@@ -51,7 +51,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         for e in members:
             slot = buffer.spec.slots[e.param._bmt_slot]  # type: ignore[union-attr]
             if out is not None:
-                out.put(e.names, full[slot.offset:slot.offset + slot.numel])
+                out.put(e.names, full[slot.offset:slot.offset + slot.numel].view(e.shape))
         del full
     for e in replicated:
         if out is not None:

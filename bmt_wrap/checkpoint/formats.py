@@ -6,6 +6,7 @@ tensor, touching only the rows that hold them (safetensors ``get_slice``; ``torc
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
@@ -50,6 +51,13 @@ class TensorSpec:
     def nbytes(self) -> int:
         """Bytes of the tensor's data."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``obj`` serialised by ``torch.save``."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -115,12 +123,8 @@ class TorchWriter:
 
     def commit(self) -> int:
         """Write the file (atomically); returns its size."""
-        assert self.out.file is not None
-        try:
-            torch.save({n: self.tensors[n] for n in self.order}, self.out.file)
-        except RuntimeError as exc:  # torch's zip writer reports the failed write() of the file object so
-            raise CheckpointError(f"cannot write {self.out.path}: {exc} — check free space and file size limits "
-                                  "(`ulimit -f`), or choose another destination") from exc
+        # Serialised in memory first: torch's zip writer hides the OS error (errno) of a failed write.
+        self.out.write(torch_bytes({n: self.tensors[n] for n in self.order}))
         return self.out.commit()
 
     def abort(self) -> None:

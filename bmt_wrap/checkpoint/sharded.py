@@ -15,7 +15,7 @@ DTensor placements nor DCP's row-chunk planner express; safetensors files keep e
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import math
 import os
@@ -34,7 +34,7 @@ from . import optim_state, rng
 from .agree import agree
 from .atomic import make_dirs, os_errors, write_atomic
 from .entries import Entry, materialize, meta_names, model_entries
-from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec
+from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 
 METADATA = "metadata.json"
 FORMAT = "bmt_wrap.sharded"
@@ -106,7 +106,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     error, sizes = None, [0, 0]
     try:
         make_dirs(directory)
-        sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], _torch_bytes(rank_state))]
+        sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], torch_bytes(rank_state))]
     except CheckpointError as exc:
         error = str(exc)
     try:
@@ -129,7 +129,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         agree(error, what=f"save_checkpoint {directory}")
     except CheckpointError:
         for name in files:  # this save's files are orphans without its metadata: the previous save still rules
-            (directory / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # best effort: the error being raised already says what failed
+                (directory / name).unlink(missing_ok=True)
         raise
     if rank == 0:
         _remove_stale(directory, save_id)
@@ -145,12 +146,6 @@ def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
     except BaseException:
         writer.abort()
         raise
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def _manager_state(mgr: Any) -> dict[str, Any]:
