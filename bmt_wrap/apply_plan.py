@@ -16,6 +16,7 @@ from .block import CheckpointBlock, bind_block
 from .dtypes import to_dtype
 from .errors import PlanError, WrapError
 from .mixed_precision import MixedPrecision
+from .optim import clip_grad_norm_, install_grad_scaler_guard
 from .plan import WrapPlan
 from .runtime.engine import Engine, get_engine, storage_mode
 from .runtime.group import Location, ShardGroup
@@ -32,6 +33,10 @@ class WrappedModule(ShardedModuleMixin, nn.Module):
     plan: WrapPlan
     _bmt_root: ShardGroup | None
     _bmt_mp: MixedPrecision | None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
+        """Clip to the norm of the full gradient over every rank (what transformers' Trainer calls)."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -84,6 +89,8 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     model._bmt_mp = mixed_precision
     model.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
     model.register_forward_hook(_root_post_hook, always_call=True)
+    if engine.world_size > 1:
+        install_grad_scaler_guard()  # GradScaler would check inf/nan on this rank's slice only
     return model
 
 

@@ -251,3 +251,44 @@ def _resident_body() -> None:
 
 def test_resident_parameters_are_refused_clearly() -> None:
     run_distributed(_resident_body, 1)
+
+
+def _clip_body() -> float:
+    factory = models.TOY["toy_gpt"][0]
+    ref = factory()
+    model = BMTrainModelWrapper(copy.deepcopy(ref))
+    ids = models.token_ids(batch=4)
+    n, r = bmt.world_size(), bmt.rank()
+    ref(ids).float().pow(2).mean().backward()
+    model(ids.chunk(n)[r]).float().pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    got = model.clip_grad_norm_(0.01)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    from parity import compare_grads
+
+    compare_grads(ref, model, "after clipping")
+    return float(got)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_model_clip_grad_norm_matches_torch(world_size: int) -> None:
+    run_distributed(_clip_body, world_size)
+
+
+def _grad_scaler_body() -> str:
+    from bmt_wrap.errors import OptimizerError
+
+    model = BMTrainModelWrapper(models.TOY["toy_gpt"][0]())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(models.token_ids()).float().pow(2).mean()).backward()
+    try:
+        scaler.step(opt)
+    except OptimizerError as exc:
+        assert "OptimManager" in str(exc)
+        return "refused"
+    return "stepped"
+
+
+def test_grad_scaler_on_sharded_gradients_is_refused() -> None:
+    assert run_distributed(_grad_scaler_body, 2) == ["refused", "refused"]
