@@ -63,9 +63,10 @@ class GlooCommunicator(Communicator):
         self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the worker thread once queued ops are done."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker thread once queued ops are done (before the process group is destroyed)."""
         self._queue.put(None)
+        self._thread.join(timeout)
 
     # ---- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
