@@ -3,9 +3,9 @@
 The layers, the model and the training loop follow BMTrain's ``example/`` (layers/, models/gpt.py,
 train.py) line for line: ``DistributedModule`` layers owning ``DistributedParameter``s, each transformer
 layer a ``CheckpointBlock`` in a ``TransformerBlockList``, ``init_parameters``, ``AdamOffloadOptimizer``,
-a Noam schedule and ``OptimManager``. The data is a learnable toy task (each sequence repeats a random
-motif) so the loss visibly falls; BMTrain's example trains on pure noise. Defaults are small enough
-for 2 CPU ranks:
+a Noam schedule and ``OptimManager``. BMTrain's example trains on random tokens; this one reads the
+bytes of torch's Python sources as ``train_gpt.py`` does (so the loss visibly falls), keeping the
+example's random sequence lengths and padding masks. Defaults are small enough for 2 CPU ranks:
 
     torchrun --nproc_per_node=2 examples/bmtrain_style.py [--steps 60] [--save model.safetensors]
 """
@@ -13,6 +13,7 @@ for 2 CPU ranks:
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import bmt_wrap as bmt
+from train_gpt import batch_for_step, load_corpus  # the same corpus (examples/ is on sys.path when run)
 
 
 # ---- layers (BMTrain: example/layers/) ----------------------------------------------------------
@@ -42,8 +44,9 @@ class Embedding(bmt.DistributedModule):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None):
         super().__init__()
+        # std 0.02 rather than BMTrain's 1.0: with the tied head, unit-variance embeddings start at loss ~60.
         self.weight = bmt.DistributedParameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype),
-                                               init_method=torch.nn.init.normal_)
+                                               init_method=functools.partial(torch.nn.init.normal_, std=0.02))
 
     def forward(self, x: torch.Tensor, projection: bool = False) -> torch.Tensor:
         return F.linear(x, self.weight) if projection else F.embedding(x, self.weight)
@@ -80,7 +83,9 @@ class Attention(bmt.DistributedModule):
         k = self.project_k(hidden_kv).view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
         v = self.project_v(hidden_kv).view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
         score = (q @ k.transpose(-1, -2)) / math.sqrt(self.dim_head)
-        score = score.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(dim=-1)
+        blocked = ~mask.unsqueeze(1)
+        # Padding rows see no key at all: their all -inf softmax is NaN, so zero them after it (as BMTrain does).
+        score = score.masked_fill(blocked, float("-inf")).softmax(dim=-1).masked_fill(blocked, 0)
         out = (score @ v).transpose(1, 2).reshape(b, sq, self.num_heads * self.dim_head)
         return self.project_out(out)
 
@@ -137,30 +142,26 @@ class GPT(bmt.DistributedModule):
 
 
 # ---- training (BMTrain: example/train.py) -------------------------------------------------------
-def motif_batch(gen: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device):
-    """Sequences repeating a random motif of 4-8 tokens, random lengths, targets -100 past each length."""
-    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-    for row in tokens:
-        motif = torch.randint(1, vocab, (int(torch.randint(4, 9, (), generator=gen)),), generator=gen)
-        row.copy_(motif.repeat(seq // len(motif) + 2)[:seq + 1])
+def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, device: torch.device):
+    """This rank's byte windows for ``step``, each cut to a random length; targets -100 past each length."""
+    enc_input, targets = batch_for_step(corpus, step, 0, batch * bmt.world_size(), seq, bmt.rank(), bmt.world_size())
+    gen = torch.Generator().manual_seed(step * bmt.world_size() + bmt.rank())
     length = torch.randint(seq // 2, seq + 1, (batch,), generator=gen)
-    enc_input, targets = tokens[:, :-1], tokens[:, 1:]
     mask = torch.arange(seq)[None, :] < length[:, None]
     targets = torch.where(mask, targets, torch.full_like(targets, -100))
     return enc_input.to(device), targets.to(device), length.to(device)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (sizes default to a model that trains in about a minute on 2 CPU ranks)."""
+    """Command-line options (the defaults train in seconds on 2 CPU ranks)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-2, help="Noam's start_lr (peaks near start_lr / sqrt(warmup))")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save", help="write the consolidated model here with bmt.save at the end")
     return p.parse_args(argv)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     half = device.type == "cuda"  # BMTrain's example trains in fp16 with loss scaling on GPU
     dtype = torch.half if half else torch.float32
     with torch.device(device):  # BMTrain's layers allocate on "cuda"; these on the job's device
-        model = GPT(num_layers=args.layers, vocab_size=args.vocab, dim_model=args.dim,
+        model = GPT(num_layers=args.layers, vocab_size=256, dim_model=args.dim,
                     dim_head=args.dim // args.heads, num_heads=args.heads, dim_ff=4 * args.dim,
                     max_distance=args.seq, bias=True, dtype=dtype)
     bmt.init_parameters(model)
@@ -186,11 +187,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     optim_manager.add_optimizer(optimizer, lr_scheduler)
     bmt.synchronize()
 
-    gen = torch.Generator().manual_seed(1000 + bmt.rank())  # each rank reads different data
+    corpus = load_corpus(4 * 2**20)
     losses = []
     for iteration in range(args.steps):
         st = time.time()
-        enc_input, targets, length = motif_batch(gen, args.batch, args.seq, args.vocab, device)
+        enc_input, targets, length = get_batch(corpus, iteration, args.batch, args.seq, device)
         pos = torch.arange(args.seq, device=device).repeat(args.batch, 1)
         logits = model(enc_input, pos, pos < length[:, None])
         loss = loss_func(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
