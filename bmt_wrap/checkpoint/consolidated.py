@@ -17,6 +17,7 @@ from torch import nn
 
 from ..distributed import get_state
 from ..errors import CheckpointError
+from ..init import rebuild_lost_buffers
 from ..runtime.flat_buffer import FlatBuffer
 from .agree import agree
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
@@ -134,8 +135,6 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
     except Exception as exc:  # noqa: BLE001 - a read failing on one rank must not leave the others waiting
         error = f"cannot read {path}: {type(exc).__name__}: {exc}"
     agree(error, what=f"load {path}")
-    from ..init import rebuild_lost_buffers  # init imports checkpoint helpers; import here to avoid a cycle
-
     rebuild_lost_buffers(model)
     return result
 

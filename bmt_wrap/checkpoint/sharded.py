@@ -30,6 +30,7 @@ from torch import nn
 from ..distributed import broadcast_bytes, get_state
 from ..dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError
+from ..init import rebuild_lost_buffers
 from . import optim_state, rng
 from .agree import agree
 from .atomic import make_dirs, os_errors, write_atomic
@@ -289,8 +290,6 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         rng.restore(reader.state(state.rank)["rng"])
     else:
         rng.reseed(int(reader.meta["seed"]), step or 0, state.rank)
-    from ..init import rebuild_lost_buffers  # init imports nothing from here; deferred to keep imports light
-
     rebuild_lost_buffers(model)
     return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
 
