@@ -177,7 +177,7 @@ class _Replay:
         shards = [(b, b.shard._version) for b in self.buffers]
         for m, a, p in originals:
             m._parameters[a] = by_param[id(p)]
-        for (m, n, _), t in zip(meta, fresh):
+        for (m, n, _), t in zip(meta, fresh, strict=True):
             m._buffers[n] = t
         try:
             call({a: by_param[id(p)] for m, a, p in originals if m is module})
@@ -189,7 +189,7 @@ class _Replay:
         finally:
             for m, a, p in originals:
                 m._parameters[a] = p
-            for (m, n, b), t in zip(meta, fresh):
+            for (m, n, b), t in zip(meta, fresh, strict=True):
                 if t._version == versions[id(t)]:
                     m._buffers[n] = b  # not rebuilt: stays meta, reported at the end
         touched = [b.group_name for b, v in shards if b.shard._version != v]

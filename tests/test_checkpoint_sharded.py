@@ -57,7 +57,7 @@ def _resume_body(tmp: str, optim: str) -> None:
     assert (info.step, info.extra, info.rng_restored) == (SAVE_AT, {"epoch": 1}, True)
     resumed = _train(resumed_model, resumed_mgr, range(SAVE_AT, STEPS))
     assert resumed == straight, "resuming at the same world size is bit-exact (dropout RNG included)"
-    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters()):
+    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -160,7 +160,7 @@ def _faults_body(tmp: str) -> None:
         bmt.load_checkpoint(root / "good", plain)  # the optimizer was not passed
     after, after_mgr = _setup(2, "ours")
     bmt.load_checkpoint(root / "good", after, after_mgr)
-    for a, b in zip(after.parameters(), before):
+    for a, b in zip(after.parameters(), before, strict=True):
         assert torch.equal(a.detach(), b)
 
 

@@ -18,8 +18,14 @@ from bmt_wrap.runtime.param import DistributedParameter
 
 
 def _builders() -> dict:
-    from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     return {
         "llama": lambda: LlamaForCausalLM(LlamaConfig(**models._hf_small())),

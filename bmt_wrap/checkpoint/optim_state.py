@@ -67,7 +67,7 @@ def check_groups(k: int, opt: torch.optim.Optimizer, names: dict[int, str], save
     if len(mine) != len(theirs):
         return (f"optimizer {k} has {len(mine)} param groups, the checkpoint's has {len(theirs)}: build it with the "
                 "same param groups as the one that was saved")
-    for i, (a, b) in enumerate(zip(mine, theirs)):
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         if a != b:
             extra, gone = sorted(set(a) - set(b)), sorted(set(b) - set(a))
             return (f"optimizer {k} param group {i} differs from the checkpoint's: not saved {extra[:5]}, not "

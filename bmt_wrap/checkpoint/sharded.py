@@ -118,7 +118,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                 metadata = {
                     "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
                     "seed": state.seed,
-                    "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id)), tensors_bytes=row[0],
+                    "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
                                    state_bytes=row[1]) for r, row in enumerate(table)],
                     "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
                                "ranges": _ranges(e, world)} for e in entries],
@@ -279,7 +279,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         if optim_manager is not None:
             if optim_manager.scaler is not None:
                 optim_manager.scaler.load_state_dict(common["loss_scaler"])
-            for sched, saved in zip(optim_manager.lr_schedulers, common["lr_schedulers"]):
+            for sched, saved in zip(optim_manager.lr_schedulers, common["lr_schedulers"], strict=True):
                 if sched is not None and saved is not None:
                     sched.load_state_dict(saved)
     except Exception as exc:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
