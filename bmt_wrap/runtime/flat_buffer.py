@@ -62,7 +62,7 @@ class FlatBuffer:
         if not self.shard.is_meta:
             return
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-        for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges)):
+        for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges, strict=True)):
             fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad, p.fqn, p.full_shape)
             # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them.
             fresh.__dict__.update(p.__dict__)
