@@ -53,7 +53,7 @@ def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:
     names = [r["system"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     med = [r["median_s"] for r in rows]
-    err = [[m - r["min_s"] for m, r in zip(med, rows)], [r["max_s"] - m for m, r in zip(med, rows)]]
+    err = [[m - r["min_s"] for m, r in zip(med, rows, strict=True)], [r["max_s"] - m for m, r in zip(med, rows, strict=True)]]
     axes[0].bar(names, med, yerr=err, capsize=4, color="tab:blue")
     axes[0].set_ylabel("step time, s (median, min-max)")
     axes[1].bar(names, [r["peak_rss"] / GIB for r in rows], color="tab:orange")

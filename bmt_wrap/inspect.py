@@ -98,7 +98,7 @@ def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
                          float(torch.sum((x.float() - mean).square(), dtype=torch.float64))])
     sq = _reduce(sq_local, 1, "sum").reshape(-1)
     summary = []
-    for j, (name, shape) in enumerate(zip(names, shapes)):
+    for j, (name, shape) in enumerate(zip(names, shapes, strict=True)):
         row: dict[str, Any] = {"name": name, "shape": shape}
         values, grads = _stats(sums, extremes, sq, 2 * j), _stats(sums, extremes, sq, 2 * j + 1)
         row.update(values or {k: float("nan") for k in STAT_KEYS})
@@ -122,9 +122,9 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
     rows = [[cell(r[c]) for c in cols] for r in summary]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True)))]
     lines.append("-" * len(lines[0]))
-    lines += ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+    lines += ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
               for r in rows]
     return "\n".join(lines)
 

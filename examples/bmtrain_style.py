@@ -19,9 +19,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from train_gpt import batch_for_step, load_corpus  # the same corpus (examples/ is on sys.path when run)
 
 import bmt_wrap as bmt
-from train_gpt import batch_for_step, load_corpus  # the same corpus (examples/ is on sys.path when run)
 
 
 # ---- layers (BMTrain: example/layers/) ----------------------------------------------------------

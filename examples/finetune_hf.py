@@ -83,7 +83,7 @@ def accuracy(model: nn.Module, tokenize, data: list[tuple[str, int]], batch: int
     model.eval()
     correct = 0
     for i in range(0, len(data), batch):
-        texts, labels = zip(*data[i:i + batch])
+        texts, labels = zip(*data[i:i + batch], strict=True)
         logits = model(**tokenize(list(texts), max_len)).logits
         correct += int((logits.argmax(-1) == torch.tensor(labels)).sum())
     model.train()
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         perm = torch.randperm(len(train), generator=order).tolist()  # the same on every rank
         for i in range(0, len(perm) - args.batch * world + 1, args.batch * world):
             mine = perm[i + rank * args.batch:i + (rank + 1) * args.batch]
-            texts, labels = zip(*(train[j] for j in mine))
+            texts, labels = zip(*(train[j] for j in mine), strict=True)
             loss = nn.functional.cross_entropy(model(**tokenize(list(texts), args.max_len)).logits, torch.tensor(labels))
             manager.zero_grad()
             manager.backward(loss)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_distributed
-from toy import Layer, ToyGPT
 from torch import nn
+from toy import Layer, ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.inspect import format_summary, inspect_model, memory_stats
@@ -113,7 +113,7 @@ def test_see_memory_reports_every_rank() -> None:
     assert results[0][0] == results[1][0], "every rank gets the whole table"
     rows = results[0][0]
     assert [r["rank"] for r in rows] == [0, 1] and all(r["kind"] == "rss" for r in rows)
-    for row, (_, own) in zip(rows, results):
+    for row, (_, own) in zip(rows, results, strict=True):
         assert 0 < row["current"] <= row["peak"]
         assert abs(row["current"] - own["current"]) < 0.05 * own["current"], "each row is that rank's own RSS"
 

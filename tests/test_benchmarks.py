@@ -1,0 +1,54 @@
+"""The benchmark harness's arithmetic (on synthetic results) and gpu.py's behaviour without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.append(str(BENCHMARKS))
+
+from harness import summarize  # noqa: E402
+from report import format_table  # noqa: E402
+
+
+def _rank(system: str, rank: int, times: list[float], rss: int, comm: float | None = None,
+          plan: int | None = None) -> dict:
+    return {"system": system, "rank": rank, "times": times, "losses": [2.0, 1.5], "rss": rss,
+            "comm_bytes": comm, "plan_comm_bytes": plan, "params": 1000, "param_bytes": 4000}
+
+
+def test_summary_takes_the_slowest_rank_per_step_and_ratios_to_fsdp2() -> None:
+    runs = {
+        "fsdp2": [[_rank("fsdp2", 0, [1.0, 2.0, 3.0], 100), _rank("fsdp2", 1, [1.5, 1.0, 3.0], 120)]],
+        "bmt_wrapper": [[_rank("bmt_wrapper", 0, [0.5, 0.6, 0.7], 90, comm=5700.0, plan=5700),
+                         _rank("bmt_wrapper", 1, [0.4, 0.9, 0.1], 80, comm=5700.0, plan=5700)]],
+    }
+    rows = {r["system"]: r for r in summarize(runs, world_size=2)}
+    assert rows["fsdp2"]["median_s"] == 2.0  # per step max over ranks: 1.5, 2.0, 3.0
+    assert (rows["fsdp2"]["min_s"], rows["fsdp2"]["max_s"]) == (1.5, 3.0)
+    assert rows["bmt_wrapper"]["median_s"] == 0.7  # 0.5, 0.9, 0.7
+    assert rows["bmt_wrapper"]["time_vs_fsdp2"] == pytest.approx(0.35)
+    assert rows["bmt_wrapper"]["rss_vs_fsdp2"] == pytest.approx(90 / 120)
+    assert rows["bmt_wrapper"]["zero3_bound"] == 6000  # 3 x 4000 bytes x (2-1)/2
+    assert rows["bmt_wrapper"]["comm_vs_bound"] == pytest.approx(0.95)
+    assert rows["bmt_wrapper"]["comm_vs_plan"] == pytest.approx(1.0)
+    assert rows["fsdp2"]["comm_bytes"] is None and rows["fsdp2"]["max_loss_diff_vs_single"] is None
+    setup = {"describe": "m", "params": 1000, "world_size": 2, "batch_per_rank": 1, "seq": 8, "steps": 3,
+             "rounds": 1, "warmup": 1, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "unset", "command": "x"}
+    table = format_table(list(rows.values()), setup).splitlines()
+    header = next(line for line in table if line.startswith("| system"))
+    body = [line for line in table if line.startswith("| bmt_wrapper")]
+    assert len(body) == 1 and body[0].count("|") == header.count("|"), "one cell per column"
+    assert "0.35x" in body[0] and "0.95x" in body[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU exists")
+def test_gpu_benchmark_exits_with_a_message_without_cuda() -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
