@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from train_gpt import batch_for_step, load_corpus  # the same corpus (examples/ is on sys.path when run)
+from corpus import batch_for_step, load_corpus  # train_gpt.py's corpus (examples/ is on sys.path when run)
 
 import bmt_wrap as bmt
 
