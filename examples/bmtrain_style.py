@@ -68,7 +68,8 @@ class Layernorm(bmt.DistributedModule):
 class Attention(bmt.DistributedModule):
     """Multi-head attention with a boolean mask (True = may attend)."""
 
-    def __init__(self, dim_model: int, dim_head: int, num_heads: int, bias: bool = True, dtype=None):
+    def __init__(self, dim_model: int, dim_head: int, num_heads: int, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.project_q = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
         self.project_k = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
@@ -93,7 +94,8 @@ class Attention(bmt.DistributedModule):
 class Feedforward(bmt.DistributedModule):
     """Two linear layers with a ReLU between."""
 
-    def __init__(self, dim_model: int, dim_ff: int, bias: bool = True, dtype=None):
+    def __init__(self, dim_model: int, dim_ff: int, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.w_in = Linear(dim_model, dim_ff, bias=bias, dtype=dtype)
         self.w_out = Linear(dim_ff, dim_model, bias=bias, dtype=dtype)
@@ -105,7 +107,8 @@ class Feedforward(bmt.DistributedModule):
 class TransformerEncoder(bmt.DistributedModule):
     """Pre-norm attention and feed-forward, each with a residual connection."""
 
-    def __init__(self, dim_model: int, dim_head: int, num_heads: int, dim_ff: int, bias: bool = True, dtype=None):
+    def __init__(self, dim_model: int, dim_head: int, num_heads: int, dim_ff: int, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.ln_attn = Layernorm(dim_model, dtype=dtype)
         self.attn = Attention(dim_model, dim_head, num_heads, bias=bias, dtype=dtype)
@@ -142,7 +145,8 @@ class GPT(bmt.DistributedModule):
 
 
 # ---- training (BMTrain: example/train.py) -------------------------------------------------------
-def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, device: torch.device):
+def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's byte windows for ``step``, each cut to a random length; targets -100 past each length."""
     enc_input, targets = batch_for_step(corpus, step, 0, batch * bmt.world_size(), seq, bmt.rank(), bmt.world_size())
     gen = torch.Generator().manual_seed(step * bmt.world_size() + bmt.rank())

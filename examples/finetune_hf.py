@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ NEGATIVE = "bad awful terrible boring dull clumsy tedious weak annoying forgetta
 FILLER = ("the a this that film movie story plot acting cast scene ending music it was is felt seemed "
           "quite very rather really overall and but with for of to in on").split()
 SPECIAL = ["[PAD]", "[CLS]", "[UNK]"]
+#: texts, max length -> model inputs (``input_ids``, ``attention_mask``)
+Tokenize = Callable[[list[str], int], dict[str, torch.Tensor]]
 
 
 def make_dataset(n: int, seed: int) -> list[tuple[str, int]]:
@@ -61,7 +64,7 @@ class WordTokenizer:
         return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
 
-def load_model(args: argparse.Namespace) -> tuple[nn.Module, object]:
+def load_model(args: argparse.Namespace) -> tuple[nn.Module, Tokenize]:
     """(model, tokenizer): from ``--model-dir`` if given, else a small BERT built from a config."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
@@ -78,7 +81,7 @@ def load_model(args: argparse.Namespace) -> tuple[nn.Module, object]:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, tokenize, data: list[tuple[str, int]], batch: int, max_len: int) -> float:
+def accuracy(model: nn.Module, tokenize: Tokenize, data: list[tuple[str, int]], batch: int, max_len: int) -> float:
     """Fraction correct over ``data`` (every process must call it with the same data length)."""
     model.eval()
     correct = 0
