@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 # CPU machines get the CPU build of torch 2.13.0 (a plain `pip install torch` would pull several GB
 # of CUDA libraries); machines with an NVIDIA driver get the ordinary wheel.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
-TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13,<2.15,torch==2.13.0)
+comma := ,
+TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13$(comma)<2.15,torch==2.13.0)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 

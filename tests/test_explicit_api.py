@@ -167,3 +167,42 @@ def _inference_body() -> list[float]:
 def test_inference_gathers_without_gradient_work(world_size: int) -> None:
     results = run_distributed(_inference_body, world_size)
     assert results[0][0] == results[0][1] and all(r == results[0] for r in results)
+
+
+class _Scale(DistributedModule):
+    """BMTrain-style leaf module: a DistributedModule with its own DistributedParameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = DistributedParameter(torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _LayerWithScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Layer(D)
+        self.scale = _Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.layer(x))
+
+
+def _nested_distributed_module_body(use_checkpoint: bool) -> float:
+    torch.manual_seed(0)
+    blocks = TransformerBlockList([CheckpointBlock(_LayerWithScale(), use_checkpoint=use_checkpoint)
+                                   for _ in range(2)])
+    x = torch.randn(2, 4, D, requires_grad=True)
+    blocks(x).pow(2).mean().backward()
+    assert all(p.grad is not None for p in blocks.parameters())
+    return float(x.grad.abs().sum())
+
+
+@pytest.mark.parametrize("use_checkpoint", [True, False])
+def test_distributed_module_inside_a_checkpointed_block(use_checkpoint: bool) -> None:
+    # BMTrain's own GPT example nests DistributedModules (Linear, LayerNorm) inside CheckpointBlocks:
+    # the recompute in backward must not be taken for a new outermost forward.
+    results = run_distributed(_nested_distributed_module_body, 2, use_checkpoint)
+    assert results[0] == results[1]

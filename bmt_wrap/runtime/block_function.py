@@ -122,7 +122,8 @@ class BlockCall:
         """Run the block with the given inputs, parameters and external parameters installed."""
         n_in = len(self.inputs.tensor_pos)
         args, kwargs = self.inputs.rebuild(list(tensors[:n_in]))
-        with self.group.installed(param_tensors), _installed_ext(self.ext_locations, ext_tensors):
+        with self.group.installed(param_tensors), _installed_ext(self.ext_locations, ext_tensors), \
+                self.engine.inside_block():
             return self.forward_fn(self.module, *args, **kwargs)
 
     def param_leaves(self, requires_grad: bool) -> list[list[torch.Tensor]]:

@@ -7,7 +7,8 @@ and one end-of-backward callback.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class Engine:
         self.reducer.on_finalize.append(self._end_backward)
         self.groups: list[ShardGroup] = []
         self.in_forward = False
+        self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
         self._backward_started = False
         self._standalone_cache: dict[int, torch.Tensor] = {}
 
@@ -128,9 +130,19 @@ class Engine:
     def end_forward(self) -> None:
         """A root forward ended: learn the schedule, drop gathers the forward did not use."""
         self.in_forward = False
+        self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
         self._standalone_cache.clear()
         self.prefetcher.end_forward()
         self._release_strays()
+
+    @contextmanager
+    def inside_block(self) -> Iterator[None]:
+        """A block's own code is running: modules inside it are not model roots, even in a recompute."""
+        self.block_depth += 1
+        try:
+            yield
+        finally:
+            self.block_depth -= 1
 
     def gathered_standalone(self, p: DistributedParameter) -> torch.Tensor:
         """A bare ``DistributedParameter`` read during forward: gathered once per forward and grad mode."""
@@ -165,7 +177,7 @@ class Engine:
         if not needs_graph:
             self.acquire_for_forward(group)
             try:
-                with group.installed(group.slot_views()):
+                with group.installed(group.slot_views()), self.inside_block():
                     return forward_fn(module, *args, **kwargs)
             finally:
                 group.in_use -= 1
