@@ -223,7 +223,7 @@ class Engine:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
         self.reducer.ensure_callback()
         self._on_backward_start()
-        for buf, per_slot in zip(group.buffers, grads):
+        for i, (buf, per_slot) in enumerate(zip(group.buffers, grads)):
             if not buf.spec.requires_grad:
                 continue
             used = [g is not None for g in per_slot]
@@ -231,9 +231,24 @@ class Engine:
                 continue
             dtype = group.reduce_dtype or buf.dtype
             self.reducer.make_room()
-            full = self.pool.acquire(buf.full_numel, dtype, buf.device)
+            full, release = self._full_grad_buffer(group, i, dtype)
             buf.flatten_grads_into(full, per_slot)
-            self.reducer.reduce(buf, full, used)
+            self.reducer.reduce(buf, full, used, release)
+
+    def _full_grad_buffer(self, group: ShardGroup, i: int, dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Where buffer ``i``'s flat gradient goes, and how to give that storage back."""
+        buf = group.buffers[i]
+        if group.mode == "graph" and dtype == buf.dtype:
+            # The gradient of a root-like group arrives once every use was differentiated: its gathered
+            # parameters are no longer read, so their storage takes the gradient (one full copy less at
+            # the peak of backward) and then serves the next forward's gather.
+            full = group.take_last(i)
+            if full is None:
+                full = torch.empty(buf.full_numel, dtype=dtype, device=buf.device)
+            return full, lambda: group.give_spare(i, full)
+        full = self.pool.acquire(buf.full_numel, dtype, buf.device)
+        return full, lambda: self.pool.release(full)
 
     def _on_backward_start(self) -> None:
         if not self._backward_started:

@@ -57,15 +57,16 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
             self.callback_queued = True
 
-    def reduce(self, buffer: FlatBuffer, full_grad: torch.Tensor, used: list[bool]) -> None:
-        """Start the rank-average reduce-scatter of ``full_grad`` (a pool buffer, released when done)."""
+    def reduce(self, buffer: FlatBuffer, full_grad: torch.Tensor, used: list[bool],
+               release: Callable[[], None]) -> None:
+        """Start the rank-average reduce-scatter of ``full_grad``; ``release`` gives it back when done."""
         self.ensure_callback()
         touched = self._touch(buffer)
         touched.used = [a or b for a, b in zip(touched.used, used)]
         grad_shard = touched.grad_shard
         if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
             out = grad_shard
-            done: Callable[[], None] = lambda: self.pool.release(full_grad)
+            done: Callable[[], None] = release
         else:
             out = self.pool.acquire(buffer.shard_numel, full_grad.dtype, full_grad.device)
             accumulate = touched.accumulate
@@ -76,7 +77,7 @@ class GradReducer:
                 else:
                     grad_shard.copy_(out)
                 self.pool.release(out)
-                self.pool.release(full_grad)
+                release()
         touched.accumulate = True  # a second call of the same block in this step adds to the first
         handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
         self._pending.append(_Pending(handle, done))

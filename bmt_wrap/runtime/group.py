@@ -8,8 +8,11 @@ Three storage modes, chosen from the group's checkpoint and ZeRO settings:
   undetectable corruption; the refill's version bump is undone);
 - ``kept``: a dedicated buffer gathered in forward and kept until backward ends (``zero_level=2``);
 - ``graph``: gathered for code outside blocks (the root group, a bare parameter); once released the
-  autograd graph owns the buffer, and it is reused only after backward finished (``recycle``) — a graph
-  kept with ``retain_graph`` that still read it would fail autograd's version check, not read new values.
+  autograd graph owns the buffer. When the group's gradient arrives, every use of the parameters has
+  been differentiated, so the buffer takes the flat gradient (``take_last``), then waits as the next
+  gather's storage (``give_spare``); without a backward it is reused once backward ended (``recycle``).
+  A graph kept with ``retain_graph`` that still read it would fail autograd's version check, not read
+  new values.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class ShardGroup:
         self._handles: list[Handle] | None = None
         self._versions: list[int] = []
         self._dedicated: list[torch.Tensor] | None = None
-        self._last: list[torch.Tensor] | None = None  # "graph" mode: the buffers the graph may hold
-        self._spare: list[torch.Tensor] | None = None  # "graph" mode: buffers no graph holds any more
+        # "graph" mode, per buffer: what the autograd graph may still read, and what nothing holds any more
+        self._last: list[torch.Tensor | None] = [None] * len(buffers)
+        self._spare: list[torch.Tensor | None] = [None] * len(buffers)
         self.in_use = 0  # executors currently running on the gathered parameters
         self.reduce_dtype: torch.dtype | None = None  # None: reduce gradients in each buffer's dtype
         self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
@@ -82,7 +86,6 @@ class ShardGroup:
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
-            self._spare = None
             self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
         self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
                          for f, b in zip(full, self.buffers)]
@@ -117,19 +120,31 @@ class ShardGroup:
             for f in full:
                 f.untyped_storage().resize_(0)
         if self.mode == "graph":
-            self._last = full  # the autograd graph may still read it: reusable only after ``recycle``
+            self._last = list(full)
 
     def recycle(self) -> None:
         """No autograd graph holds the last gathered buffers any more (backward ended, or no grad)."""
-        if self._last is not None:
-            self._spare, self._last = self._last, None
+        for i, t in enumerate(self._last):
+            if t is not None:
+                self.give_spare(i, t)
+        self._last = [None] * len(self.buffers)
+
+    def take_last(self, i: int) -> torch.Tensor | None:
+        """Buffer ``i`` of the last gather, for a caller that knows the graph is done reading it."""
+        t, self._last[i] = self._last[i], None
+        return t
+
+    def give_spare(self, i: int, t: torch.Tensor) -> None:
+        """Storage the next gather of buffer ``i`` may reuse."""
+        self._spare[i] = t
 
     def _alloc(self, i: int, b: FlatBuffer) -> torch.Tensor:
         if self.mode == "pooled":
             return self.pool.acquire(b.full_numel, b.dtype, b.device)
         if self.mode == "graph":
-            if self._spare is not None:
-                return self._spare[i]
+            spare, self._spare[i] = self._spare[i], None
+            if spare is not None:
+                return spare
             return torch.empty(b.full_numel, dtype=b.dtype, device=b.device)
         if self._dedicated is None:
             self._dedicated = [torch.empty(x.full_numel, dtype=x.dtype, device=x.device) for x in self.buffers]
