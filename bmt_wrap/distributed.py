@@ -5,6 +5,7 @@ All of it lives in one ``DistState`` object; everything that needs the rank layo
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 from dataclasses import dataclass, field
@@ -146,6 +147,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
         backend_comm = FingerprintCommunicator(backend_comm)
 
     seed_everything(seed)
+    atexit.register(_stop_comm_thread)
     _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                        backend=resolved, seed=seed, timeout=timeout, debug=debug,
                        comm=CountingCommunicator(backend_comm), requested=requested, owns_process_group=owns)
@@ -160,9 +162,9 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def shutdown() -> None:
-    """Tear down what ``init_distributed`` built (tests and clean exits)."""
-    global _STATE
+def _stop_comm_thread() -> None:
+    # At interpreter exit a daemon thread still inside a C++ call (a gloo wait) is unwound by force,
+    # which aborts the process ("terminate called without an active exception"): stop it first.
     if _STATE is None:
         return
     inner = _STATE.comm.inner
@@ -170,6 +172,14 @@ def shutdown() -> None:
         inner = inner.inner
     if isinstance(inner, GlooCommunicator):
         inner.close()
+
+
+def shutdown() -> None:
+    """Tear down what ``init_distributed`` built (tests and clean exits)."""
+    global _STATE
+    if _STATE is None:
+        return
+    _stop_comm_thread()
     if _STATE.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE = None

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from parity import lm_batches, train_side_by_side
-from toy import Layer, ToyGPT, manual_plan
+from toy import ToyGPT, manual_plan
 
 from bmt_wrap.apply_plan import apply_plan
 
@@ -58,25 +58,29 @@ def test_parity(case: str, optimizer: str, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_frozen_parameters_get_no_gradient_and_stay_put(world_size: int) -> None:
-    run_distributed(_toy_body, world_size, {}, {}, "sgd",
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_frozen_parameters_get_no_gradient_and_stay_put(world_size: int, optimizer: str) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, optimizer,
                     frozen=("ln_f.weight", "layers.1.fc.weight", "layers.2.ln1.bias"))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_gradient_accumulation_over_four_micro_batches(world_size: int) -> None:
-    run_distributed(_toy_body, world_size, {}, {}, "sgd", micro=4, batch=16)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_gradient_accumulation_over_four_micro_batches(world_size: int, optimizer: str) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, optimizer, micro=4, batch=16)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("checkpoint", [True, False])
-def test_two_forwards_before_one_backward(world_size: int, checkpoint: bool) -> None:
-    run_distributed(_toy_body, world_size, {}, {"checkpoint": checkpoint}, "sgd", two_forwards=True)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_two_forwards_before_one_backward(world_size: int, checkpoint: bool, optimizer: str) -> None:
+    run_distributed(_toy_body, world_size, {}, {"checkpoint": checkpoint}, optimizer, two_forwards=True)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_model_without_blocks(world_size: int) -> None:
-    run_distributed(_toy_body, world_size, {}, {}, "adamw", blocks=[])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_model_without_blocks(world_size: int, optimizer: str) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, optimizer, blocks=[])
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -84,24 +88,21 @@ def test_name_based_param_groups_with_torch_adamw(world_size: int) -> None:
     run_distributed(_toy_body, world_size, {}, {}, "adamw_groups")
 
 
-def _shared_block_body(checkpoint: bool) -> dict:
+def _shared_block_body(checkpoint: bool, optimizer: str) -> dict:
     def build():
         m = ToyGPT(n_layers=2)
         m.layers.append(m.layers[0])  # layer 0 runs twice per forward: ALBERT-style sharing
         return m
     return train_side_by_side(build, _wrap(["layers.0", "layers.1"], checkpoint=checkpoint,
                                            order=["layers.0", "layers.1", "layers.0"]),
-                              lm_batches(5, 8), optimizer="sgd")
+                              lm_batches(5, 8), optimizer=optimizer)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("checkpoint", [True, False])
-def test_shared_block_called_twice(world_size: int, checkpoint: bool) -> None:
-    run_distributed(_shared_block_body, world_size, checkpoint)
-
-
-class _SharedWeightLayer(Layer):
-    pass
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_shared_block_called_twice(world_size: int, checkpoint: bool, optimizer: str) -> None:
+    run_distributed(_shared_block_body, world_size, checkpoint, optimizer)
 
 
 def _param_shared_by_blocks_body() -> dict:

@@ -65,8 +65,9 @@ class GlooCommunicator(Communicator):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker thread once queued ops are done (before the process group is destroyed)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
 
     # ---- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
