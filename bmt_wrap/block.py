@@ -90,7 +90,7 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
             for m, _ in slot_locs:
                 install_state_hooks(m)
     for buf in group.buffers:
-        for slot, p in zip(buf.spec.slots, buf.params):
+        for slot, p in zip(buf.spec.slots, buf.params, strict=True):
             p._init_method = inits[slot.fqn]
     engine.sync_buffers(module, sync_from)
     forward = module.__dict__.pop("forward", None)

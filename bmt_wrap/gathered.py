@@ -42,8 +42,8 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
     full: list[tuple[DistributedParameter, nn.Parameter]] = []
     try:
         for g in groups:
-            for views, b in zip(g.slot_views(), g.buffers):
-                for v, p in zip(views, b.params):
+            for views, b in zip(g.slot_views(), g.buffers, strict=True):
+                for v, p in zip(views, b.params, strict=True):
                     whole = nn.Parameter(v, requires_grad=p.requires_grad)
                     full.append((p, whole))
                     for module, attr in sites.get(id(p), []):

@@ -17,6 +17,10 @@ from .errors import PlanError
 
 PLAN_VERSION = 1
 ROOT = "root"  # name of the group holding parameters outside every block
+#: Full-gradient buffers reduce-scattering at once: one overlaps the next block's whole backward.
+GRADS_IN_FLIGHT = 1
+#: Bytes per parameter of the per-step all-reduce that agrees which parameters got a gradient.
+USED_MASK_BYTES = 4
 
 
 @dataclass
@@ -148,7 +152,7 @@ class MemoryEstimate:
     params: int = 0
     grads: int = 0
     optimizer: int = 0
-    gathered: int = 0  # root group + (prefetch depth + 1) x largest block + zero_level=2 blocks
+    gathered: int = 0  # root group + (prefetch depth + 1) x largest zero-3 block + zero_level=2 blocks
     grads_in_flight: int = 0
     activations: int | None = None  # needs a batch shape
     comm_all_gather: int = 0

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import settings
-
 from dist_harness import shutdown_all
+from hypothesis import settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

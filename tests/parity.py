@@ -60,7 +60,7 @@ def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
         full = ref_params[name].detach()
         mine = local_slice(full, p)
         if optimizer == "sgd":
-            torch.testing.assert_close(p.detach(), mine, **SGD_TOL, msg=lambda m: f"{what} {name}: {m}")
+            torch.testing.assert_close(p.detach(), mine, **SGD_TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
         elif mine.numel():
             rel = float((p.detach() - mine).norm() / mine.norm().clamp_min(1e-12))
             assert rel <= ADAMW_REL, f"{what} {name}: relative difference {rel:.2e} > {ADAMW_REL}"
@@ -80,7 +80,7 @@ def compare_grads(ref: nn.Module, model: nn.Module, what: str) -> float:
             continue
         assert p.grad is not None, f"{what} {name}: the shard has no gradient"
         mine = local_slice(rp.grad, p)
-        torch.testing.assert_close(p.grad, mine, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
+        torch.testing.assert_close(p.grad, mine, **SGD_TOL, msg=lambda m, name=name: f"{what} grad {name}: {m}")
         if mine.numel():
             worst = max(worst, float((p.grad - mine).abs().max()))
     return worst
@@ -114,7 +114,7 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
         ref_opt.zero_grad()
         opt.zero_grad()
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m: f"losses differ at step {step}: {m}")
+                                   msg=lambda m, step=step: f"losses differ at step {step}: {m}")
     noise_only = frozenset(n for n, g in grad_peak.items() if g < NOISE_GRAD)
     param_diff = compare_params(ref, model, optimizer, "after training", noise_only)
     return {"losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "param_diff": param_diff,
@@ -125,9 +125,9 @@ def _step_loss(model: nn.Module, batch: tuple[torch.Tensor, ...], micro: int, tw
                loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     run = loss_fn or (lambda m, *b: m(*b))
     total = torch.zeros(())
-    for chunk in zip(*(t.chunk(micro) for t in batch)):
+    for chunk in zip(*(t.chunk(micro) for t in batch), strict=True):
         if two_forwards:
-            halves = list(zip(*(t.chunk(2) for t in chunk)))
+            halves = list(zip(*(t.chunk(2) for t in chunk), strict=True))
             loss = (run(model, *halves[0]) + run(model, *halves[1])) / 2
         else:
             loss = run(model, *chunk)

@@ -95,7 +95,7 @@ def _many_in_flight_body() -> None:
         out = torch.empty((1000 + i) * n)
         handles.append(c.all_gather_into(out, shard, async_op=True))
         outs.append(out)
-    for i, (h, out) in enumerate(zip(handles, outs)):
+    for i, (h, out) in enumerate(zip(handles, outs, strict=True)):
         h.wait()
         for k in range(n):
             assert torch.all(out[k * (1000 + i):(k + 1) * (1000 + i)] == k * 10 + i)

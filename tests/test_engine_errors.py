@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 from dist_harness import run_distributed
-from toy import ToyGPT, manual_plan
 from torch import nn
+from toy import ToyGPT, manual_plan
 
 import bmt_wrap as bmt
 from bmt_wrap.apply_plan import apply_plan

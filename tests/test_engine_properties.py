@@ -10,8 +10,8 @@ import torch
 from dist_harness import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy import manual_plan
 from torch import nn
+from toy import manual_plan
 
 import bmt_wrap as bmt
 from bmt_wrap.apply_plan import apply_plan

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_distributed
 from parity import LOSS_RTOL, compare_grads, compare_params, lm_batches
-from toy import Layer
 from torch import nn
+from toy import Layer
 
 import bmt_wrap as bmt
 from bmt_wrap.block import CheckpointBlock, TransformerBlockList

@@ -44,7 +44,7 @@ def test_bf16_tracks_fp32_within_bf16_tolerance(world_size: int) -> None:
     assert bf16["masters"] > 0 and fp32["masters"] == 0, "fp32 master weights only for low-precision shards"
     assert bf16["losses"][-1] < bf16["losses"][0], "bf16 training makes progress"
     # bf16 keeps 8 bits of mantissa: relative differences of a few 1e-3 per op, compounding over steps.
-    for a, b in zip(fp32["losses"], bf16["losses"]):
+    for a, b in zip(fp32["losses"], bf16["losses"], strict=True):
         assert abs(a - b) <= 2e-2 * abs(a), (fp32["losses"], bf16["losses"])
 
 

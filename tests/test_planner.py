@@ -12,7 +12,7 @@ from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import Capture, build_plan, capture, discover_blocks, estimate, schedule
 from bmt_wrap.passes.planner import MAX_PREFETCH_DEPTH, SCHEDULE_NOTE
-from bmt_wrap.plan import ROOT, WrapPlan
+from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan
 
 ALL = {**M.TOY, **M.HF}
 
@@ -125,7 +125,7 @@ def test_communication_and_gathered_bytes_follow_the_formulas() -> None:
     assert est.comm_reduce_scatter == psi * (n - 1) // n
     assert est.zero3_bound == 3 * psi * (n - 1) // n
     assert est.gathered == root + 3 * max(blocks.values())
-    assert est.grads_in_flight == 2 * max(blocks.values())
+    assert est.grads_in_flight == GRADS_IN_FLIGHT * max(blocks.values())
     assert est.activations is not None and est.total > est.params + est.grads + est.optimizer
     # Without repeated calls and with every block checkpointed, traffic stays under the ZeRO-3 bound.
     plain = plan_for("toy_gpt", world_size=n).estimates[str(n)]

@@ -43,9 +43,9 @@ def _batches(name: str) -> tuple[list[tuple[torch.Tensor, ...]], object]:
     ids = [torch.randint(0, models.VOCAB, (4, 8), generator=g) for _ in range(STEPS)]
     labels = [torch.randint(0, 3, (4,), generator=g) for _ in range(STEPS)]
     if name == "bert":
-        return [(i, y) for i, y in zip(ids, labels)], _cls_loss
+        return [(i, y) for i, y in zip(ids, labels, strict=True)], _cls_loss
     if name == "classifier":
-        return [(i, y) for i, y in zip(ids, labels)], _classifier_loss
+        return [(i, y) for i, y in zip(ids, labels, strict=True)], _classifier_loss
     if name == "t5":
         return [(i, i.roll(1, dims=1)) for i in ids], _t5_loss
     return [(i,) for i in ids], _lm_loss

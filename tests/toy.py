@@ -100,7 +100,7 @@ def manual_plan(model: nn.Module, blocks: list[str], *, checkpoint: bool | list[
                 owner[id(p)] = ROOT
     ckpt = checkpoint if isinstance(checkpoint, list) else [checkpoint] * len(blocks)
     groups = [ShardGroupSpec(ROOT, layout_buffers([i for k, i in seen.items() if owner[k] == ROOT]))]
-    for b, c in zip(blocks, ckpt):
+    for b, c in zip(blocks, ckpt, strict=True):
         groups.append(ShardGroupSpec(b, layout_buffers([i for k, i in seen.items() if owner[k] == b]),
                                      checkpoint=c, zero_level=zero_level))
     return WrapPlan(groups=groups, prefetch_depth=prefetch_depth, order=order or list(blocks), capture="explicit")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..dtypes import LOW_PRECISION, itemsize, to_dtype
-from ..plan import MemoryEstimate, ShardGroupSpec, WrapPlan
+from ..plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
 from .activations import ActivationProfile
 
 
@@ -50,7 +50,7 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     largest = max((g.padded_bytes(n) for g in blocks if g.zero_level == 3), default=0)
     est.gathered = (root_bytes + (plan.prefetch_depth + 1) * largest
                     + sum(g.padded_bytes(n) for g in blocks if g.zero_level == 2))
-    est.grads_in_flight = 2 * max((_grad_bytes(g, n) for g in blocks), default=0)
+    est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
     if activations is not None:
         est.activations = activations.total({g.name for g in blocks if g.checkpoint})
 
@@ -61,4 +61,7 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     est.comm_all_gather = _scale(gathered_per_step, n)
     est.comm_reduce_scatter = _scale(sum(_grad_bytes(g, n) for g in plan.groups), n)
     est.zero3_bound = _scale(3 * sum(g.padded_bytes(n) for g in plan.groups), n)
+    # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
+    trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
+    est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)
     return est

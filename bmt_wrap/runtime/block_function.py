@@ -60,7 +60,7 @@ class _Tree:
 
     def rebuild(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
-        for i, t in zip(self.tensor_pos, tensors):
+        for i, t in zip(self.tensor_pos, tensors, strict=True):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, self.spec)
 
@@ -87,7 +87,7 @@ class _ForwardState:
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=self.devices))
             torch.set_rng_state(self.cpu_rng)
-            for d, s in zip(self.devices, self.cuda_rng):
+            for d, s in zip(self.devices, self.cuda_rng, strict=True):
                 torch.cuda.set_rng_state(s, d)
             for dev, (enabled, dtype) in self.autocast.items():
                 if enabled or torch.is_autocast_enabled(dev):
@@ -129,13 +129,13 @@ class BlockCall:
     def param_leaves(self, requires_grad: bool) -> list[list[torch.Tensor]]:
         """Fresh leaves viewing the gathered parameters (trainable buffers require grad)."""
         return [[_leaf(v, requires_grad and b.spec.requires_grad) for v in views]
-                for b, views in zip(self.group.buffers, self.group.slot_views())]
+                for b, views in zip(self.group.buffers, self.group.slot_views(), strict=True)]
 
 
 @contextmanager
 def _installed_ext(locations: list[list[Location]], tensors: list[torch.Tensor]) -> Iterator[None]:
     saved = [[(m, a, m._parameters[a]) for m, a in locs] for locs in locations]
-    for locs, t in zip(locations, tensors):
+    for locs, t in zip(locations, tensors, strict=True):
         for m, a in locs:
             m._parameters[a] = t
     try:
@@ -167,7 +167,7 @@ class BlockFunction(torch.autograd.Function):
                 ctx.save_for_backward(*tensors)
             else:
                 with torch.enable_grad():
-                    leaves = [_leaf(t, need) for t, need in zip(tensors, call.input_needs_grad)]
+                    leaves = [_leaf(t, need) for t, need in zip(tensors, call.input_needs_grad, strict=True)]
                     params = call.param_leaves(True)
                     out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
                 call.outputs = _Tree(out)
@@ -205,7 +205,7 @@ def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ..
     """Input gradients (in order, for inputs that need one), per-slot parameter gradients, and which
     inputs need one; recomputes the block first when it is checkpointed."""
     if call.checkpoint:
-        leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad)]
+        leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad, strict=True)]
         params = call.param_leaves(True)
         n_in = len(call.inputs.tensor_pos)
         assert call.state is not None
@@ -215,7 +215,7 @@ def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ..
     else:
         assert call.graph is not None
         leaves, params, outs = call.graph
-    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
     wrt_inputs = [t for t in leaves if t.requires_grad]
     wrt_params = [p for b in params for p in b if p.requires_grad]
     if pairs and (wrt_inputs or wrt_params):

@@ -64,13 +64,13 @@ class Engine:
         ``used_outside_blocks``: gathered for code outside any block (the root, a bare parameter).
         """
         buffers: list[FlatBuffer] = []
-        for bspec, tensors in zip(spec.buffers, sources):
+        for bspec, tensors in zip(spec.buffers, sources, strict=True):
             meta = any(t is not None and t.is_meta for t in tensors)
             buf = FlatBuffer.empty(bspec, spec.name, self.rank, self.world_size, "meta" if meta else device)
             if not meta:
                 if sync_from is not None and self.world_size > 1:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
-                    buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots)],
+                    buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
                     self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
                     buf.load_full_flat(full)
@@ -223,7 +223,7 @@ class Engine:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
         self.reducer.ensure_callback()
         self._on_backward_start()
-        for i, (buf, per_slot) in enumerate(zip(group.buffers, grads)):
+        for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
             if not buf.spec.requires_grad:
                 continue
             used = [g is not None for g in per_slot]

@@ -41,7 +41,7 @@ class FlatBuffer:
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad, s.fqn,
                                                      torch.Size(s.shape))
-                       for i, (s, (a, b)) in enumerate(zip(spec.slots, self.local_ranges))]
+                       for i, (s, (a, b)) in enumerate(zip(spec.slots, self.local_ranges, strict=True))]
 
     @property
     def device(self) -> torch.device:
@@ -99,7 +99,7 @@ class FlatBuffer:
     def pack_full_flat(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Write full per-slot tensors into ``out``, a padded flat buffer, gaps zeroed."""
         out.zero_()
-        for slot, t in zip(self.spec.slots, tensors):
+        for slot, t in zip(self.spec.slots, tensors, strict=True):
             out[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
         return out
 
@@ -111,7 +111,7 @@ class FlatBuffer:
         """Concatenate per-slot gradients into ``out`` (gaps, padding and missing grads as zeros)."""
         pieces: list[torch.Tensor] = []
         pos = 0
-        for slot, g in zip(self.spec.slots, grads):
+        for slot, g in zip(self.spec.slots, grads, strict=True):
             if slot.offset > pos:
                 pieces.append(out.new_zeros(slot.offset - pos))
             pieces.append(g.reshape(-1) if g is not None else out.new_zeros(slot.numel))

@@ -39,7 +39,7 @@ def gathered_tensors(engine: Engine, group: ShardGroup) -> list[list[torch.Tenso
     """Per buffer, per slot: full tensors to install, differentiable w.r.t. the shards when grad is on."""
     views = group.slot_views()
     out: list[list[torch.Tensor]] = []
-    for i, (b, v) in enumerate(zip(group.buffers, views)):
+    for i, (b, v) in enumerate(zip(group.buffers, views, strict=True)):
         if torch.is_grad_enabled() and b.spec.requires_grad:
             out.append(list(GatherFunction.apply(engine, group, i, *b.params)))
         else:

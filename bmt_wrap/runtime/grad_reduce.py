@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..plan import GRADS_IN_FLIGHT
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
 
 # One reduce-scatter in flight overlaps the next block's whole recompute and backward, which is enough to
 # hide it; gloo runs them one at a time anyway, and each one more in flight holds a block of memory.
-MAX_IN_FLIGHT = 1
+MAX_IN_FLIGHT = GRADS_IN_FLIGHT
 
 
 @dataclass
@@ -62,7 +63,7 @@ class GradReducer:
         """Start the rank-average reduce-scatter of ``full_grad``; ``release`` gives it back when done."""
         self.ensure_callback()
         touched = self._touch(buffer)
-        touched.used = [a or b for a, b in zip(touched.used, used)]
+        touched.used = [a or b for a, b in zip(touched.used, used, strict=True)]
         grad_shard = touched.grad_shard
         if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
             out = grad_shard
@@ -114,6 +115,7 @@ class GradReducer:
             self.wait_all()
             touched = list(self._touched.values())
             if touched:
+                # float32: USED_MASK_BYTES per parameter, as the plan estimates
                 mask = torch.tensor([u for t in touched for u in t.used], dtype=torch.float32, device=self.device)
                 if self.comm.world_size > 1:
                     self.comm.all_reduce(mask, "max", label="used-parameter mask")

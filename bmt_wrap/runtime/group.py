@@ -17,8 +17,8 @@ Three storage modes, chosen from the group's checkpoint and ZeRO settings:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ class ShardGroup:
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
             self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
         self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
-                         for f, b in zip(full, self.buffers)]
+                         for f, b in zip(full, self.buffers, strict=True)]
         self._full = full
 
     def wait_gathered(self) -> list[torch.Tensor]:
@@ -157,19 +157,19 @@ class ShardGroup:
     # ---- installing tensors into the modules ----------------------------------------------------------
     def slot_views(self) -> list[list[torch.Tensor]]:
         """Per buffer, per slot: views of the gathered parameters in their original shapes."""
-        return [b.slot_views(f) for b, f in zip(self.buffers, self.wait_gathered())]
+        return [b.slot_views(f) for b, f in zip(self.buffers, self.wait_gathered(), strict=True)]
 
     def install(self, tensors: list[list[torch.Tensor]]) -> None:
         """Put full tensors where the sharded parameters are, at every location (tied aliases too)."""
-        for per_buffer, locs in zip(tensors, self.locations):
-            for t, slot_locs in zip(per_buffer, locs):
+        for per_buffer, locs in zip(tensors, self.locations, strict=True):
+            for t, slot_locs in zip(per_buffer, locs, strict=True):
                 for module, attr in slot_locs:
                     module._parameters[attr] = t  # bypasses __setattr__: a plain tensor while running
 
     def restore(self) -> None:
         """Put the sharded parameters back at every location."""
-        for b, locs in zip(self.buffers, self.locations):
-            for p, slot_locs in zip(b.params, locs):
+        for b, locs in zip(self.buffers, self.locations, strict=True):
+            for p, slot_locs in zip(b.params, locs, strict=True):
                 for module, attr in slot_locs:
                     module._parameters[attr] = p
 
