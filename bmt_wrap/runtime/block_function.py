@@ -175,7 +175,7 @@ class BlockFunction(torch.autograd.Function):
                 call.graph = (leaves, params, kept)
                 flat = [t.detach() for t in kept]
         finally:
-            engine.release_after_forward(group)
+            engine.release_after_use(group)
         ctx.mark_non_differentiable(*[t for t in flat if not _differentiable(t)])
         return tuple(flat)
 
@@ -190,13 +190,13 @@ class BlockFunction(torch.autograd.Function):
             # The gathered parameters are done with before the gradient is flattened, so the pool can
             # hand their buffer to the gradient: one block's worth less at the backward peak.
             call.graph, call.state = None, None  # the user may hold the loss (and this node) much longer
-            engine.release_after_backward(group)
+            engine.release_after_use(group)
             released = True
             engine.reduce_group_grads(group, param_grads)
         finally:
             if not released:
                 call.graph, call.state = None, None
-                engine.release_after_backward(group)
+                engine.release_after_use(group)
         return (None, None, *[next(input_grads) if need else None for need in needs])
 
 

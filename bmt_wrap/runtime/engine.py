@@ -152,18 +152,21 @@ class Engine:
         return self._standalone_cache[key]
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
-        """Start this group's gather, then the next ones', then wait for this one."""
-        upcoming = self.prefetcher.forward_call(group)
+        """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
+        self._acquire(group, self.prefetcher.forward_call(group))
+
+    def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
+        # This group's gather is queued first, so prefetches never delay the one needed now.
         group.start_gather()
         for g in upcoming:
             g.start_gather()
         group.wait_gathered()
         group.in_use += 1
 
-    def release_after_forward(self, group: ShardGroup) -> None:
-        """The block's forward is done with its parameters (``kept`` groups stay for backward)."""
+    def release_after_use(self, group: ShardGroup, backward_follows: bool = True) -> None:
+        """A block is done with its parameters; ``kept`` (zero_level=2) groups stay until the step ends."""
         group.in_use -= 1
-        if group.in_use == 0 and group.mode != "kept":
+        if group.in_use == 0 and not (backward_follows and group.mode == "kept"):
             group.release()
 
     def run_block(self, group: ShardGroup, module: nn.Module, forward_fn: Callable[..., Any],
@@ -180,9 +183,7 @@ class Engine:
                 with group.installed(group.slot_views()), self.inside_block():
                     return forward_fn(module, *args, **kwargs)
             finally:
-                group.in_use -= 1
-                if group.in_use == 0:
-                    group.release()
+                self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
         call.call_index = self.prefetcher.record_call(group)
         # The shards get their gradients from the reducer, not from autograd; this empty leaf only makes
@@ -206,18 +207,7 @@ class Engine:
         """Gather this call's group, prefetching the calls backward reaches next."""
         self.reducer.ensure_callback()
         self._on_backward_start()
-        group = call.group
-        group.start_gather()
-        for g in self.prefetcher.backward_call(call.call_index):
-            g.start_gather()
-        group.wait_gathered()
-        group.in_use += 1
-
-    def release_after_backward(self, group: ShardGroup) -> None:
-        """The block's backward is done with its parameters (kept groups wait for the step's end)."""
-        group.in_use -= 1
-        if group.in_use == 0 and group.mode != "kept":
-            group.release()
+        self._acquire(call.group, self.prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
