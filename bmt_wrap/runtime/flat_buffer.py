@@ -130,9 +130,13 @@ class FlatBuffer:
     def ensure_grad_shard(self) -> torch.Tensor:
         """The flat gradient shard, allocated (zeroed) when none is alive; callers keep it alive."""
         grad = self.grad_shard
-        if grad is None:
-            grad = torch.zeros_like(self.shard)
-            self._grad_shard = weakref.ref(grad)
+        return grad if grad is not None else self.new_grad_shard(zeroed=True)
+
+    def new_grad_shard(self, zeroed: bool) -> torch.Tensor:
+        """A fresh gradient shard; uninitialised only for a caller that overwrites all of it (a
+        reduce-scatter does: zero-filling every shard each step cost as much as the copies)."""
+        grad = torch.zeros_like(self.shard) if zeroed else torch.empty_like(self.shard)
+        self._grad_shard = weakref.ref(grad)
         return grad
 
     def grad_view(self, i: int) -> torch.Tensor:

@@ -92,8 +92,11 @@ class GradReducer:
         touched = self._touched.get(id(buffer))
         if touched is None:
             had = [p.grad is not None for p in buffer.params]
-            touched = _Touched(buffer, had, [False] * len(had), accumulate=any(had),
-                               grad_shard=buffer.ensure_grad_shard())
+            # Without gradients to keep, the first reduce-scatter overwrites a fresh shard (as torch gives
+            # fresh .grad tensors after zero_grad(set_to_none=True)).
+            accumulate = any(had)
+            shard = buffer.ensure_grad_shard() if accumulate else buffer.new_grad_shard(zeroed=False)
+            touched = _Touched(buffer, had, [False] * len(had), accumulate=accumulate, grad_shard=shard)
             if touched.accumulate:
                 _adopt_existing_grads(buffer)
             self._touched[id(buffer)] = touched
