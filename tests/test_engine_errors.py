@@ -145,3 +145,26 @@ def _outside_use_body() -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_block_parameter_used_outside_the_block(world_size: int) -> None:
     run_distributed(_outside_use_body, world_size)
+
+
+def _retain_graph_body(checkpoint: bool) -> None:
+    torch.manual_seed(0)
+    m = ToyGPT()
+    m = apply_plan(m, manual_plan(m, BLOCKS3, checkpoint=checkpoint))
+    idx = torch.randint(0, 64, (2, 8))
+    loss = m(idx, idx)
+    loss.backward(retain_graph=True)
+    # Loud, never silently wrong: our error for a block, or autograd's version check for the root
+    # group, whose gathered storage took the gradient of the first backward.
+    with pytest.raises(RuntimeError, match="retain_graph|modified inplace"):
+        loss.backward()
+    # A block alone (no root group in the graph) names the problem itself.
+    out = m.layers[1](torch.randn(1, 4, 16, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(WrapError, match="retain_graph"):
+        out.backward()
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_second_backward_through_a_block_names_the_problem(checkpoint: bool) -> None:
+    run_distributed(_retain_graph_body, 2, checkpoint)

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..errors import WrapError
 from .group import Location, ShardGroup
 
 if TYPE_CHECKING:
@@ -204,16 +205,18 @@ def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ..
                  ) -> tuple[Iterator[torch.Tensor | None], list[list[torch.Tensor | None]], list[bool]]:
     """Input gradients (in order, for inputs that need one), per-slot parameter gradients, and which
     inputs need one; recomputes the block first when it is checkpointed."""
+    if (call.state if call.checkpoint else call.graph) is None:
+        raise WrapError(f"backward ran twice through one call of block {call.group.name!r} (retain_graph=True): "
+                        "a sharded block frees what its backward needs after the first one. Run the "
+                        "forward again for a second backward.")
     if call.checkpoint:
         leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad, strict=True)]
         params = call.param_leaves(True)
         n_in = len(call.inputs.tensor_pos)
-        assert call.state is not None
         with call.state.restored():
             out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
         outs = _Tree(out).take_tensors()
     else:
-        assert call.graph is not None
         leaves, params, outs = call.graph
     pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
     wrt_inputs = [t for t in leaves if t.requires_grad]
