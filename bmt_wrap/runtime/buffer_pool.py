@@ -19,22 +19,14 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[_Key, list[torch.Tensor]] = defaultdict(list)
-        self.allocated_bytes = 0  # every buffer this pool ever created and still holds or lent out
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of exactly ``numel`` elements (uninitialised contents)."""
         free = self._free[(numel, dtype, torch.device(device))]
         if free:
             return free.pop()
-        self.allocated_bytes += numel * dtype.itemsize
         return torch.empty(numel, dtype=dtype, device=device)
 
     def release(self, buf: torch.Tensor) -> None:
         """Give a buffer back for reuse."""
         self._free[(buf.numel(), buf.dtype, buf.device)].append(buf)
-
-    def clear(self) -> None:
-        """Drop every free buffer (lent ones are unaffected)."""
-        for bufs in self._free.values():
-            self.allocated_bytes -= sum(b.numel() * b.element_size() for b in bufs)
-        self._free.clear()

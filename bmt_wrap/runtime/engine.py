@@ -258,9 +258,6 @@ class Engine:
             if g.in_use == 0 and g.gathered and g.mode != "kept":
                 g.release()
 
-    def wait_pending(self) -> None:
-        """Finish outstanding reduce-scatters (before reading gradients outside backward)."""
-        self.reducer.wait_all()
 
 
 def _or_zeros(t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -68,9 +68,6 @@ class ShardGroup:
         """True if any parameter of the group requires grad."""
         return any(b.spec.requires_grad for b in self.buffers)
 
-    def fqns(self) -> list[str]:
-        """Every canonical parameter name in the group."""
-        return [n for b in self.buffers for n in b.fqns()]
 
     # ---- gather / release -----------------------------------------------------------------------------
     def start_gather(self) -> None:
