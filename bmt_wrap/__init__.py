@@ -7,7 +7,7 @@
 
 from . import errors, inspect, loss, lr_scheduler, optim, passes
 from .apply_plan import is_wrapped
-from .block import Block, CheckpointBlock, TransformerBlockList
+from .block import Block, CheckpointBlock, PipelineTransformerBlockList, TransformerBlockList
 from .checkpoint import load, load_checkpoint, save, save_checkpoint
 from .distributed import (
     barrier,
@@ -20,10 +20,10 @@ from .distributed import (
     rank,
     reset_comm_stats,
     sum_loss,
-    synchronize,
     world_size,
 )
 from .gathered import gathered
+from .global_var import config
 from .init import init_parameters
 from .inspect import see_memory
 from .mixed_precision import MixedPrecision
@@ -33,12 +33,19 @@ from .runtime.param import DistributedParameter
 from .verify import VerifyReport
 from .wrapper import BMTrainModelWrapper, wrap
 
+# BMTrain's module paths. ``synchronize`` is both a module and (after this import) the function, as in
+# BMTrain; ``distributed`` is the module holding init_distributed and the differentiable collectives.
+from . import block_layer, distributed, global_var, nccl, nn, pipe_layer, store, utils
+from .synchronize import gather_result, synchronize, wait_loader
+
 __version__ = "0.1.0"
 
 __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
-    "MixedPrecision", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier", "comm_stats", "errors",
-    "gathered", "get_state", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped",
-    "load", "load_checkpoint", "local_rank", "loss", "lr_scheduler", "optim", "passes", "print_rank", "rank",
-    "reset_comm_stats", "save", "save_checkpoint", "see_memory", "sum_loss", "synchronize", "world_size", "wrap",
+    "MixedPrecision", "PipelineTransformerBlockList", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier",
+    "block_layer", "comm_stats", "config", "distributed", "errors", "gather_result", "gathered", "get_state",
+    "global_var", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped", "load",
+    "load_checkpoint", "local_rank", "loss", "lr_scheduler", "nccl", "nn", "optim", "passes", "pipe_layer",
+    "print_rank", "rank", "reset_comm_stats", "save", "save_checkpoint", "see_memory", "store", "sum_loss",
+    "synchronize", "utils", "wait_loader", "world_size", "wrap",
 ]

@@ -94,6 +94,25 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     return model
 
 
+def hand_over_to_block(model: WrappedModule) -> ShardGroup | None:
+    """A ``CheckpointBlock`` around ``model`` takes its parameters: stop its root hooks, return its root group.
+
+    BMTrain code wraps small layers with ``BMTrainModelWrapper`` and puts their parent in a block; the
+    block then gathers and reduces those parameters with its own, so the layer is no model root any more.
+    """
+    if any(not g.is_root for g in model.plan.groups) or model._bmt_mp is not None:
+        raise WrapError(f"a CheckpointBlock cannot take over the wrapped {type(model).__name__}: it has blocks "
+                        "or mixed precision of its own. Put the block around the plain module and wrap the "
+                        "whole model once, or wrap only the parts outside the block.")
+    for hooks, fn in ((model._forward_pre_hooks, _root_pre_hook), (model._forward_hooks, _root_post_hook)):
+        for key in [k for k, h in hooks.items() if h is fn]:
+            del hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+            model._forward_hooks_always_called.pop(key, None)
+    root, model._bmt_root = model._bmt_root, None
+    return root
+
+
 def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
     """Adopt ``plan``'s schedule (order, prefetch depth, checkpoint and ZeRO level per block).
 

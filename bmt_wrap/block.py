@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import WrapError
+from .errors import BlockListError, WrapError
 from .plan import ShardGroupSpec, layout_buffers
 from .runtime.engine import get_engine
 from .runtime.group import Location, ShardGroup
@@ -30,25 +30,33 @@ _COUNTER = [0]
 class CheckpointBlock(ShardedModuleMixin, nn.Module):
     """Shard ``module``'s parameters as one group and run it through the engine (BMTrain's signature).
 
-    ``CheckpointBlock(module, use_checkpoint=True, zero_level=3)`` returns ``module`` itself, changed in
-    place. ``zero_level=2`` keeps the gathered parameters from forward to backward.
+    ``CheckpointBlock(module, use_checkpoint=True, zero_level=3, mode="BLOCK")`` returns ``module``
+    itself, changed in place. ``zero_level=2`` keeps the gathered parameters from forward to backward.
+    ``mode="PIPE"`` marks a block for a ``PipelineTransformerBlockList``, as BMTrain requires. As in
+    BMTrain, a list returned by the module comes back as a tuple.
     """
 
     _bmt_group: ShardGroup
     _bmt_ext: list[list[Location]]
     _bmt_forward: Any
+    _bmt_mode: str | None = None  # "BLOCK"/"PIPE" when made by this constructor; None when the wrapper bound it
 
-    def __new__(cls, module: nn.Module, use_checkpoint: bool = True, zero_level: int = 3) -> CheckpointBlock:
+    def __new__(cls, module: nn.Module, use_checkpoint: bool = True, zero_level: int = 3,
+                mode: str = "BLOCK") -> CheckpointBlock:
         if cls is not CheckpointBlock:  # the generated subclass is never constructed directly
             raise TypeError(f"{cls.__name__} is created by CheckpointBlock(module)")
         if not isinstance(module, nn.Module):
             raise WrapError(f"CheckpointBlock expects an nn.Module, got {type(module).__name__}")
+        if mode not in ("BLOCK", "PIPE"):
+            raise WrapError(f"CheckpointBlock(mode={mode!r}): use 'BLOCK' or 'PIPE'")
         _COUNTER[0] += 1
         name = getattr(module, "_bmt_name", None) or f"block{_COUNTER[0]}"
         sites = param_sites(module)
         spec = ShardGroupSpec(name=name, buffers=layout_buffers([s.info() for s in sites]),
                               checkpoint=use_checkpoint, zero_level=zero_level)
-        return bind_block(module, spec, sites, ext_locations=[])
+        block = bind_block(module, spec, sites, ext_locations=[])
+        block._bmt_mode = mode
+        return block
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Python calls __init__ on what __new__ returned: the module is already built and bound.
@@ -56,7 +64,9 @@ class CheckpointBlock(ShardedModuleMixin, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the original forward through the engine (gather, prefetch, checkpoint, reduce)."""
-        return get_engine().run_block(self._bmt_group, self, self._bmt_forward, args, kwargs, self._bmt_ext)
+        out = get_engine().run_block(self._bmt_group, self, self._bmt_forward, args, kwargs, self._bmt_ext)
+        # BMTrain's blocks return lists as tuples; blocks the wrapper bound keep the model's own types.
+        return tuple(out) if self._bmt_mode is not None and isinstance(out, list) else out
 
 
 Block = CheckpointBlock
@@ -71,14 +81,17 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
     device = check_single_device(sites, f"block {spec.name!r}")
     by_name = {n: s for s in sites for n in s.names}
     locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
+    handed_over = _wrapped_roots_inside(module)
     sources = [[full_value(by_name[slot.fqn].param) for slot in b.slots] for b in spec.buffers]
     adopted = []
     for b in spec.buffers:
         for slot in b.slots:
             p = by_name[slot.fqn].param
-            _check_not_sharded_elsewhere(p, spec.name, slot.fqn)
             if isinstance(p, DistributedParameter):
-                adopted.append(p._bmt_buffer.group)
+                if p._bmt_buffer.group not in handed_over:
+                    _check_not_sharded_elsewhere(p, spec.name, slot.fqn)
+                if p._bmt_buffer.group not in adopted:
+                    adopted.append(p._bmt_buffer.group)
     inits = {slot.fqn: getattr(by_name[slot.fqn].param, "_init_method", None)
              for b in spec.buffers for slot in b.slots}
     engine = get_engine()
@@ -101,6 +114,14 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
     module._bmt_forward = (lambda m, *a, **k: forward(*a, **k)) if forward is not None else original.forward
     module._bmt_name = spec.name
     return module  # type: ignore[return-value]
+
+
+def _wrapped_roots_inside(module: nn.Module) -> list[ShardGroup]:
+    """Root groups of models wrapped with ``BMTrainModelWrapper`` inside ``module``, handed over to the block."""
+    from .apply_plan import hand_over_to_block, is_wrapped  # apply_plan builds on this module
+
+    roots = [hand_over_to_block(m) for m in module.modules() if is_wrapped(m)]
+    return [g for g in roots if g is not None]
 
 
 def _check_not_sharded_elsewhere(p: nn.Parameter, block: str, fqn: str) -> None:
@@ -130,12 +151,34 @@ class TransformerBlockList(nn.Module):
     block, the rest go to every block unchanged. Modules that are not blocks yet become
     ``CheckpointBlock``s. With ``return_hidden_states`` the result also holds each flowing input of
     every block, stacked along a new first dimension.
+
+    As in BMTrain, one plain module given twice is one block run twice (its second entry is a
+    ``BlockReference`` sharing its parameters), and one ``Block`` given twice raises ``BlockListError``.
     """
+
+    _block_mode = "BLOCK"
 
     def __init__(self, modules: list[nn.Module] | nn.ModuleList, num_hidden: int = 1) -> None:
         super().__init__()
+        made: dict[int, CheckpointBlock] = {}  # plain modules this list turned into blocks
+        given: set[int] = set()  # blocks passed in already made
         for i, m in enumerate(modules):
-            self.add_module(str(i), m if isinstance(m, CheckpointBlock) else CheckpointBlock(m))
+            if id(m) in made:
+                entry: nn.Module = BlockReference(made[id(m)])
+            elif isinstance(m, CheckpointBlock):
+                if id(m) in given:
+                    raise BlockListError(f"block {m._bmt_name!r} is given twice to one {type(self).__name__} "
+                                         "(BMTrain: duplicate Block not supported); pass the plain module "
+                                         "twice to run one block twice, or make two blocks")
+                if self._block_mode == "PIPE" and m._bmt_mode != "PIPE":
+                    raise BlockListError(f"block {m._bmt_name!r} was not made for a pipeline: as in BMTrain, "
+                                         "create it with bmt.Block(module, mode='PIPE'), or pass the plain "
+                                         "module")
+                given.add(id(m))
+                entry = m
+            else:
+                entry = made[id(m)] = CheckpointBlock(m, mode=self._block_mode)
+            self.add_module(str(i), entry)
         self.num_hidden = num_hidden
 
     def __len__(self) -> int:
@@ -161,3 +204,37 @@ class TransformerBlockList(nn.Module):
             stacked = tuple(torch.stack(hidden[i::self.num_hidden], dim=0) for i in range(self.num_hidden))
             return tuple(outputs) + stacked
         return tuple(outputs[:self.num_hidden]) if self.num_hidden > 1 else outputs[0]
+
+
+class BlockReference(nn.Module):
+    """A second entry of a block list for a block already in it: calls run that block again.
+
+    It shares the block's parameter, buffer and child registries, so ``state_dict`` lists the shared
+    tensors under both entries' names (as BMTrain's referencing blocks do) while ``parameters()`` yields
+    them once, and both names load the same parameters.
+    """
+
+    def __init__(self, block: CheckpointBlock) -> None:
+        super().__init__()
+        self._parameters = block._parameters
+        self._buffers = block._buffers
+        self._modules = block._modules
+        object.__setattr__(self, "block", block)  # not a child: its tensors are already ours
+        for buf_locs in block._bmt_group.locations:
+            for slot_locs in buf_locs:
+                slot_locs.extend([(self, attr) for m, attr in list(slot_locs) if m is block])
+        install_state_hooks(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the referenced block."""
+        return self.block(*args, **kwargs)
+
+
+class PipelineTransformerBlockList(TransformerBlockList):
+    """BMTrain's pipeline block list with one pipeline stage (the only one bmt_wrap has).
+
+    It runs as a ``TransformerBlockList``; as in BMTrain, blocks passed in must be made with
+    ``mode="PIPE"``. ``init_distributed(pipe_size>1)`` raises, so no job has more than one stage.
+    """
+
+    _block_mode = "PIPE"

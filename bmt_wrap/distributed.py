@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import InitError, NotInitializedError
+from .errors import InitError, NotInitializedError, UnsupportedError
 from .log import get_logger
 from .runtime.comm import (
     Communicator,
@@ -91,9 +91,15 @@ def _resolve_backend(backend: str) -> str:
 
 
 def init_distributed(seed: int = 0, backend: str = "auto",
-                     timeout: timedelta = timedelta(minutes=5)) -> DistState:
-    """Join the torchrun job (or run as one process), seed every RNG and build the communicator."""
+                     timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
+                     tp_size: int = 1) -> DistState:
+    """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
+
+    ``pipe_size`` and ``tp_size`` are BMTrain's: 1 (or BMTrain's ``pipe_size=-1``, no pipeline) is the
+    only value, since bmt_wrap shards data-parallel only.
+    """
     global _STATE
+    _check_parallel_sizes(pipe_size, tp_size)
     requested = (seed, backend, timeout)
     if _STATE is not None:
         if _STATE.requested != requested:
@@ -153,6 +159,15 @@ def init_distributed(seed: int = 0, backend: str = "auto",
                        comm=CountingCommunicator(backend_comm), requested=requested, owns_process_group=owns)
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
+
+
+def _check_parallel_sizes(pipe_size: int, tp_size: int) -> None:
+    for name, value, allowed in (("pipe_size", pipe_size, (1, -1)), ("tp_size", tp_size, (1,))):
+        if value not in allowed:
+            raise UnsupportedError(
+                f"init_distributed({name}={value}): bmt_wrap has no tensor or pipeline parallelism, only "
+                f"ZeRO-3 data parallelism over all ranks. Use {name}=1 (every rank holds a 1/N shard of "
+                "every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
 
 
 def seed_everything(seed: int) -> None:
@@ -261,3 +276,8 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     state.comm.broadcast(payload, src, label="object")
     return bytes(payload.cpu().numpy().tobytes())
+
+
+# BMTrain's differentiable ``bmt.distributed.*`` ops live under this module's name too; imported last
+# because they build on the state above.
+from .collectives import all_gather, all_reduce, broadcast, reduce_scatter  # noqa: E402, F401

@@ -49,3 +49,12 @@ class CheckpointError(BMTError):
 
 class CLIError(BMTError):
     """Bad command-line input."""
+
+
+class UnsupportedError(BMTError, NotImplementedError):
+    """A BMTrain feature bmt_wrap does not implement (tensor or pipeline parallelism, NCCL handles)."""
+
+
+class BlockListError(WrapError, AssertionError):
+    """A block list cannot hold a block as given (one ``Block`` twice, a non-pipeline block in a pipeline
+    list). Also an ``AssertionError``: BMTrain raises that, and code written for it catches it."""

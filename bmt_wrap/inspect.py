@@ -107,26 +107,36 @@ def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
     return summary
 
 
+#: BMTrain's table: its columns, in its order, and their widths (the name column fits the longest name).
+SUMMARY_COLUMNS = ("name", "shape", "max", "min", "std", "mean", "grad_std", "grad_mean")
+SUMMARY_WIDTHS = (0, 20, 10, 10, 10, 10, 10, 10)
+
+
 def format_summary(summary: list[dict[str, Any]]) -> str:
-    """``inspect_model``'s result as an aligned text table."""
-    cols = ["name", "shape", *STAT_KEYS, *(f"grad_{k}" for k in STAT_KEYS)]
+    """``inspect_model``'s result as BMTrain prints it: a header line, then one line per parameter.
 
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3e}"
-        if isinstance(v, tuple):
-            return "x".join(map(str, v)) or "scalar"
-        return str(v)
+    Columns are BMTrain's (name, shape, max, min, std, mean, grad_std, grad_mean), floats with four
+    decimals, each cell left-aligned in a fixed width and cut to fit, so scripts that parse BMTrain's
+    table parse this one. A parameter without a gradient shows 0.0000 in the grad columns, as in
+    BMTrain (its row keeps None).
+    """
+    widths = list(SUMMARY_WIDTHS)
+    widths[0] = max([len("name")] + [len(r["name"]) for r in summary]) + 4
 
-    rows = [[cell(r[c]) for c in cols] for r in summary]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True)))]
-    lines.append("-" * len(lines[0]))
-    lines += ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
-              for r in rows]
-    return "\n".join(lines)
+    def cell(row: dict[str, Any], col: str) -> str:
+        v = row.get(col)
+        if v is None and col.startswith("grad_"):
+            v = 0.0
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    def line(values: list[str]) -> str:
+        out = ""
+        for v, w in zip(values, widths, strict=True):
+            v = " " + (v[:w - 1] if len(v) + 1 > w else v)
+            out += v.ljust(w)
+        return out
+
+    return "\n".join([line(list(SUMMARY_COLUMNS))] + [line([cell(r, c) for c in SUMMARY_COLUMNS]) for r in summary])
 
 
 def memory_stats() -> dict[str, Any]:

@@ -10,11 +10,13 @@ from torch import nn
 
 from . import passes
 from .apply_plan import apply_plan, is_wrapped, update_schedule
+from .block import CheckpointBlock
 from .distributed import broadcast_bytes, get_state
 from .errors import PlanError, WrapError
 from .log import get_logger
 from .mixed_precision import MixedPrecision
 from .plan import WrapPlan
+from .runtime.param import DistributedParameter
 from .verify import attach_verify
 
 
@@ -66,6 +68,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     if is_wrapped(model):
         raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
                         "place and returns it, so call it once")
+    _refuse_sharded_parts(model)
     options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                "memory_budget": memory_budget}
     notes = _take_over_hf_checkpointing(model) if checkpoint else []
@@ -94,6 +97,23 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 
 wrap = BMTrainModelWrapper
+
+
+def _refuse_sharded_parts(model: nn.Module) -> None:
+    """Raise, on every rank alike and before any collective, if ``model`` already holds sharded parts.
+
+    The passes plan plain parameters: tracing a ``CheckpointBlock`` would run its gather on rank 0 alone
+    (a hang), and its 1-D shards would be planned as if they were whole parameters.
+    """
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DistributedParameter)]
+    if sharded:
+        blocks = [n for n, m in model.named_modules() if isinstance(m, CheckpointBlock)]
+        raise WrapError(
+            f"{type(model).__name__} already holds sharded parts ({', '.join(blocks[:3] or sharded[:3])}"
+            f"{' ...' if len(blocks or sharded) > 3 else ''}): BMTrainModelWrapper shards a plain model. Either "
+            "wrap the plain model (it finds the blocks itself; a layer called twice is shared), or finish the "
+            "explicit API: make the root a bmt.DistributedModule whose own parameters are "
+            "bmt.DistributedParameters.")
 
 
 def _take_over_hf_checkpointing(model: nn.Module) -> list[str]:

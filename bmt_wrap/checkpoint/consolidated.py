@@ -56,7 +56,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         del full
     for e in replicated:
         if out is not None:
-            out.put(e.names, e.local())
+            out.put(e.names, e.local().view(e.shape))  # local() is flat; the file holds the full shape
     agree(out.finish() if out is not None else None, what=f"save {path}")
 
 

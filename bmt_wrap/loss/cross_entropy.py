@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BMTError
+from ..errors import BMTError, UnsupportedError
 from ..kernels import cupy_usable
 from . import cupy_rows, torch_rows
 
@@ -39,17 +39,29 @@ class _RowCrossEntropy(torch.autograd.Function):
 
 class FusedCrossEntropy(torch.nn.Module):
     """Cross-entropy between (N, C) logits of any float dtype and (N,) class indices, like
-    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``reduction``, ``label_smoothing``) but
-    returning an fp32 loss and never materialising fp32 logits: a CuPy kernel on CUDA, slices of rows
-    through torch on CPU. ``mean`` averages over the rows whose target is not ``ignore_index``.
+    ``torch.nn.functional.cross_entropy`` (``weight``, ``ignore_index``, ``reduction``,
+    ``label_smoothing``) but returning an fp32 loss and never materialising fp32 logits: a CuPy kernel on
+    CUDA, slices of rows through torch on CPU. ``mean`` averages over the rows whose target is not
+    ``ignore_index``, weighted by ``weight[target]`` when class weights are given (torch's rule).
+
+    The signature is BMTrain's: ``(weight=None, ignore_index=-100, reduction="mean",
+    label_smoothing=0.0, parallel=False)``; ``parallel=True`` (tensor parallelism) is not supported.
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, parallel: bool = False) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
             raise BMTError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
         if not 0.0 <= label_smoothing <= 1.0:
             raise BMTError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+        if parallel:
+            raise UnsupportedError("FusedCrossEntropy(parallel=True) needs tensor parallelism, which bmt_wrap "
+                                   "does not have: use parallel=False (the logits are whole on every rank)")
+        if weight is not None and label_smoothing > 0:
+            raise UnsupportedError("FusedCrossEntropy with both weight= and label_smoothing= is not supported; "
+                                   "use torch.nn.functional.cross_entropy for that combination")
+        self.weight = weight
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = float(label_smoothing)
@@ -64,8 +76,16 @@ class FusedCrossEntropy(torch.nn.Module):
         if input.device.type == "cpu" and bool(((target < 0) | (target >= input.shape[1]))[valid].any()):
             raise BMTError(f"a target is outside [0, {input.shape[1]}) and is not ignore_index={self.ignore_index}")
         rows = _RowCrossEntropy.apply(input.contiguous(), target, self.ignore_index, self.label_smoothing)
+        count: torch.Tensor = valid.sum()
+        if self.weight is not None:
+            if self.weight.shape != input.shape[1:]:
+                raise BMTError(f"weight has shape {tuple(self.weight.shape)} but the logits have "
+                               f"{input.shape[1]} classes: give one weight per class")
+            row_weight = self.weight.to(rows.device, torch.float32)[torch.where(valid, target, 0)] * valid
+            rows = rows * row_weight
+            count = row_weight.sum()
         if self.reduction == "none":
             return rows
         if self.reduction == "sum":
             return rows.sum()
-        return rows.sum() / valid.sum()
+        return rows.sum() / count

@@ -48,9 +48,18 @@ class DistributedParameter(nn.Parameter):
         p._init_method = None
         return p
 
-    def __deepcopy__(self, memo: dict) -> DistributedParameter:
-        raise TypeError(f"cannot deepcopy sharded parameter {self.fqn!r}: copy the model before wrapping, "
-                        "or use `with bmt.gathered(model):` to read full values")
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        """This rank's slice as a plain parameter (BMTrain scripts snapshot parameters so); never in a model.
+
+        A module being deep-copied is already in ``memo`` (copy registers each object before its state):
+        a copy of a sharded model would hold slices its engine does not know, so that raises.
+        """
+        if any(isinstance(v, nn.Module) for v in memo.values()):
+            raise TypeError(f"cannot deepcopy a model holding sharded parameter {self.fqn!r}: copy the model "
+                            "before wrapping, or use `with bmt.gathered(model):` to read full values")
+        copied = nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)
+        memo[id(self)] = copied
+        return copied
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise TypeError(f"cannot pickle sharded parameter {self.fqn!r} (it is one rank's slice); save "
