@@ -175,6 +175,10 @@ class Engine:
         ext = [locs[0][0]._parameters[locs[0][1]] for locs in ext_locations]
         inputs = _Tree((args, kwargs))
         tensors = inputs.take_tensors()
+        if torch.is_grad_enabled():
+            group.check_unfrozen()
+        # ``trainable`` reads each parameter's requires_grad now: a block frozen after wrapping whose
+        # inputs need no gradient builds no graph, so it is not recomputed and its outputs need no grad.
         needs_graph = torch.is_grad_enabled() and (
             group.trainable or any(t.requires_grad for t in tensors) or any(t.requires_grad for t in ext))
         if not needs_graph:
@@ -214,8 +218,11 @@ class Engine:
         self.reducer.ensure_callback()
         self._on_backward_start()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
-            if not buf.spec.requires_grad:
-                continue
+            if not buf.spec.requires_grad or not any(p.requires_grad for p in buf.params):
+                continue  # frozen, before or after wrapping (alike on every rank): nothing to reduce
+            # A parameter frozen after wrapping still got a gradient through its leaf: drop it, so its
+            # .grad stays what it was (None, or what it held when frozen), as in torch.
+            per_slot = [g if p.requires_grad else None for g, p in zip(per_slot, buf.params, strict=True)]
             used = [g is not None for g in per_slot]
             if not any(used) and self.world_size == 1:
                 continue

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import UninitializedParameterError
+from ..errors import UninitializedParameterError, WrapError
 from ..plan import ShardGroupSpec
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
@@ -65,8 +65,19 @@ class ShardGroup:
 
     @property
     def trainable(self) -> bool:
-        """True if any parameter of the group requires grad."""
-        return any(b.spec.requires_grad for b in self.buffers)
+        """True if any parameter of the group requires grad now (``requires_grad_`` after wrapping counts)."""
+        return any(p.requires_grad for b in self.buffers for p in b.params)
+
+    def check_unfrozen(self) -> None:
+        """Refuse a parameter frozen when it was sharded and unfrozen since: its buffer keeps no gradient."""
+        for b in self.buffers:
+            if not b.spec.requires_grad:
+                thawed = [slot.fqn for slot, p in zip(b.spec.slots, b.params, strict=True) if p.requires_grad]
+                if thawed:
+                    raise WrapError(
+                        f"{thawed[:5]} of {self.name!r} had requires_grad=False when sharded and were unfrozen "
+                        "afterwards; a frozen parameter is sharded without gradient storage. Set "
+                        "requires_grad before wrapping (freezing after wrapping works).")
 
 
     # ---- gather / release -----------------------------------------------------------------------------
