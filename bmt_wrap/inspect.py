@@ -11,14 +11,18 @@ from __future__ import annotations
 import fnmatch
 import os
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import distributed
+from .errors import BMTError
 from .log import get_logger
 from .optim.sharding import is_sharded
+from .runtime.engine import get_engine
 
 STAT_KEYS = ("mean", "std", "min", "max")
 
@@ -86,6 +90,11 @@ def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
         names.append(name)
         shapes.append(tuple(p.full_shape) if sharded else tuple(p.shape))
         slices.extend(_local_slices(p, sharded or rank0))
+    return [{"name": name, "shape": shape, **stats} for name, shape, stats in zip(names, shapes, _rows(slices), strict=True)]
+
+
+def _rows(slices: list[torch.Tensor | None]) -> list[dict[str, Any]]:
+    """Statistics over every rank of (values, gradient) slice pairs: one row of value and grad_ keys each."""
     parts = [_partials(x) for x in slices]
     sums = _reduce([q[:3] for q in parts], 3, "sum")
     extremes = _reduce([q[3:] for q in parts], 2, "max")
@@ -97,14 +106,108 @@ def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
         sq_local.append([0.0 if x is None or x.numel() == 0 else
                          float(torch.sum((x.float() - mean).square(), dtype=torch.float64))])
     sq = _reduce(sq_local, 1, "sum").reshape(-1)
-    summary = []
-    for j, (name, shape) in enumerate(zip(names, shapes, strict=True)):
-        row: dict[str, Any] = {"name": name, "shape": shape}
+    rows = []
+    for j in range(len(slices) // 2):
         values, grads = _stats(sums, extremes, sq, 2 * j), _stats(sums, extremes, sq, 2 * j + 1)
-        row.update(values or {k: float("nan") for k in STAT_KEYS})
+        row: dict[str, Any] = dict(values or {k: float("nan") for k in STAT_KEYS})
         row.update({f"grad_{k}": None if grads is None else grads[k] for k in STAT_KEYS})
-        summary.append(row)
-    return summary
+        rows.append(row)
+    return rows
+
+
+# ---- tensors recorded during forward (BMTrain's inspect_tensor / record_tensor) ---------------------------------
+class _Record:
+    """One ``record_tensor`` call: the value, and the gradient once backward reached it."""
+
+    def __init__(self, name: str, value: torch.Tensor) -> None:
+        self.name = name
+        self.value = value.detach()
+        self.grad: torch.Tensor | None = None
+        self.awaits_recompute = False
+
+    def hook(self, x: torch.Tensor) -> None:
+        """Keep the gradient that reaches ``x`` (summed, if it arrives more than once)."""
+        def keep(grad: torch.Tensor) -> None:
+            self.grad = grad.detach().clone() if self.grad is None else self.grad + grad.detach()
+        x.register_hook(keep)
+
+
+class InspectTensor:
+    """What ``inspect_tensor()`` yields: the tensors ``record_tensor`` saw inside its ``with`` block."""
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+
+    def _names(self) -> list[str]:
+        # A name recorded more than once (once per layer) is numbered by order, as BMTrain does.
+        total = {r.name: sum(q.name == r.name for q in self.records) for r in self.records}
+        seen: dict[str, int] = {}
+        names = []
+        for r in self.records:
+            i = seen[r.name] = seen.get(r.name, -1) + 1
+            names.append(r.name if total[r.name] == 1 else f"{i}.{r.name}" if "." not in r.name
+                         else r.name.replace(".", f".{i}.", 1))
+        return names
+
+    def get_summary(self) -> list[dict[str, Any]]:
+        """Statistics of every recorded tensor and its gradient over every rank; a collective.
+
+        Rows as ``inspect_model``'s (``grad_*`` None where no gradient arrived); ``shape`` is one rank's.
+        """
+        slices = [t.reshape(-1) if t is not None else None for r in self.records for t in (r.value, r.grad)]
+        return [{"name": n, "shape": tuple(r.value.shape), **row}
+                for n, r, row in zip(self._names(), self.records, _rows(slices), strict=True)]
+
+    def get_tensor(self, name: str, group: str | None = None, index: int | None = None) -> torch.Tensor | None:
+        """The recorded value named ``name`` (``group.name``; the ``index``-th when recorded repeatedly)."""
+        full = f"{group}.{name}" if group is not None else name
+        matches = [r.value for r in self.records if r.name == full]
+        i = index or 0
+        return matches[i] if i < len(matches) else None
+
+
+_ACTIVE: list[InspectTensor] = []
+
+
+@contextmanager
+def inspect_tensor() -> Iterator[InspectTensor]:
+    """Record the tensors passed to ``record_tensor`` (and their gradients) while the block runs.
+
+    Run forward and backward inside it, then call ``get_summary()`` (a collective) and print it with
+    ``format_summary``. Tensors recorded inside a checkpointed block are recorded once: the forward
+    keeps the value, the recompute in backward hooks the gradient (blocks are matched in reverse order,
+    as backward visits them; a name recorded twice inside one block pairs its gradients in reverse).
+    """
+    if _ACTIVE:
+        raise BMTError("inspect_tensor() is already active; nest no second one")
+    inspector = InspectTensor()
+    _ACTIVE.append(inspector)
+    try:
+        yield inspector
+    finally:
+        _ACTIVE.clear()
+
+
+def record_tensor(x: torch.Tensor, name: str, group: str | None = None) -> None:
+    """Record ``x`` under ``name`` for the active ``inspect_tensor()``; does nothing outside one."""
+    if not _ACTIVE:
+        return
+    if isinstance(x, nn.Parameter):
+        raise BMTError(f"record_tensor({name!r}) got a parameter; inspect parameters with inspect_model")
+    inspector = _ACTIVE[0]
+    full = f"{group}.{name}" if group is not None else name
+    if torch.is_grad_enabled() and x.requires_grad:
+        waiting = [r for r in inspector.records if r.awaits_recompute and r.name == full]
+        if waiting:  # the recompute of a checkpointed block: its forward kept the value
+            waiting[-1].awaits_recompute = False
+            waiting[-1].hook(x)
+            return
+    record = _Record(full, x)
+    if x.requires_grad and torch.is_grad_enabled():
+        record.hook(x)
+    elif not torch.is_grad_enabled() and distributed.is_initialized() and get_engine().block_depth > 0:
+        record.awaits_recompute = True  # a checkpointed block runs its forward without a graph
+    inspector.records.append(record)
 
 
 #: BMTrain's table: its columns, in its order, and their widths (the name column fits the longest name).

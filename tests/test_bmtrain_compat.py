@@ -431,3 +431,49 @@ def _wrap_over_block_body() -> str:
 def test_wrapper_over_a_checkpoint_block_raises_on_every_rank() -> None:
     messages = run_distributed(_wrap_over_block_body, 2, timeout=60)
     assert all("shared" in m for m in messages)
+
+
+# ---- inspect_tensor / record_tensor (BMTrain's example/train.py) ----------------------------------------------
+class _Recording(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        bmt.inspect.record_tensor(h, "hidden")
+        return h
+
+
+def _inspect_tensor_body(use_checkpoint: bool) -> list[dict]:
+    torch.manual_seed(0)
+    ref = nn.ModuleList([_Recording(), _Recording()])
+    model = bmt.TransformerBlockList([bmt.Block(copy.deepcopy(m), use_checkpoint=use_checkpoint) for m in ref])
+    n, r = bmt.world_size(), bmt.rank()
+    x = torch.randn(2 * n, D, generator=torch.Generator().manual_seed(3))
+    with bmt.inspect.inspect_tensor() as inspector:
+        out = model(x.chunk(n)[r])
+        bmt.inspect.record_tensor(out, "out")
+        out.pow(2).sum().backward()
+    summary = inspector.get_summary()
+    hidden = []
+    h = x
+    for m in ref:  # the reference: the same values and gradients over the whole batch
+        h = torch.tanh(m.fc(h))
+        h.retain_grad()
+        hidden.append(h)
+    h.pow(2).sum().backward()
+    assert [row["name"] for row in summary] == ["0.hidden", "1.hidden", "out"]
+    for row, want in zip(summary, [*hidden, hidden[-1]], strict=True):
+        for k in ("mean", "std", "min", "max"):
+            assert row[k] == pytest.approx(float(getattr(want, k)()), rel=1e-5, abs=1e-6), (row["name"], k)
+            assert row[f"grad_{k}"] == pytest.approx(float(getattr(want.grad, k)()), rel=1e-5, abs=1e-6), (row["name"], k)
+    assert inspector.get_tensor("hidden", index=1).shape == (2, D)
+    with pytest.raises(UnsupportedError, match="tensor parallelism"):
+        bmt.nn.ColumnParallelLinear(D, D)
+    return summary
+
+
+@pytest.mark.parametrize("use_checkpoint", [True, False])
+def test_inspect_tensor_records_values_and_gradients(use_checkpoint: bool) -> None:
+    run_distributed(_inspect_tensor_body, 2, use_checkpoint)
