@@ -5,7 +5,24 @@
     model = bmt.BMTrainModelWrapper(model)
 """
 
-from . import errors, inspect, loss, lr_scheduler, optim, passes
+# BMTrain's module paths are importable here too; ``distributed`` is the module holding init_distributed
+# and the differentiable collectives.
+from . import (
+    block_layer,
+    distributed,
+    errors,
+    global_var,
+    inspect,
+    loss,
+    lr_scheduler,
+    nccl,
+    nn,
+    optim,
+    passes,
+    pipe_layer,
+    store,
+    utils,
+)
 from .apply_plan import is_wrapped
 from .block import Block, CheckpointBlock, PipelineTransformerBlockList, TransformerBlockList
 from .checkpoint import load, load_checkpoint, save, save_checkpoint
@@ -30,13 +47,9 @@ from .mixed_precision import MixedPrecision
 from .module import DistributedModule
 from .plan import WrapPlan
 from .runtime.param import DistributedParameter
+from .synchronize import gather_result, synchronize, wait_loader  # the module's name now means the function
 from .verify import VerifyReport
 from .wrapper import BMTrainModelWrapper, wrap
-
-# BMTrain's module paths. ``synchronize`` is both a module and (after this import) the function, as in
-# BMTrain; ``distributed`` is the module holding init_distributed and the differentiable collectives.
-from . import block_layer, distributed, global_var, nccl, nn, pipe_layer, store, utils
-from .synchronize import gather_result, synchronize, wait_loader
 
 __version__ = "0.1.0"
 

@@ -3,4 +3,4 @@
 from . import _function
 from .cross_entropy import FusedCrossEntropy
 
-__all__ = ["FusedCrossEntropy"]
+__all__ = ["FusedCrossEntropy", "_function"]
