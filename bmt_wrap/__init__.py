@@ -36,6 +36,7 @@ from .distributed import (
     print_rank,
     rank,
     reset_comm_stats,
+    shutdown,
     sum_loss,
     world_size,
 )
@@ -59,6 +60,6 @@ __all__ = [
     "block_layer", "comm_stats", "config", "distributed", "errors", "gather_result", "gathered", "get_state",
     "global_var", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped", "load",
     "load_checkpoint", "local_rank", "loss", "lr_scheduler", "nccl", "nn", "optim", "passes", "pipe_layer",
-    "print_rank", "rank", "reset_comm_stats", "save", "save_checkpoint", "see_memory", "store", "sum_loss",
+    "print_rank", "rank", "reset_comm_stats", "save", "save_checkpoint", "see_memory", "shutdown", "store", "sum_loss",
     "synchronize", "utils", "wait_loader", "world_size", "wrap",
 ]

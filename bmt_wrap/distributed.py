@@ -45,7 +45,7 @@ class DistState:
     debug: bool
     comm: CountingCommunicator
     requested: tuple = field(repr=False, default=())
-    owns_process_group: bool = field(repr=False, default=False)
+    own_group: dist.ProcessGroup | None = field(repr=False, default=None)  # the default group we created
 
 
 _STATE: DistState | None = None
@@ -153,10 +153,11 @@ def init_distributed(seed: int = 0, backend: str = "auto",
         backend_comm = FingerprintCommunicator(backend_comm)
 
     seed_everything(seed)
-    atexit.register(_stop_comm_thread)
+    atexit.register(shutdown)
     _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                        backend=resolved, seed=seed, timeout=timeout, debug=debug,
-                       comm=CountingCommunicator(backend_comm), requested=requested, owns_process_group=owns)
+                       comm=CountingCommunicator(backend_comm), requested=requested,
+                       own_group=dist.group.WORLD if owns else None)
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
 
@@ -177,25 +178,27 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def _stop_comm_thread() -> None:
-    # At interpreter exit a daemon thread still inside a C++ call (a gloo wait) is unwound by force,
-    # which aborts the process ("terminate called without an active exception"): stop it first.
-    if _STATE is None:
-        return
-    inner = _STATE.comm.inner
+def _stop_comm_thread() -> bool:
+    """Stop our gloo worker thread once its queued ops are done; False if it is stuck in a collective."""
+    inner = _STATE.comm.inner if _STATE is not None else None
     while hasattr(inner, "inner"):
         inner = inner.inner
-    if isinstance(inner, GlooCommunicator):
-        inner.close()
+    return inner.close() if isinstance(inner, GlooCommunicator) else True
 
 
 def shutdown() -> None:
-    """Tear down what ``init_distributed`` built (tests and clean exits)."""
+    """Tear down what ``init_distributed`` built; runs at exit by itself, call it to finish earlier."""
     global _STATE
     if _STATE is None:
         return
-    _stop_comm_thread()
-    if _STATE.owns_process_group and dist.is_initialized():
+    # Order matters: the worker thread must leave gloo before its process group goes, and the group must
+    # go before interpreter exit, where gloo's threads are torn down by force ("terminate called without
+    # an active exception", SIGABRT, after a job that succeeded). A group the user destroyed or replaced
+    # is theirs; and a thread still stuck in a collective (a peer died) keeps its group, since destroying
+    # it underneath would wait on that collective instead of exiting.
+    stopped = _stop_comm_thread()
+    group = _STATE.own_group
+    if stopped and group is not None and dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()
     _STATE = None
 

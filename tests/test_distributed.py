@@ -117,6 +117,22 @@ def test_print_rank_and_logger_prefix_the_rank() -> None:
     assert results[1] == ["[rank 1] hello 42", "[rank 1] everyone"]
 
 
+def test_training_jobs_exit_cleanly_without_calling_shutdown() -> None:
+    # Issue 12: gloo's process group left alive at interpreter exit aborted successful jobs (SIGABRT,
+    # "terminate called without an active exception"); the exit hook now destroys it after the worker.
+    import json
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "exit_jobs.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, script, "4", "5"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    aborted = [r["codes"] for r in runs if any(c != 0 for c in r["codes"])]
+    assert not aborted, f"{len(aborted)} of {len(runs)} runs did not exit 0: {aborted}\n{out.stderr[-3000:]}"
+    assert all(r["group_left_at_exit"] == [False] * 4 for r in runs), runs
+
+
 def test_cupy_backend_imports_without_a_gpu() -> None:
     from bmt_wrap.runtime.comm import CupyNcclCommunicator, cupy_available
 

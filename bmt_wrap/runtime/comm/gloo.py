@@ -63,11 +63,13 @@ class GlooCommunicator(Communicator):
         self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker thread once queued ops are done (before the process group is destroyed)."""
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the worker thread once queued ops are done (before the process group is destroyed);
+        False if it is still inside a collective after ``timeout`` seconds."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
