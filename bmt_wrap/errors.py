@@ -23,6 +23,10 @@ class CommTimeoutError(CommError):
     """A collective did not complete in time; the process group is unusable afterwards."""
 
 
+class PeerLostError(CommTimeoutError):
+    """Another rank died or tore its group down during a collective; fatal like a timeout."""
+
+
 class CollectiveMismatchError(CommError):
     """Ranks issued different collectives (a block skipped or repeated on some ranks)."""
 

@@ -121,8 +121,8 @@ def _skip_block_body(debug: bool) -> str:
 def test_rank_skipping_a_block_makes_every_rank_raise(debug: bool) -> None:
     results = run_distributed(_skip_block_body, 2, debug, timeout=90)
     assert "completed" not in results, results
-    if debug:
-        assert results == ["mismatch", "mismatch"], results
+    # Debug mode names the block; otherwise one rank times out and the other loses its peer: one type.
+    assert results == (["mismatch", "mismatch"] if debug else ["timeout", "timeout"]), results
 
 
 def _outside_use_body() -> None:
@@ -168,3 +168,31 @@ def _retain_graph_body(checkpoint: bool) -> None:
 @pytest.mark.parametrize("checkpoint", [True, False])
 def test_second_backward_through_a_block_names_the_problem(checkpoint: bool) -> None:
     run_distributed(_retain_graph_body, 2, checkpoint)
+
+
+def _peer_dies_body() -> tuple[str, float]:
+    import os
+    import time
+
+    from bmt_wrap.errors import PeerLostError
+
+    state = get_state()
+    state.comm.timeout = timedelta(seconds=40)
+    if state.rank == 0:  # dies while rank 1 waits in a collective
+        time.sleep(1.0)
+        os._exit(1)
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="rank") as info:
+        state.comm.all_reduce(torch.ones(4), label="after the peer left")
+    assert isinstance(info.value, CommTimeoutError)  # fatal like a timeout: one type to catch
+    return "peer lost", time.monotonic() - start
+
+
+def test_peer_that_died_is_one_named_error_within_seconds() -> None:
+    from dist_harness import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match="rank 0: worker process died") as info:
+        run_distributed(_peer_dies_body, 2, timeout=90)
+    assert len(info.value.errors) == 1, info.value.errors  # rank 1 returned, with the named error
+    verdict, seconds = info.value.results[1]
+    assert verdict == "peer lost" and seconds < 20, info.value.results

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from ...errors import CommError, CommTimeoutError
+from ...errors import CommError, CommTimeoutError, PeerLostError
 
 #: Reduction names accepted by every backend.
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -101,6 +101,14 @@ class Communicator(abc.ABC):
             "Usually another rank died, or ranks called different collectives (a block skipped or "
             "repeated on some ranks; run with BMT_WRAP_DEBUG=1 to name it). The process group is unusable "
             "after this: restart the job (torchrun restarts it with --max-restarts).")
+
+    def peer_lost_error(self, what: str, detail: str) -> PeerLostError:
+        """Build the fatal error for a peer that left during ``what`` and mark this communicator unusable."""
+        self.broken = what
+        return PeerLostError(
+            f"{what} failed on the {self.describe()}: another rank closed its connection ({detail.strip()[:200]}). "
+            "It died, timed out first or tore its group down: look at the other ranks' output for the first "
+            "error. The process group is unusable after this: restart the job (torchrun --max-restarts).")
 
     # ---- backend hooks --------------------------------------------------------------------------
     @abc.abstractmethod

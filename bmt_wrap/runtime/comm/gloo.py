@@ -23,6 +23,9 @@ from .base import Communicator, Handle
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
 
+# How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "application crash", "remote worker")
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -98,8 +101,11 @@ class GlooCommunicator(Communicator):
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                text = str(exc).lower()
+                if "timed out" in text or "timeout" in text:
                     raise self.timeout_error(what) from exc
+                if any(marker in text for marker in _PEER_GONE):
+                    raise self.peer_lost_error(what, str(exc)) from exc
                 raise
 
     # ---- ops --------------------------------------------------------------------------------------
