@@ -169,10 +169,9 @@ class _Replay:
         for _, _, p in originals:
             if id(p) not in by_param:
                 shape = p.full_shape if isinstance(p, DistributedParameter) else p.shape
-                by_param[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device),
-                                               requires_grad=p.requires_grad)
+                by_param[id(p)] = nn.Parameter(_blank(shape, p.dtype, self.device), requires_grad=p.requires_grad)
         meta = [(m, n, b) for m in holders for n, b in m._buffers.items() if b is not None and b.is_meta]
-        fresh = [torch.empty(b.shape, dtype=b.dtype, device=self.device) for _, _, b in meta]
+        fresh = [_blank(b.shape, b.dtype, self.device) for _, _, b in meta]
         versions = {id(t): t._version for t in [*by_param.values(), *fresh]}
         shards = [(b, b.shard._version) for b in self.buffers]
         for m, a, p in originals:
@@ -190,7 +189,7 @@ class _Replay:
             for m, a, p in originals:
                 m._parameters[a] = p
             for (m, n, b), t in zip(meta, fresh, strict=True):
-                if t._version == versions[id(t)]:
+                if not _written(t, versions[id(t)]):
                     m._buffers[n] = b  # not rebuilt: stays meta, reported at the end
         touched = [b.group_name for b, v in shards if b.shard._version != v]
         if touched:
@@ -203,7 +202,7 @@ class _Replay:
             t = by_param[id(p)]
             own_ok = m is not module or only is None or a in only
             has_method = m is not module and isinstance(p, DistributedParameter) and p._init_method is not None
-            if (own_ok and not has_method and t._version != versions[id(t)]
+            if (own_ok and not has_method and _written(t, versions[id(t)])
                     and self.canonical.get(id(p)) == (id(m), a)):
                 _adopt(p, t)
                 self.done.add(id(p))
@@ -240,6 +239,22 @@ class _Replay:
                 for b, t in m._buffers.items() if t is not None and t.is_meta]
         if lost:
             raise InitError(f"buffers {lost[:8]}{' ...' if len(lost) > 8 else ''} are still on the meta device {why}")
+
+
+def _blank(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A temporary whose untouched state is recognisable by value: NaN for floating types, since writes
+    through ``.data`` (``p.data.normal_()``) leave ``_version`` unchanged; others only by ``_version``."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    return t
+
+
+def _written(t: torch.Tensor, version: int) -> bool:
+    """Whether an initialisation wrote into ``t`` (a ``_blank``), in place or through ``.data``."""
+    if t._version != version:
+        return True
+    return (t.is_floating_point() or t.is_complex()) and not bool(torch.isnan(t).all())
 
 
 def _adopt(p: nn.Parameter, full: torch.Tensor) -> None:

@@ -145,6 +145,28 @@ def test_what_cannot_be_reproduced_is_named() -> None:
     run_distributed(_not_reproducible_body, 2)
 
 
+def _data_writes_body() -> None:
+    with torch.device("meta"):
+        model = _WithPos()
+    model = bmt.BMTrainModelWrapper(model)
+
+    def init_fn(m: nn.Module) -> None:  # old-style init: writes through .data leave _version unchanged
+        for p in m.parameters(recurse=False):
+            p.data.normal_(0, 0.02)
+        for b in m.buffers(recurse=False):
+            b.data.copy_(torch.linspace(0, 1, models.DIM))
+
+    torch.manual_seed(0)
+    bmt.init_parameters(model, init_fn=init_fn)
+    state = model.state_dict()
+    assert abs(float(state["pos"].std()) - 0.02) < 0.01 and abs(float(state["embed.weight"].std()) - 0.02) < 0.01
+    assert torch.equal(model.scale, torch.linspace(0, 1, models.DIM))
+
+
+def test_writes_through_data_count_as_set() -> None:
+    run_distributed(_data_writes_body, 2)
+
+
 def _meta_load_body(tmp: str) -> None:
     build = _builders()["llama"]
     torch.manual_seed(0)
