@@ -39,6 +39,11 @@ class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 
 
+class RecomputeError(WrapError):
+    """A checkpointed block's recompute cannot reproduce its forward (outputs differ, or state it changed
+    cannot be restored); raised instead of computing a wrong gradient."""
+
+
 class UninitializedParameterError(WrapError):
     """A parameter is still on the meta device when it is needed."""
 

@@ -20,8 +20,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..errors import WrapError
+from ..errors import RecomputeError, WrapError
 from .group import Location, ShardGroup
+from .replay import Replay
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -59,8 +60,9 @@ class _Tree:
         tensors, self.first_tensors = self.first_tensors, []
         return tensors
 
-    def rebuild(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
-        leaves = list(self.leaves)
+    def rebuild(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], leaves: list[Any] | None = None) -> Any:
+        """The tree with ``tensors`` in its tensor positions (and ``leaves`` as its other leaves)."""
+        leaves = list(self.leaves if leaves is None else leaves)
         for i, t in zip(self.tensor_pos, tensors, strict=True):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, self.spec)
@@ -113,19 +115,27 @@ class BlockCall:
     state: _ForwardState | None = None
     graph: tuple | None = None  # non-checkpointed: (input leaves, param leaves, ext leaves, outputs)
     input_needs_grad: list[bool] = dataclasses.field(default_factory=list)
+    replay: Replay | None = None  # the argument and buffer state a recompute runs against
+    n_outputs: int = 0  # the block's own output tensors; the escaped tensors follow them
+    out_meta: list[tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=list)
+    out_values: list[torch.Tensor] | None = None  # debug mode: the forward's outputs, to compare values
 
     @property
     def checkpoint(self) -> bool:
         return self.group.spec.checkpoint
 
     def run(self, tensors: tuple[torch.Tensor, ...], param_tensors: list[list[torch.Tensor]],
-            ext_tensors: list[torch.Tensor]) -> Any:
+            ext_tensors: list[torch.Tensor], leaves: list[Any] | None = None) -> Any:
         """Run the block with the given inputs, parameters and external parameters installed."""
         n_in = len(self.inputs.tensor_pos)
-        args, kwargs = self.inputs.rebuild(list(tensors[:n_in]))
+        args, kwargs = self.inputs.rebuild(list(tensors[:n_in]), leaves)
         with self.group.installed(param_tensors), _installed_ext(self.ext_locations, ext_tensors), \
                 self.engine.inside_block():
             return self.forward_fn(self.module, *args, **kwargs)
+
+    def forget(self) -> None:
+        """Drop what only the backward needed."""
+        self.graph, self.state, self.replay, self.out_values = None, None, None, None
 
     def param_leaves(self, requires_grad: bool) -> list[list[torch.Tensor]]:
         """Fresh leaves viewing the gathered parameters (trainable buffers require grad)."""
@@ -154,29 +164,35 @@ class BlockFunction(torch.autograd.Function):
     def forward(ctx: Any, call: BlockCall, anchor: torch.Tensor,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.call = call
-        n_in = len(call.inputs.tensor_pos)
-        ext = list(tensors[n_in:])
+        n_in, n_ext = len(call.inputs.tensor_pos), len(call.ext_locations)
+        ext = list(tensors[n_in:n_in + n_ext])
         call.input_needs_grad = list(ctx.needs_input_grad[2:])
         engine, group = call.engine, call.group
+        assert call.replay is not None
         engine.acquire_for_forward(group)
         try:
             if call.checkpoint:
                 call.state = _ForwardState(engine.cuda_devices(tensors))
                 out = call.run(tensors, group.slot_views(), ext)
                 call.outputs = _Tree(out)
-                flat = call.outputs.take_tensors()
+                flat = call.outputs.take_tensors() + call.replay.after_forward(call.inputs.leaves)
                 ctx.save_for_backward(*tensors)
+                call.out_meta = [(t.shape, t.dtype) for t in flat]
+                if engine.debug:
+                    call.out_values = [t.detach().clone() for t in flat]
             else:
                 with torch.enable_grad():
                     leaves = [_leaf(t, need) for t, need in zip(tensors, call.input_needs_grad, strict=True)]
                     params = call.param_leaves(True)
-                    out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
+                    with call.replay.hidden_swapped(call.inputs.leaves, leaves[n_in + n_ext:]):
+                        out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:n_in + n_ext])
                 call.outputs = _Tree(out)
-                kept = call.outputs.take_tensors()
+                kept = call.outputs.take_tensors() + call.replay.after_forward(call.inputs.leaves)
                 call.graph = (leaves, params, kept)
                 flat = [t.detach() for t in kept]
         finally:
             engine.release_after_use(group)
+        call.n_outputs = len(flat) - len(call.replay.escaped)
         ctx.mark_non_differentiable(*[t for t in flat if not _differentiable(t)])
         return tuple(flat)
 
@@ -190,13 +206,13 @@ class BlockFunction(torch.autograd.Function):
             input_grads, param_grads, needs = _block_grads(ctx, call, grads)
             # The gathered parameters are done with before the gradient is flattened, so the pool can
             # hand their buffer to the gradient: one block's worth less at the backward peak.
-            call.graph, call.state = None, None  # the user may hold the loss (and this node) much longer
+            call.forget()  # the user may hold the loss (and this node) much longer
             engine.release_after_use(group)
             released = True
             engine.reduce_group_grads(group, param_grads)
         finally:
             if not released:
-                call.graph, call.state = None, None
+                call.forget()
                 engine.release_after_use(group)
         return (None, None, *[next(input_grads) if need else None for need in needs])
 
@@ -212,10 +228,14 @@ def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ..
     if call.checkpoint:
         leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad, strict=True)]
         params = call.param_leaves(True)
-        n_in = len(call.inputs.tensor_pos)
-        with call.state.restored():
-            out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:])
-        outs = _Tree(out).take_tensors()
+        n_in, n_ext = len(call.inputs.tensor_pos), len(call.ext_locations)
+        assert call.replay is not None
+        replayed = call.replay.leaves(call.inputs.leaves, leaves[n_in + n_ext:])
+        with call.state.restored(), call.replay.buffers_swapped():
+            out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:n_in + n_ext], replayed)
+        tree = _Tree(out)
+        outs = tree.take_tensors() + call.replay.escaped_from(replayed)
+        _check_recompute(call, tree, outs)
     else:
         leaves, params, outs = call.graph
     pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
@@ -229,3 +249,28 @@ def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ..
     param_grads = iter(got[len(wrt_inputs):])
     per_slot = [[next(param_grads) if p.requires_grad else None for p in b] for b in params]
     return iter(got[:len(wrt_inputs)]), per_slot, [t.requires_grad for t in leaves]
+
+
+def _check_recompute(call: BlockCall, tree: _Tree, outs: list[torch.Tensor]) -> None:
+    """The recompute must reproduce the forward: structure, shapes and dtypes always, values in debug mode."""
+    assert call.outputs is not None
+    got = [(t.shape, t.dtype) for t in outs]
+    if tree.spec != call.outputs.spec or got != call.out_meta:
+        raise RecomputeError(
+            f"block {call.group.name!r}: its recompute in backward returned {_summary(tree.spec, got)}, but its "
+            f"forward returned {_summary(call.outputs.spec, call.out_meta)}. The block's output depends on state "
+            "that changed between forward and backward; turn checkpointing off for it "
+            "(BMTrainModelWrapper(model, checkpoint=False) or the plan's checkpoint flag).")
+    if call.out_values is not None:
+        for i, (a, b) in enumerate(zip(call.out_values, outs, strict=True)):
+            if not torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
+                diff = float((a.double() - b.detach().double()).abs().max()) if a.is_floating_point() else float("nan")
+                raise RecomputeError(
+                    f"block {call.group.name!r}: output tensor {i} of its recompute differs from its forward's "
+                    f"(max abs difference {diff:.3g}; checked because BMT_WRAP_DEBUG=1). The block depends on "
+                    "state that changed between forward and backward; turn checkpointing off for it.")
+
+
+def _summary(spec: pytree.TreeSpec, meta: list[tuple[torch.Size, torch.dtype]]) -> str:
+    shapes = ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in meta[:6])
+    return f"{len(meta)} tensor(s) [{shapes}{', ...' if len(meta) > 6 else ''}] in a {spec.type.__name__ if spec.type else 'leaf'}"

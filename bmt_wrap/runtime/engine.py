@@ -7,6 +7,7 @@ and one end-of-backward callback.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +27,7 @@ from .grad_reduce import GradReducer
 from .group import Location, ShardGroup
 from .param import DistributedParameter
 from .prefetch import Prefetcher
+from .replay import Replay, ReplayMemory, put_escaped
 
 
 def storage_mode(spec: ShardGroupSpec) -> str:
@@ -38,8 +40,10 @@ def storage_mode(spec: ShardGroupSpec) -> str:
 class Engine:
     """Owns the communicator view, buffer pool, prefetcher and reducer of this process."""
 
-    def __init__(self, comm: Communicator, device: torch.device, prefetch_depth: int = 1) -> None:
+    def __init__(self, comm: Communicator, device: torch.device, prefetch_depth: int = 1,
+                 debug: bool = False) -> None:
         self.comm = comm
+        self.debug = debug  # BMT_WRAP_DEBUG: also compare recomputed outputs' values
         self.rank, self.world_size = comm.rank, comm.world_size
         self.device = device
         self.pool = BufferPool()
@@ -51,6 +55,7 @@ class Engine:
         self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
         self._backward_started = False
         self._standalone_cache: dict[int, torch.Tensor] = {}
+        self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
 
     # ---- building groups --------------------------------------------------------------------------------
     def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
@@ -109,6 +114,12 @@ class Engine:
         if depth < 0:
             raise WrapError(f"prefetch_depth must be >= 0, got {depth}")
         self.prefetcher.depth = depth
+
+    def replay_memory(self, group: ShardGroup) -> ReplayMemory:
+        """What this group's earlier calls wrote (buffers, argument tensors), for faithful recompute."""
+        if group not in self._replay_memory:
+            self._replay_memory[group] = ReplayMemory()
+        return self._replay_memory[group]
 
     def cuda_devices(self, tensors: Iterable[torch.Tensor]) -> list[int]:
         """CUDA devices whose RNG a checkpointed block's recompute must restore."""
@@ -193,9 +204,13 @@ class Engine:
         # The shards get their gradients from the reducer, not from autograd; this empty leaf only makes
         # the outputs require grad when the block's parameters do and its inputs do not.
         anchor = torch.empty(0, requires_grad=group.trainable)
-        outs = BlockFunction.apply(call, anchor, *tensors, *ext)
-        assert call.outputs is not None
-        return call.outputs.rebuild(outs)
+        call.replay = Replay(group.name, module, inputs.leaves, self.replay_memory(group), recompute=group.spec.checkpoint)
+        outs = BlockFunction.apply(call, anchor, *tensors, *ext, *call.replay.hidden())
+        assert call.outputs is not None and call.replay is not None
+        # Tensors the block stored into its arguments (a cache's keys) are replaced by the node's outputs,
+        # so gradients flow through them as in plain PyTorch.
+        put_escaped(call.inputs.leaves, call.replay.escaped, list(outs[call.n_outputs:]))
+        return call.outputs.rebuild(outs[:call.n_outputs])
 
     def gather_for_root(self, group: ShardGroup) -> list[list[torch.Tensor]]:
         """Gather a group used outside blocks; tensors are autograd-connected to the shards."""
@@ -280,7 +295,7 @@ def get_engine() -> Engine:
     global _ENGINE
     if _ENGINE is None:
         state = get_state()
-        _ENGINE = Engine(state.comm, state.device)
+        _ENGINE = Engine(state.comm, state.device, debug=state.debug)
     return _ENGINE
 
 

@@ -1,0 +1,308 @@
+"""What a checkpointed block's recompute needs to replay its forward faithfully (DESIGN.md: recompute is
+invisible to the user).
+
+A block's forward may change more than its outputs: it may fill a non-tensor argument (a transformers
+``DynamicCache``: ``update()`` appends this layer's keys and values) or update its buffers (BatchNorm's
+running statistics). Replayed against that changed state, the recompute would see a cache already
+holding the sequence (attention over twice the keys: wrong gradients) and update the statistics twice.
+
+So before the forward, a ``Replay`` takes a structural copy of every mutable non-tensor argument (the
+Python objects are copied, tensors shared, so a cache of any length costs a few object copies) and a
+clone of every buffer the block is known to write; the recompute runs on those copies and the copies are
+thrown away, so nothing the user can see changes twice. Tensors the forward stored into an argument
+("escaped": the cache's new keys) are handed back to the caller, which returns them from the block's
+autograd node and puts those outputs where the forward stored them, so they carry gradients as in plain
+PyTorch. What cannot be replayed (a tensor inside an argument written in place, an object that cannot be
+copied) raises ``RecomputeError`` naming the block, never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RecomputeError
+
+Path = tuple[tuple[str, Any], ...]
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+          torch.memory_format, torch.layout, enum.Enum, range, slice, type(Ellipsis), type(NotImplemented))
+# Shared, never copied: tensors are the data, the rest are code or model structure, not step state.
+_SHARED = (torch.Tensor, nn.Module, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.ModuleType, type, functools.partial, torch.Generator)
+_MAX_OBJECTS = 100_000
+
+
+def is_mutable_leaf(x: Any) -> bool:
+    """True for a pytree leaf the forward could change in place (not a tensor, atom or shared object)."""
+    return not isinstance(x, _ATOMS + _SHARED)
+
+
+class ReplayMemory:
+    """What one block learned from its earlier calls: which buffers and argument tensors it writes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.written_buffers: set[tuple[int, str]] = set()  # (id(module), buffer name)
+        self.written_paths: set[Path] = set()  # argument tensors written in place (copied before forward)
+
+
+class _Copier:
+    """Copies a Python object graph, sharing tensors (except the ones at ``clone_paths``)."""
+
+    def __init__(self, block: str, clone_all: bool, clone_paths: set[Path]) -> None:
+        self.block, self.clone_all, self.clone_paths = block, clone_all, clone_paths
+        self.memo: dict[int, Any] = {}
+        self.seen: list[tuple[Path, torch.Tensor, int]] = []  # every tensor reached, with its version
+        self.clones: dict[Path, torch.Tensor] = {}
+        self.count = 0
+
+    def copy(self, x: Any, path: Path) -> Any:
+        if isinstance(x, torch.Tensor):
+            self.seen.append((path, x, x._version))
+            if self.clone_all or path in self.clone_paths:
+                self.clones[path] = x.detach().clone()
+                return self.clones[path]
+            return x
+        if isinstance(x, _ATOMS + _SHARED):
+            return x
+        if id(x) in self.memo:
+            return self.memo[id(x)]
+        self.count += 1
+        if self.count > _MAX_OBJECTS:
+            raise RecomputeError(f"block {self.block!r}: an argument reaches more than {_MAX_OBJECTS} Python "
+                              f"objects (at {_describe(path)}), too many to copy for the recompute. Pass "
+                              "such state another way, or turn checkpointing off for this block "
+                              "(BMTrainModelWrapper(model, checkpoint=False) or the plan's checkpoint flag).")
+        if isinstance(x, tuple):
+            y: Any = _remake_tuple(x, [self.copy(v, path + (("idx", i),)) for i, v in enumerate(x)])
+            self.memo[id(x)] = y
+            return y
+        try:
+            y = copy.copy(x)
+        except Exception as exc:
+            raise RecomputeError(f"block {self.block!r}: argument {_describe(path)} ({type(x).__name__}) cannot be "
+                              f"copied for the recompute ({exc}). Turn checkpointing off for this block "
+                              "(BMTrainModelWrapper(model, checkpoint=False) or the plan's checkpoint flag).") from exc
+        self.memo[id(x)] = y
+        if isinstance(x, list):
+            y[:] = [self.copy(v, path + (("idx", i),)) for i, v in enumerate(x)]
+        elif isinstance(x, dict):
+            for k in list(y):
+                y[k] = self.copy(x[k], path + (("key", k),))
+        elif isinstance(x, (set, frozenset)):
+            pass  # members are hashable, so not mutable step state worth copying
+        else:
+            for k, v in list(getattr(x, "__dict__", {}).items()):
+                y.__dict__[k] = self.copy(v, path + (("attr", k),))
+        return y
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                                        and torch.equal(a.nan_to_num(), b.nan_to_num())))
+
+
+def _remake_tuple(x: tuple, items: list[Any]) -> tuple:
+    return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+
+
+def _describe(path: Path) -> str:
+    text = f"argument {path[0][1]}" if path else "argument"
+    for kind, key in path[1:]:
+        text += f".{key}" if kind == "attr" else f"[{key!r}]"
+    return text
+
+
+def _walk(x: Any, path: Path, seen: set[int]) -> Iterator[tuple[Path, torch.Tensor]]:
+    """Every tensor reachable from ``x`` through containers and object attributes, with its path."""
+    if isinstance(x, torch.Tensor):
+        yield path, x
+        return
+    if isinstance(x, _ATOMS + _SHARED) or id(x) in seen:
+        return
+    seen.add(id(x))
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _walk(v, path + (("idx", i),), seen)
+    elif isinstance(x, dict):
+        for k, v in list(x.items()):
+            yield from _walk(v, path + (("key", k),), seen)
+    elif not isinstance(x, (set, frozenset)):
+        for k, v in list(getattr(x, "__dict__", {}).items()):
+            yield from _walk(v, path + (("attr", k),), seen)
+
+
+def _get(root: Any, path: Path) -> Any:
+    x = root
+    for kind, key in path:
+        x = getattr(x, key) if kind == "attr" else x[key]
+    return x
+
+
+def _put(x: Any, path: Path, value: Any) -> Any:
+    """``x`` with the object at ``path`` replaced by ``value`` (in place; tuples on the way are rebuilt)."""
+    if not path:
+        return value
+    (kind, key), rest = path[0], path[1:]
+    child = getattr(x, key) if kind == "attr" else x[key]
+    new = _put(child, rest, value)
+    if new is child:
+        return x
+    if isinstance(x, tuple):
+        items = list(x)
+        items[key] = new
+        return _remake_tuple(x, items)
+    if kind == "attr":
+        object.__setattr__(x, key, new)
+    else:
+        x[key] = new
+    return x
+
+
+class Replay:
+    """The state one checkpointed call's recompute runs against; see the module docstring."""
+
+    def __init__(self, block: str, module: nn.Module, leaves: list[Any], memory: ReplayMemory,
+                 recompute: bool = True) -> None:
+        self.block, self.memory = block, memory
+        self.mutable = [i for i, x in enumerate(leaves) if is_mutable_leaf(x)]
+        self.copies: dict[int, Any] = {}
+        self.buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.buffer_copies: dict[int, torch.Tensor] = {}
+        self.escaped: list[list[Path]] = []
+        self.recompute, self.first = recompute, False
+        self._clones: dict[Path, torch.Tensor] = {}
+        if not recompute:  # only the escaped and hidden tensors are needed: nothing runs twice
+            self._seen = [(p, t, t._version) for i in self.mutable for p, t in _walk(leaves[i], (("leaf", i),), set())]
+            self._find_hidden()
+            return
+        self.first = memory.calls == 0
+        memory.calls += 1
+        copier = _Copier(block, clone_all=self.first, clone_paths=memory.written_paths)
+        self.copies = {i: copier.copy(leaves[i], (("leaf", i),)) for i in self.mutable}
+        self._seen = copier.seen
+        self._clones = copier.clones
+        self._find_hidden()
+        self.buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+        self._buffer_versions = [b._version for _, _, b in self.buffers]
+        self.buffer_copies = {i: b.detach().clone() for i, (m, name, b) in enumerate(self.buffers)
+                              if self.first or (id(m), name) in memory.written_buffers}
+
+    def _find_hidden(self) -> None:
+        by_id: dict[int, tuple[torch.Tensor, list[Path]]] = {}
+        for path, t, _ in self._seen:
+            if t.requires_grad:
+                by_id.setdefault(id(t), (t, []))[1].append(path)
+        self._hidden = list(by_id.values())
+
+    def hidden(self) -> list[torch.Tensor]:
+        """Tensors needing grad inside non-tensor arguments (earlier blocks' cache entries): inputs of the
+        block that autograd cannot see, so the block's node takes them as extra inputs."""
+        return [t for t, _ in self._hidden]
+
+    def put_hidden(self, leaves: list[Any], tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+        """Put ``tensors`` where the hidden inputs are in ``leaves`` (in place)."""
+        put_escaped(leaves, [paths for _, paths in self._hidden], list(tensors))
+
+    @contextmanager
+    def hidden_swapped(self, leaves: list[Any], tensors: list[torch.Tensor]) -> Iterator[None]:
+        """The real arguments hold ``tensors`` for the hidden inputs while a kept-graph forward runs."""
+        self.put_hidden(leaves, tensors)
+        try:
+            yield
+        finally:
+            for (orig, paths), t in zip(self._hidden, tensors, strict=True):
+                for path in paths:
+                    try:
+                        still = _get(leaves[path[0][1]], path[1:]) is t
+                    except (AttributeError, KeyError, IndexError, TypeError):
+                        still = False
+                    if still:
+                        leaves[path[0][1]] = _put(leaves[path[0][1]], path[1:], orig)
+
+    def after_forward(self, leaves: list[Any]) -> list[torch.Tensor]:
+        """Check what the forward changed; returns the tensors it stored into arguments (escaped)."""
+        if self.recompute:
+            self._check_writes()
+        before = {id(t) for _, t, _ in self._seen}  # the tensors stay alive in _seen: ids are not reused
+        by_id: dict[int, tuple[torch.Tensor, list[Path]]] = {}
+        for i in self.mutable:
+            for path, t in _walk(leaves[i], (("leaf", i),), set()):
+                if id(t) not in before:
+                    by_id.setdefault(id(t), (t, []))[1].append(path)
+        self._seen, self._clones = [], {}
+        self.escaped = [paths for _, paths in by_id.values()]
+        return [t for t, _ in by_id.values()]
+
+    def _check_writes(self) -> None:
+        # Kernels may write without bumping the version counter (BatchNorm's running statistics), so the
+        # first call, which copied everything, compares values; later calls also watch version counters.
+        for path, t, version in self._seen:
+            if t._version == version and not (self.first and not _same(t, self._clones[path])):
+                continue
+            known = path in self.memory.written_paths
+            self.memory.written_paths.add(path)
+            if not known and self.memory.calls > 1:
+                raise RecomputeError(
+                    f"block {self.block!r} wrote in place into a tensor at {_describe(path)} that its earlier "
+                    "calls left alone, so its recompute cannot start from the state its forward saw. Turn "
+                    "checkpointing off for this block (BMTrainModelWrapper(model, checkpoint=False) or the "
+                    "plan's checkpoint flag).")
+        for i, (m, name, b) in enumerate(self.buffers):
+            if b._version != self._buffer_versions[i] or (self.first and not _same(b, self.buffer_copies[i])):
+                self.memory.written_buffers.add((id(m), name))
+                if i not in self.buffer_copies:
+                    # Written for the first time in a later call: its value before this forward is gone; the
+                    # recompute reads the written value but writes a copy, so it still updates only once.
+                    self.buffer_copies[i] = b.detach().clone()
+
+    def leaves(self, leaves: list[Any], hidden: list[torch.Tensor]) -> list[Any]:
+        """The forward's non-tensor leaves with the mutable ones replaced by their copies, which hold
+        ``hidden`` (fresh leaves) where the hidden inputs were."""
+        out = [self.copies.get(i, x) for i, x in enumerate(leaves)]
+        self.put_hidden(out, hidden)
+        return out
+
+    def escaped_from(self, leaves: list[Any]) -> list[torch.Tensor]:
+        """After the recompute: the tensors it stored at the places the forward stored them."""
+        out = []
+        for paths in self.escaped:
+            try:
+                t = _get(leaves[paths[0][0][1]], paths[0][1:])
+            except (AttributeError, KeyError, IndexError, TypeError):
+                t = None
+            if not isinstance(t, torch.Tensor):
+                raise RecomputeError(f"block {self.block!r}: the recompute did not store a tensor at "
+                                  f"{_describe(paths[0])} as its forward did")
+            out.append(t)
+        return out
+
+    @contextmanager
+    def buffers_swapped(self) -> Iterator[None]:
+        """During the recompute, written buffers are copies: the real ones keep the forward's update."""
+        saved = []
+        for i, copy_ in self.buffer_copies.items():
+            m, name, b = self.buffers[i]
+            saved.append((m, name, m._buffers[name]))
+            m._buffers[name] = copy_
+        try:
+            yield
+        finally:
+            for m, name, b in saved:
+                m._buffers[name] = b
+
+
+def put_escaped(leaves: list[Any], escaped: list[list[Path]], tensors: list[torch.Tensor]) -> None:
+    """Put the block's outputs for escaped tensors where the forward stored the originals."""
+    for paths, t in zip(escaped, tensors, strict=True):
+        for path in paths:
+            i = path[0][1]
+            leaves[i] = _put(leaves[i], path[1:], t)

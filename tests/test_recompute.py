@@ -1,0 +1,271 @@
+"""Recompute is invisible (DESIGN.md contracts): a checkpointed block's backward replay sees the state its
+forward saw, updates buffers once, mutates non-tensor arguments once, and fails loudly otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_distributed
+from parity import SGD_TOL, compare_grads, local_slice, train_side_by_side
+from torch import nn
+
+import bmt_wrap as bmt
+from bmt_wrap.errors import RecomputeError
+
+
+def _llama_default():
+    """LlamaForCausalLM from its default config, sizes shrunk only (use_cache stays True)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    assert cfg.use_cache
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2_default():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=models.VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert cfg.use_cache
+    return GPT2LMHeadModel(cfg)
+
+
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _default_config_lm(factory_name: str, optimizer: str) -> dict:
+    factory = {"llama": _llama_default, "gpt2": _gpt2_default}[factory_name]
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, models.VOCAB, (4, 8), generator=g),) for _ in range(4)]
+    return train_side_by_side(lambda: models.seeded(factory), bmt.BMTrainModelWrapper, batches,
+                              optimizer=optimizer, loss_fn=_lm_loss, check_grads=optimizer == "sgd")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_causal_lm_with_default_cache_matches_plain_pytorch_sgd(name, world_size):
+    """use_cache=True (the default): the recompute must not see the cache its forward filled."""
+    out = run_distributed(_default_config_lm, world_size, name, "sgd")
+    assert out[0]["grad_diff"] < 1e-5
+
+
+def test_causal_lm_with_default_cache_matches_plain_pytorch_adamw():
+    run_distributed(_default_config_lm, 2, "llama", "adamw")
+
+
+def _cache_carries_gradients() -> float:
+    torch.manual_seed(0)
+    ref = models.seeded(_llama_default)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    ids = torch.randint(0, models.VOCAB, (2, 8))
+    lengths = []
+    for m in (ref, model):
+        out = m(input_ids=ids)
+        cache = out.past_key_values
+        lengths.append(cache.get_seq_length())
+        keys = cache.layers[0].keys
+        assert keys.requires_grad, "a cached key must carry its gradient as in plain PyTorch"
+        (out.logits.square().mean() + keys.square().mean()).backward()
+        lengths.append(cache.get_seq_length())  # the recompute must not grow the user's cache
+    assert lengths == [8, 8, 8, 8], lengths
+    return compare_grads(ref, model, "loss through the cache")
+
+
+def test_cache_filled_once_and_carries_gradients():
+    run_distributed(_cache_carries_gradients, 1)
+
+
+# ---- buffers written in forward ------------------------------------------------------------------------
+def _batchnorm_parity(steps: int = 3) -> None:
+    """Running statistics equal plain PyTorch fed this rank's slices (batch statistics are per rank), with
+    the rank-averaged gradient applied to it."""
+    rank, n = bmt.rank(), bmt.world_size()
+    torch.manual_seed(0)
+    ref = models.ResNetStage()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    assert [g.name for g in model.plan.blocks() if g.checkpoint] == ["stage.0", "stage.1", "stage.2"]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(4 * n, 3, 8, 8, generator=g)
+        y = torch.randint(0, 10, (4 * n,), generator=g)
+        # The reference sees every rank's slice in turn (its own buffers follow this rank's slice only).
+        grads = None
+        for r in range(n):
+            rm = ref if r == rank else copy.deepcopy(ref)
+            loss = F.cross_entropy(rm(x.chunk(n)[r]), y.chunk(n)[r]) / n
+            gs = torch.autograd.grad(loss, list(rm.parameters()))
+            grads = gs if grads is None else [a + b for a, b in zip(grads, gs, strict=True)]
+        for p, gr in zip(ref.parameters(), grads, strict=True):
+            p.grad = gr
+        F.cross_entropy(model(x.chunk(n)[rank]), y.chunk(n)[rank]).backward()
+        compare_grads(ref, model, "batchnorm step")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, ref_buffers[name], **SGD_TOL, msg=lambda m, name=name: f"buffer {name}: {m}")
+    ref.eval()
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), **SGD_TOL)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_batchnorm_buffers_update_once_per_step(world_size):
+    run_distributed(_batchnorm_parity, world_size)
+
+
+class _Counter(nn.Module):
+    """A block whose output depends on a buffer it updates: the recompute must see the old value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+class _CounterNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Counter(), _Counter()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def _buffer_read_after_write() -> None:
+    batches = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    train_side_by_side(_CounterNet, bmt.BMTrainModelWrapper, batches)
+
+
+def test_block_reading_the_buffer_it_writes_matches_plain_pytorch():
+    run_distributed(_buffer_read_after_write, 2)
+
+
+# ---- non-tensor arguments ---------------------------------------------------------------------------------
+class _Log:
+    """A user object a block appends to (as a cache does)."""
+
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+
+
+class _Appender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, log: _Log) -> torch.Tensor:
+        y = self.lin(x)
+        log.items.append(y)
+        # Reads everything logged so far: wrong if the recompute saw its own forward's entry.
+        return y * len(log.items) + sum(t.mean(dim=-1, keepdim=True) for t in log.items)
+
+
+class _AppendNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Appender(), _Appender(), _Appender()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log = _Log()
+        for b in self.blocks:
+            x = b(x, log)
+        # The logged tensors take part in the loss: they must carry gradients as in plain PyTorch.
+        return x.square().mean() + sum(t.square().mean() for t in log.items)
+
+
+def _appender_parity() -> None:
+    batches = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    train_side_by_side(_AppendNet, bmt.BMTrainModelWrapper, batches)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_block_mutating_a_non_tensor_argument_matches_plain_pytorch(world_size):
+    run_distributed(_appender_parity, world_size)
+
+
+class _Shifty(nn.Module):
+    """Returns a different shape each call: its recompute cannot reproduce its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)[: 4 - self.calls % 2]
+
+
+def _shape_mismatch_is_named() -> str:
+    model = bmt.BMTrainModelWrapper(nn.Sequential(_Shifty(), _Shifty()))
+    out = model(torch.randn(4, 8))
+    with pytest.raises(RecomputeError, match=r"block '0'.*recompute") as info:
+        out.sum().backward()
+    return str(info.value)
+
+
+def test_recompute_with_other_shapes_raises_a_named_error():
+    run_distributed(_shape_mismatch_is_named, 1)
+
+
+# ---- a block parameter used on one rank only ---------------------------------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return self.extra(y) if x.sum() > 0 else y  # data-dependent: differs between ranks
+
+
+class _BranchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Branchy(), _Branchy()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def _rank_local_parameter() -> None:
+    # Rank 0's slice has a positive sum, rank 1's a negative one: `extra` is used on rank 0 only.
+    x = torch.cat([torch.full((2, 8), 0.5), torch.full((2, 8), -0.5)]) + 0.01 * torch.randn(4, 8)
+    rank = bmt.rank()
+    torch.manual_seed(0)
+    ref = _BranchNet()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    # Reference: the rank average of each rank's local mean loss, as DDP defines it.
+    sum(ref(x.chunk(2)[r]) for r in range(2)).div(2).backward()
+    model(x.chunk(2)[rank]).backward()
+    for name, p in model.named_parameters():
+        rp = dict(ref.named_parameters())[name]
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, local_slice(rp.grad, p), **SGD_TOL)
+
+
+def test_block_parameter_used_on_one_rank_only_gets_the_rank_average():
+    run_distributed(_rank_local_parameter, 2)
