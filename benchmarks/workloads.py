@@ -53,7 +53,7 @@ def _gpt2(seq: int) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # GPT-2 small (124M, tied embedding), dropout off so every system computes the same losses.
-    cfg = GPT2Config(n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg)
 
@@ -62,8 +62,7 @@ def _llama(seq: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 64),
-                      use_cache=False)
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 64))
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 

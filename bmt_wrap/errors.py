@@ -44,6 +44,10 @@ class RecomputeError(WrapError):
     cannot be restored); raised instead of computing a wrong gradient."""
 
 
+class ParityError(WrapError):
+    """``model.verify`` found the wrapped model outside tolerance of its plain reference."""
+
+
 class UninitializedParameterError(WrapError):
     """A parameter is still on the meta device when it is needed."""
 

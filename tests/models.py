@@ -237,7 +237,7 @@ class ResNetStage(nn.Module):
 # ---- transformers models from tiny configs --------------------------------------------------------
 def _hf_small() -> dict[str, Any]:
     return dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 def gpt2() -> nn.Module:
@@ -245,7 +245,7 @@ def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=DIM, n_layer=2, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return seeded(lambda: GPT2LMHeadModel(cfg))
 
 
@@ -285,7 +285,7 @@ def t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(vocab_size=VOCAB, d_model=DIM, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
-                   num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
+                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
     return seeded(lambda: T5ForConditionalGeneration(cfg))
 
 
@@ -314,8 +314,7 @@ def llama_7b() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                      use_cache=False)
+                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
     return LlamaForCausalLM(cfg)
 
 

@@ -34,7 +34,7 @@ def _builders() -> dict:
             num_attention_heads=4, max_position_embeddings=64, num_labels=3)),
         "t5": lambda: T5ForConditionalGeneration(T5Config(
             vocab_size=models.VOCAB, d_model=models.DIM, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
-            num_heads=4, use_cache=False, decoder_start_token_id=0)),
+            num_heads=4, decoder_start_token_id=0)),
         "classifier": models.Classifier,
         "sequential": models.SequentialGPT,
         "resnet_stage": models.ResNetStage,

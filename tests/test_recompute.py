@@ -269,3 +269,31 @@ def _rank_local_parameter() -> None:
 
 def test_block_parameter_used_on_one_rank_only_gets_the_rank_average():
     run_distributed(_rank_local_parameter, 2)
+
+
+# ---- verify() judges, not only reports ---------------------------------------------------------------------
+def _verify_verdicts() -> list[bool]:
+    from bmt_wrap.errors import ParityError
+
+    batches = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    loss = lambda m, b: m(*b)  # noqa: E731
+    torch.manual_seed(0)
+    ref = _CounterNet()
+    good = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    verdicts = [good.verify(ref, batches, loss, sgd, steps=2).ok]
+    # A reference that drifted from the wrapped model by 1e-3 stands for a wrong gradient.
+    torch.manual_seed(0)
+    ref = _CounterNet()
+    bad = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    with torch.no_grad():
+        ref.blocks[0].lin.weight.add_(1e-3)
+    report = bad.verify(copy.deepcopy(ref), batches, loss, sgd, steps=2, strict=False)
+    verdicts.append(report.ok)
+    with pytest.raises(ParityError, match="outside tolerance"):
+        bad.verify(ref, batches, loss, sgd, steps=1)
+    return verdicts
+
+
+def test_verify_fails_when_gradients_differ_beyond_tolerance():
+    assert run_distributed(_verify_verdicts, 2) == [[True, False]] * 2
