@@ -17,7 +17,11 @@ from bmt_wrap.errors import PlanError, WrapError
 from bmt_wrap.plan import WrapPlan
 from bmt_wrap.wrapper import BMTrainModelWrapper
 
-STEPS = 5
+# Three steps: beyond them a perfect data-parallel reference itself leaves DESIGN.md's SGD tolerance on
+# this CPU (plain DDP, 2 gloo ranks, the classifier: excess 1.5e-7 over rtol 1e-5 + atol 1e-6 at step 3,
+# none at steps 0-2), as batch-size-dependent kernel rounding compounds through SGD. Later steps would
+# test the CPU's rounding, not bmt_wrap; the tolerance itself is unchanged.
+STEPS = 3
 
 
 def _lm_loss(model, ids):
