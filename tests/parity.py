@@ -4,6 +4,12 @@ Every rank builds the same reference (same seed) and trains it on the global bat
 copy trains on this rank's slice. Tolerances are DESIGN.md's (measured on a perfect data-parallel
 reference): losses rtol 1e-5; under SGD(lr=0.1) grads and params assert_close(rtol=1e-5, atol=1e-6);
 under AdamW the per-tensor relative norm of the parameter difference is at most 5e-3.
+
+``train_side_by_side(strict=False)`` records every violation in ``result["failures"]`` instead of raising at
+the first (benchmarks/coverage.py sweeps hundreds of models and wants each one's worst differences);
+``sliced_reference=True`` trains the reference on each rank's slice in turn with the gradients averaged
+(models whose forward couples the rows of a batch, such as BatchNorm, compute per-rank statistics by
+nature); ``reseed`` reseeds before each model's step so dropout draws the same masks in both (N=1).
 """
 
 from __future__ import annotations
@@ -44,13 +50,32 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
                              lr=1e-3)
 
 
+def _check(failures: list[str] | None, check: Callable[[], None]) -> None:
+    """Run an assertion; with a ``failures`` list, record its message there instead of raising."""
+    if failures is None:
+        check()
+        return
+    try:
+        check()
+    except AssertionError as exc:
+        failures.append(str(exc))
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference; NaN anywhere counts as infinite."""
+    if not a.numel():
+        return 0.0
+    return float(torch.nan_to_num((a.float() - b.float()).abs(), nan=float("inf")).max())
+
+
 def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
-                   noise_only: frozenset[str] = frozenset()) -> float:
+                   noise_only: frozenset[str] = frozenset(), failures: list[str] | None = None) -> float:
     """Assert the sharded parameters equal the reference's slices; returns the largest difference.
 
     ``noise_only``: parameters whose exact gradient is zero (an attention key bias: softmax ignores it),
     so the reference's gradient is rounding noise that Adam turns into lr-sized steps; under AdamW they
     cannot be compared by any implementation and are left to the SGD runs, which check them exactly.
+    ``failures``: record violations there instead of raising.
     """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
@@ -60,69 +85,120 @@ def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
         full = ref_params[name].detach()
         mine = local_slice(full, p)
         if optimizer == "sgd":
-            torch.testing.assert_close(p.detach(), mine, **SGD_TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
+            _check(failures, lambda p=p, mine=mine, name=name: torch.testing.assert_close(
+                p.detach(), mine, **SGD_TOL, msg=lambda m: f"{what} {name}: {m}"))
         elif mine.numel():
             rel = float((p.detach() - mine).norm() / mine.norm().clamp_min(1e-12))
-            assert rel <= ADAMW_REL, f"{what} {name}: relative difference {rel:.2e} > {ADAMW_REL}"
-        if mine.numel():
-            worst = max(worst, float((p.detach() - mine).abs().max()))
+
+            def within(rel: float = rel, name: str = name) -> None:
+                assert rel <= ADAMW_REL, f"{what} {name}: relative difference {rel:.2e} > {ADAMW_REL}"
+            _check(failures, within)
+        worst = max(worst, _max_abs(p.detach(), mine))
     return worst
 
 
-def compare_grads(ref: nn.Module, model: nn.Module, what: str) -> float:
-    """Assert every sharded ``.grad`` is the reference gradient's slice (None where the reference's is)."""
+def compare_grads(ref: nn.Module, model: nn.Module, what: str, failures: list[str] | None = None) -> float:
+    """Assert every sharded ``.grad`` is the reference gradient's slice (None where the reference's is).
+
+    ``failures``: record violations there instead of raising.
+    """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in model.named_parameters():
         rp = ref_params[name]
-        if rp.grad is None:
-            assert p.grad is None, f"{what} {name}: reference has no gradient but the shard has one"
+        if rp.grad is None or p.grad is None:
+            if rp.grad is not None or p.grad is not None:
+                msg = (f"{what} {name}: reference has no gradient but the shard has one" if rp.grad is None
+                       else f"{what} {name}: the shard has no gradient")
+                if failures is None:
+                    raise AssertionError(msg)
+                failures.append(msg)
+                worst = float("inf")
             continue
-        assert p.grad is not None, f"{what} {name}: the shard has no gradient"
         mine = local_slice(rp.grad, p)
-        torch.testing.assert_close(p.grad, mine, **SGD_TOL, msg=lambda m, name=name: f"{what} grad {name}: {m}")
-        if mine.numel():
-            worst = max(worst, float((p.grad - mine).abs().max()))
+        _check(failures, lambda p=p, mine=mine, name=name: torch.testing.assert_close(
+            p.grad, mine, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}"))
+        worst = max(worst, _max_abs(p.grad, mine))
+    return worst
+
+
+def compare_buffers(ref: nn.Module, model: nn.Module, what: str, failures: list[str] | None = None) -> float:
+    """Assert every buffer of the wrapped model equals the reference's (running statistics, counters)."""
+    ref_buffers = dict(ref.named_buffers(remove_duplicate=False))
+    worst = 0.0
+    for name, b in model.named_buffers(remove_duplicate=False):
+        rb = ref_buffers.get(name)
+        if rb is None or rb.shape != b.shape:
+            continue
+        if b.is_floating_point():
+            _check(failures, lambda b=b, rb=rb, name=name: torch.testing.assert_close(
+                b, rb, **SGD_TOL, msg=lambda m: f"{what} buffer {name}: {m}"))
+        else:
+            def same(b: torch.Tensor = b, rb: torch.Tensor = rb, name: str = name) -> None:
+                assert torch.equal(b, rb), f"{what} buffer {name}: {b.flatten()[:4].tolist()} != {rb.flatten()[:4].tolist()}"
+            _check(failures, same)
+        worst = max(worst, _max_abs(b, rb))
     return worst
 
 
 def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module],
                        batches: list[tuple[torch.Tensor, ...]], *, optimizer: str = "sgd", micro: int = 1,
                        two_forwards: bool = False, check_grads: bool = True,
-                       loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
-    """Train reference and sharded copies on ``batches`` (global batches); assert parity each step."""
+                       loss_fn: Callable[..., torch.Tensor] | None = None, strict: bool = True,
+                       sliced_reference: bool = False, reseed: int | None = None,
+                       check_buffers: bool = False) -> dict[str, Any]:
+    """Train reference and sharded copies on ``batches`` (global batches); assert parity each step.
+
+    ``strict=False``: record violations in ``result["failures"]`` and keep training (every rank runs the
+    same collectives whatever it finds). ``sliced_reference``: the reference runs each rank's slice in turn
+    (gradients averaged; its buffers end as this rank's slice left them). ``reseed``: seed before each
+    model's step, so both draw the same dropout masks. ``check_buffers``: compare buffers after training.
+    """
     torch.manual_seed(0)
     ref = build()
     model = wrap(copy.deepcopy(ref))
     ref_opt, opt = make_optimizer(optimizer, ref), make_optimizer(optimizer, model)
     rank, n = bmt.rank(), bmt.world_size()
+    failures: list[str] | None = None if strict else []
     losses, ref_losses, grad_diff = [], [], 0.0
     grad_peak: dict[str, float] = {}
     for step, batch in enumerate(batches):
         local = tuple(t.chunk(n)[rank] for t in batch)
-        ref_loss = _step_loss(ref, batch, micro, two_forwards, loss_fn)
+        if reseed is not None:
+            torch.manual_seed(reseed + step)
+        if sliced_reference:
+            ref_loss = _sliced_step_loss(ref, batch, rank, n, micro, two_forwards, loss_fn)
+        else:
+            ref_loss = _step_loss(ref, batch, micro, two_forwards, loss_fn)
+        if reseed is not None:
+            torch.manual_seed(reseed + step)
         loss = _step_loss(model, local, micro, two_forwards, loss_fn)
         ref_losses.append(float(ref_loss))
         losses.append(float(bmt.sum_loss(loss)))
         if check_grads:
-            grad_diff = max(grad_diff, compare_grads(ref, model, f"step {step}"))
+            grad_diff = max(grad_diff, compare_grads(ref, model, f"step {step}", failures))
         for name, rp in ref.named_parameters(remove_duplicate=False):
             if rp.grad is not None:
-                grad_peak[name] = max(grad_peak.get(name, 0.0), float(rp.grad.abs().max()))
+                peak = float(rp.grad.abs().max()) if rp.grad.numel() else 0.0
+                grad_peak[name] = max(grad_peak.get(name, 0.0), peak)
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m, step=step: f"losses differ at step {step}: {m}")
+        _check(failures, lambda step=step: torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
+            msg=lambda m: f"losses differ at step {step}: {m}"))
     noise_only = frozenset(n for n, g in grad_peak.items() if g < NOISE_GRAD)
-    param_diff = compare_params(ref, model, optimizer, "after training", noise_only)
+    param_diff = compare_params(ref, model, optimizer, "after training", noise_only, failures)
+    buffer_diff = compare_buffers(ref, model, "after training", failures) if check_buffers else 0.0
+    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), default=0.0)
     return {"losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "param_diff": param_diff,
+            "loss_diff": loss_diff, "buffer_diff": buffer_diff, "failures": failures or [],
             "comm": bmt.comm_stats()}
 
 
 def _step_loss(model: nn.Module, batch: tuple[torch.Tensor, ...], micro: int, two_forwards: bool,
-               loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+               loss_fn: Callable[..., torch.Tensor] | None, scale: float = 1.0) -> torch.Tensor:
     run = loss_fn or (lambda m, *b: m(*b))
     total = torch.zeros(())
     for chunk in zip(*(t.chunk(micro) for t in batch), strict=True):
@@ -131,8 +207,29 @@ def _step_loss(model: nn.Module, batch: tuple[torch.Tensor, ...], micro: int, tw
             loss = (run(model, *halves[0]) + run(model, *halves[1])) / 2
         else:
             loss = run(model, *chunk)
-        (loss / micro).backward()
+        (loss / micro if scale == 1.0 else loss * scale / micro).backward()
         total = total + loss.detach() / micro
+    return total
+
+
+def _sliced_step_loss(ref: nn.Module, batch: tuple[torch.Tensor, ...], rank: int, n: int, micro: int,
+                      two_forwards: bool, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """The data-parallel reference in one process: each rank's slice in turn, gradients averaged; the
+    buffers end as this rank's slice left them (each rank's running statistics are its own)."""
+    start = {name: b.detach().clone() for name, b in ref.named_buffers()}
+    mine: dict[str, torch.Tensor] = {}
+    total = torch.zeros(())
+    for r in range(n):
+        with torch.no_grad():
+            for name, b in ref.named_buffers():
+                b.copy_(start[name])
+        local = tuple(t.chunk(n)[r] for t in batch)
+        total = total + _step_loss(ref, local, micro, two_forwards, loss_fn, scale=1.0 / n) / n
+        if r == rank:
+            mine = {name: b.detach().clone() for name, b in ref.named_buffers()}
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            b.copy_(mine[name])
     return total
 
 
