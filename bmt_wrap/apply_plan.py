@@ -56,8 +56,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     sites = param_sites(model)
     check_single_device(sites, type(model).__name__)
     _check_plan_covers(model, plan, sites)
-    if mixed_precision is not None:
-        _cast_params(sites, mixed_precision.param_dtype)
+    _check_plan_precision(plan, mixed_precision)
     by_name = {n: s for s in sites for n in s.names}
     engine = get_engine()
     device = check_single_device(sites, type(model).__name__)
@@ -75,9 +74,6 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
             continue
         module = blocks[spec.name]
         bind_block(module, spec, sites, ext_locations=ext[spec.name])
-        module._bmt_group.reduce_dtype = _reduce_dtype(mixed_precision)
-    if root_group is not None:
-        root_group.reduce_dtype = _reduce_dtype(mixed_precision)
     engine.sync_buffers(model, 0)
     engine.set_prefetch_depth(plan.prefetch_depth)
     groups = {name: module._bmt_group for name, module in blocks.items()}
@@ -151,15 +147,18 @@ def _check_plan_covers(model: nn.Module, plan: WrapPlan, sites: list[ParamSite])
                         "for this model (bmt-wrap dump --format json) or wrap without plan=.")
 
 
-def _cast_params(sites: list[ParamSite], dtype: torch.dtype) -> None:
-    with torch.no_grad():
-        for s in sites:
-            if s.param.is_floating_point() and s.param.dtype != dtype:
-                s.param.data = s.param.data.to(dtype)
-
-
-def _reduce_dtype(mp: MixedPrecision | None) -> torch.dtype | None:
-    return mp.reduce_dtype if mp is not None else None
+def _check_plan_precision(plan: WrapPlan, mp: MixedPrecision | None) -> None:
+    """The plan's buffer dtypes (shard, gathered, reduced) are what the runtime executes: they must be
+    the ones ``mp`` implies, else inputs would be cast for parameters gathered in another dtype."""
+    for g in plan.groups:
+        for b in g.buffers:
+            want = mp.buffer_dtypes(b.dtype) if mp is not None else (b.dtype, None, None)
+            if (b.dtype, b.param_dtype, b.reduce_dtype) != want:
+                raise PlanError(
+                    f"group {g.name!r}: the plan stores {b.dtype} shards gathered in {b.gather_dtype} and "
+                    f"reduced in {b.grad_dtype}, which is not what mixed_precision={mp} implies. Pass the "
+                    "mixed_precision= the plan was made with, or rebuild the plan with this one "
+                    "(wrap without plan=).")
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:

@@ -1,17 +1,21 @@
 """bmt-wrap: show how bmt_wrap would shard a model, without running it or allocating its weights.
 
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...]
-    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16] [--memory-budget 40GiB] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
+                  [--memory-budget 40GiB] [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
 ``input_ids=int64[1,128]`` (or ``float32[2,3,224,224]`` for a positional input) gives the shapes
-``torch.export`` and the activation estimate need.
+``torch.export`` and the activation estimate need. ``--dtype`` estimates BMTrain's design (the model cast
+before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-precision`` estimates
+``mixed_precision=bmt.MixedPrecision(param_dtype=...)`` (fp32 shards, gathers and compute in that dtype).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import re
@@ -21,10 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .dtypes import to_dtype
 from .errors import BMTError, CLIError
+from .mixed_precision import MixedPrecision
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.planner import build_plan
@@ -132,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--input", action="append", default=[], metavar="SPEC",
                         help="one rank's example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable")
     common.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32); default: the model's")
+    common.add_argument("--mixed-precision", default=None, metavar="DTYPE",
+                        help="MixedPrecision(param_dtype=DTYPE): fp32 shards, DTYPE gathers and compute, fp32 "
+                             "gradient reduction")
     common.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 40GiB")
     common.add_argument("--prefetch-depth", type=int, default=1, help="blocks gathered ahead (default 1)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -148,22 +157,23 @@ def _run(opts: argparse.Namespace) -> str:
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
-    dtype = None
-    if opts.dtype is not None:
-        try:
-            dtype = to_dtype(opts.dtype)
-        except BMTError as exc:
-            raise CLIError(f"bad --dtype: {exc}") from None
+    dtype = _dtype_option(opts.dtype, "--dtype")
     if dtype is not None:
         model = model.to(dtype)  # meta: free; activations are then measured in the training dtype
+    mp = None
+    if opts.mixed_precision is not None:
+        mp = MixedPrecision(param_dtype=_dtype_option(opts.mixed_precision, "--mixed-precision"))
     discovery = discover_blocks(model)
-    captured = capture(model, discovery, inputs)
+    # Activations are measured in the dtype blocks compute in: param_dtype under mixed precision.
+    measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
+    captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     plans = [build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
-                        param_dtype=dtype, capture=captured) for n in sizes]
+                        mixed_precision=mp, capture=captured) for n in sizes]
     if opts.command == "plan":
         psi = sum(g.param_numel() for g in plans[0].groups)
-        dtypes = sorted({b.dtype for g in plans[0].groups for b in g.buffers})
+        dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"
+                         for g in plans[0].groups for b in g.buffers})
         lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
                  f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
                  *(f"N={n}: {summary(p)}" for n, p in zip(sizes, plans, strict=True)),
@@ -172,6 +182,15 @@ def _run(opts: argparse.Namespace) -> str:
     graph = rewrite(captured, plans[0])
     render = {"text": render_text, "json": render_json, "dot": render_dot}[opts.format]
     return render(graph, plans[0])
+
+
+def _dtype_option(text: str | None, option: str) -> torch.dtype | None:
+    if text is None:
+        return None
+    try:
+        return to_dtype(text)
+    except BMTError as exc:
+        raise CLIError(f"bad {option}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,12 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return _NAME_OF[to_dtype(dtype)]
 
 
+def master_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype a sharded parameter keeps under mixed precision: fp32 for fp16/bf16, else its own."""
+    dtype = to_dtype(dtype)
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
 def itemsize(dtype: torch.dtype | str) -> int:
     """Bytes per element of a dtype."""
     return to_dtype(dtype).itemsize

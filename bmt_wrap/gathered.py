@@ -37,12 +37,13 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         for attr, p in module._parameters.items():
             if isinstance(p, DistributedParameter):
                 sites.setdefault(id(p), []).append((module, attr))
-    for g in groups:
-        g.start_gather()
     full: list[tuple[DistributedParameter, nn.Parameter]] = []
     try:
         for g in groups:
-            for views, b in zip(g.slot_views(), g.buffers, strict=True):
+            # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
+            # precision on writeback.
+            for f, b in zip(g.gather_values(), g.buffers, strict=True):
+                views = b.slot_views(f)
                 for v, p in zip(views, b.params, strict=True):
                     whole = nn.Parameter(v, requires_grad=p.requires_grad)
                     full.append((p, whole))
@@ -57,5 +58,3 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         for p, _ in full:
             for module, attr in sites.get(id(p), []):
                 module._parameters[attr] = p
-        for g in groups:
-            g.release()

@@ -6,16 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtypes import FLOATING, LOW_PRECISION
+from .dtypes import FLOATING, LOW_PRECISION, dtype_name, master_dtype, to_dtype
 from .errors import WrapError
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Shards store ``param_dtype``; gradients are reduce-scattered in ``reduce_dtype``; floating inputs
-    are cast to ``param_dtype`` on the way in when ``cast_forward_inputs``; floating outputs are cast to
-    ``output_dtype`` (None: left as computed). The optimizer keeps fp32 master weights for low-precision
-    shards."""
+    """FSDP2's design: sharded parameters (what ``model.parameters()`` yields) stay fp32 and are the
+    master weights, so any optimizer updates them at full precision; each gather casts the local shard
+    to ``param_dtype`` and communicates that, and blocks compute in it. Gradients are reduce-scattered in
+    ``reduce_dtype`` (None: ``param_dtype``) and land as fp32 ``.grad``. Floating inputs are cast to
+    ``param_dtype`` on the way in when ``cast_forward_inputs``; floating outputs are cast to
+    ``output_dtype`` (None: left as computed)."""
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
@@ -42,3 +44,14 @@ class MixedPrecision:
         if self.output_dtype is not None and isinstance(t, torch.Tensor) and t.is_floating_point():
             return t.to(self.output_dtype)
         return t
+
+    def buffer_dtypes(self, dtype: torch.dtype | str) -> tuple[str, str | None, str | None]:
+        """(shard, param, reduce) dtype names of a flat buffer of ``dtype`` parameters under this policy,
+        as ``FlatBufferSpec`` stores them: param and reduce are None where they equal their default."""
+        dtype = to_dtype(dtype)
+        if dtype not in FLOATING:
+            return dtype_name(dtype), None, None
+        shard = master_dtype(dtype)  # fp16/bf16 parameters are upcast: the shard is the master
+        reduce = self.reduce_dtype or self.param_dtype
+        return (dtype_name(shard), None if self.param_dtype == shard else dtype_name(self.param_dtype),
+                None if reduce == self.param_dtype else dtype_name(reduce))

@@ -45,11 +45,28 @@ class ParamSlot:
 
 @dataclass
 class FlatBufferSpec:
-    """Parameters of one dtype and one ``requires_grad`` flag, laid out in one contiguous buffer."""
+    """Parameters of one dtype and one ``requires_grad`` flag, laid out in one contiguous buffer.
+
+    ``dtype`` is the shard's: what the optimizer updates and checkpoints hold. Under mixed precision
+    gathers communicate and blocks compute in ``param_dtype``, and gradients are reduce-scattered in
+    ``reduce_dtype``; None means the shard's dtype and the gathered dtype respectively.
+    """
 
     dtype: str
     requires_grad: bool
     slots: list[ParamSlot]
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    @property
+    def gather_dtype(self) -> str:
+        """dtype of the gathered full buffer (what blocks compute in)."""
+        return self.param_dtype or self.dtype
+
+    @property
+    def grad_dtype(self) -> str:
+        """dtype of the full gradient and of its reduce-scatter."""
+        return self.reduce_dtype or self.gather_dtype
 
     @property
     def numel(self) -> int:
@@ -85,8 +102,16 @@ class FlatBufferSpec:
         return start - lo, end - lo
 
     def nbytes(self) -> int:
-        """Bytes of the parameters themselves (no padding)."""
+        """Bytes of the parameters themselves in the shard dtype (no padding)."""
         return self.param_numel * itemsize(self.dtype)
+
+    def gathered_bytes(self, world_size: int) -> int:
+        """Bytes of the gathered (padded) buffer at this world size."""
+        return self.padded_numel(world_size) * itemsize(self.gather_dtype)
+
+    def full_grad_bytes(self, world_size: int) -> int:
+        """Bytes of the full (padded) gradient reduce-scattered at this world size."""
+        return self.padded_numel(world_size) * itemsize(self.grad_dtype)
 
 
 @dataclass
@@ -117,7 +142,7 @@ class ShardGroupSpec:
 
     def padded_bytes(self, world_size: int) -> int:
         """Bytes of the gathered (padded) buffers at this world size."""
-        return sum(b.padded_numel(world_size) * itemsize(b.dtype) for b in self.buffers)
+        return sum(b.gathered_bytes(world_size) for b in self.buffers)
 
 
 @dataclass
@@ -129,14 +154,17 @@ class ParamInfo:
     dtype: str
     requires_grad: bool
     aliases: list[str] = field(default_factory=list)
+    param_dtype: str | None = None  # see FlatBufferSpec
+    reduce_dtype: str | None = None
 
 
 def layout_buffers(params: list[ParamInfo]) -> list[FlatBufferSpec]:
-    """Lay parameters out in flat buffers, one per (dtype, requires_grad), offsets aligned, order kept."""
-    buffers: dict[tuple[str, bool], FlatBufferSpec] = {}
+    """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept."""
+    buffers: dict[tuple[str, bool, str | None, str | None], FlatBufferSpec] = {}
     for p in params:
-        key = (dtype_name(p.dtype), p.requires_grad)
-        buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[]))
+        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype)
+        buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
+                                                     param_dtype=key[2], reduce_dtype=key[3]))
         align = align_elems(key[0])
         offset = -(-buf.numel // align) * align
         buf.slots.append(ParamSlot(fqn=p.fqn, shape=list(p.shape), offset=offset, aliases=list(p.aliases)))
@@ -146,7 +174,11 @@ def layout_buffers(params: list[ParamInfo]) -> list[FlatBufferSpec]:
 
 @dataclass
 class MemoryEstimate:
-    """Per-rank bytes the plan predicts, and communication per training step."""
+    """Per-rank bytes the plan predicts, and communication per training step.
+
+    Shards, their gradients and optimizer state count in the shard dtype; gathered parameters and
+    all-gathers in the gathered dtype; full gradients and reduce-scatters in the gradient dtype.
+    """
 
     world_size: int
     params: int = 0
@@ -158,7 +190,7 @@ class MemoryEstimate:
     comm_all_gather: int = 0
     comm_reduce_scatter: int = 0
     comm_all_reduce: int = 0
-    zero3_bound: int = 0  # 3 * Psi * (N-1) / N in bytes
+    zero3_bound: int = 0  # 3 * Psi * (N-1) / N in bytes (2 gathers + 1 reduce-scatter, each in its dtype)
 
     @property
     def total(self) -> int:
@@ -218,7 +250,9 @@ class WrapPlan:
             groups = [ShardGroupSpec(
                 name=g["name"], checkpoint=g["checkpoint"], zero_level=g["zero_level"],
                 buffers=[FlatBufferSpec(dtype=b["dtype"], requires_grad=b["requires_grad"],
-                                        slots=[ParamSlot(**s) for s in b["slots"]]) for b in g["buffers"]])
+                                        slots=[ParamSlot(**s) for s in b["slots"]],
+                                        param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"))
+                         for b in g["buffers"]])
                 for g in raw["groups"]]
             estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}
             return cls(groups=groups, prefetch_depth=raw["prefetch_depth"], order=raw["order"],

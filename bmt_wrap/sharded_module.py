@@ -31,15 +31,13 @@ class _GatherCache:
         group = p._bmt_buffer.group
         if cls.group is not group:
             cls.clear()
-            group.start_gather()
-            cls.group, cls.views = group, group.slot_views()
+            cls.group = group
+            cls.views = [b.slot_views(f) for b, f in zip(group.buffers, group.gather_values(), strict=True)]
         assert cls.views is not None
         return cls.views[group.buffers.index(p._bmt_buffer)][p._bmt_slot]
 
     @classmethod
     def clear(cls) -> None:
-        if cls.group is not None:
-            cls.group.release()
         cls.group, cls.views = None, None
 
 

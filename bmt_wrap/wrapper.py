@@ -78,7 +78,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         if state.rank == 0:
             cap = passes.capture(model, discovery, example_inputs)
             mine = passes.build_plan(model, discovery, world_size=state.world_size, capture=cap,
-                                     param_dtype=mixed_precision.param_dtype if mixed_precision else None, **options)
+                                     mixed_precision=mixed_precision, **options)
             mine.notes += notes
         plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
     else:

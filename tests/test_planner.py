@@ -102,7 +102,7 @@ def test_meta_and_real_models_give_the_same_plan() -> None:
 @pytest.mark.parametrize("dtype,state", [(torch.bfloat16, 2 + 2 + 12), (torch.float16, 16), (torch.float32, 4 + 4 + 8)])
 @pytest.mark.parametrize("world_size", [1, 8, 64])
 def test_model_states_follow_the_zero_paper(dtype: torch.dtype, state: int, world_size: int) -> None:
-    plan = plan_for("llama", world_size=world_size, param_dtype=dtype)
+    plan = plan_for("llama", world_size=world_size, dtype=dtype)
     est = plan.estimates[str(world_size)]
     psi = sum(g.param_numel() for g in plan.groups)
     exact = state * psi / world_size

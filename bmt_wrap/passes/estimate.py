@@ -1,8 +1,10 @@
 """Per-rank memory and per-step communication a plan implies (DESIGN.md "Memory per rank").
 
-Model states follow the ZeRO paper: mixed-precision Adam keeps (2 + 2 + 12)Ψ/N bytes per rank
-(low-precision parameter and gradient, fp32 master, momentum and variance); fp32 Adam (4 + 4 + 8)Ψ/N.
-Every size is the padded shard or gathered size the runtime actually allocates.
+Model states follow the ZeRO paper: bf16/fp16 shards with Adam keep (2 + 2 + 12)Ψ/N bytes per rank
+(low-precision parameter and gradient, fp32 master, momentum and variance); fp32 shards (4 + 4 + 8)Ψ/N,
+which is also what ``mixed_precision=`` costs: its fp32 shards are the masters, and only the gathered
+parameters (and their communication) are in ``param_dtype``. Every size is the padded shard or gathered
+size the runtime actually allocates.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ def optimizer_bytes_per_elem(dtype: str) -> int:
 
 
 def _grad_bytes(group: ShardGroupSpec, world_size: int) -> int:
-    return sum(b.padded_numel(world_size) * itemsize(b.dtype) for b in group.buffers if b.requires_grad)
+    return sum(b.full_grad_bytes(world_size) for b in group.buffers if b.requires_grad)
+
+
+def _held_gathered(group: ShardGroupSpec, world_size: int) -> int:
+    """Memory a gathered group holds: its full buffers, plus the pooled param_dtype copy of the shard
+    that a casting gather sends (mixed precision)."""
+    return group.padded_bytes(world_size) + sum(b.shard_numel(world_size) * itemsize(b.gather_dtype)
+                                                for b in group.buffers if b.gather_dtype != b.dtype)
 
 
 def _scale(nbytes: int, world_size: int) -> int:
@@ -47,9 +56,9 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     root_bytes = sum(g.padded_bytes(n) for g in root)
     # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through
     # (depth + 1) pooled buffers sized for the largest of them.
-    largest = max((g.padded_bytes(n) for g in blocks if g.zero_level == 3), default=0)
-    est.gathered = (root_bytes + (plan.prefetch_depth + 1) * largest
-                    + sum(g.padded_bytes(n) for g in blocks if g.zero_level == 2))
+    largest = max((_held_gathered(g, n) for g in blocks if g.zero_level == 3), default=0)
+    est.gathered = (sum(_held_gathered(g, n) for g in root) + (plan.prefetch_depth + 1) * largest
+                    + sum(_held_gathered(g, n) for g in blocks if g.zero_level == 2))
     est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
     if activations is not None:
         est.activations = activations.total({g.name for g in blocks if g.checkpoint})
@@ -60,7 +69,8 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
         calls[g.name] * g.padded_bytes(n) * (2 if g.zero_level == 3 else 1) for g in blocks)
     est.comm_all_gather = _scale(gathered_per_step, n)
     est.comm_reduce_scatter = _scale(sum(_grad_bytes(g, n) for g in plan.groups), n)
-    est.zero3_bound = _scale(3 * sum(g.padded_bytes(n) for g in plan.groups), n)
+    est.zero3_bound = _scale(sum(2 * b.gathered_bytes(n) + b.full_grad_bytes(n)
+                                 for g in plan.groups for b in g.buffers), n)
     # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..dtypes import dtype_name
 from ..errors import PlanError
+from ..mixed_precision import MixedPrecision
 from ..plan import ROOT, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
 from .activations import ActivationProfile
 from .capture import Capture
@@ -29,12 +30,14 @@ SCHEDULE_NOTE = "schedule: "
 MAX_PREFETCH_DEPTH = 2
 
 
-def place_parameters(model: nn.Module, discovery: Discovery,
-                     param_dtype: str | torch.dtype | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
+def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
+                     mixed_precision: MixedPrecision | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
     """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
 
     A parameter reachable from more than one block, or from a block and the root, goes to the root
     group: each parameter has exactly one home. Tied names become aliases of the first name.
+    ``dtype`` replaces floating parameters' own dtype (a model to be cast before wrapping);
+    ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers.
     """
     names: dict[int, list[str]] = defaultdict(list)
     tensors: dict[int, nn.Parameter] = {}
@@ -49,13 +52,14 @@ def place_parameters(model: nn.Module, discovery: Discovery,
         if len(owners) > 1:
             shared.append(fqns[0])
         p = tensors[key]
-        dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        own = dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
         try:
-            name = dtype_name(dtype)
+            shard, gather, reduce = (mixed_precision.buffer_dtypes(own) if mixed_precision is not None
+                                     else (dtype_name(own), None, None))
         except KeyError:
-            raise PlanError(f"parameter {fqns[0]!r} has dtype {dtype}, which bmt_wrap cannot shard; "
+            raise PlanError(f"parameter {fqns[0]!r} has dtype {own}, which bmt_wrap cannot shard; "
                             "cast it to a floating dtype before wrapping") from None
-        members[home].append(ParamInfo(fqns[0], list(p.shape), name, p.requires_grad, fqns[1:]))
+        members[home].append(ParamInfo(fqns[0], list(p.shape), shard, p.requires_grad, fqns[1:], gather, reduce))
     notes = []
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
@@ -147,10 +151,11 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
 
 def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, checkpoint: bool = True,
                zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
-               param_dtype: str | torch.dtype | None = None, capture: Capture | None = None) -> WrapPlan:
+               dtype: str | torch.dtype | None = None, mixed_precision: MixedPrecision | None = None,
+               capture: Capture | None = None) -> WrapPlan:
     """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any)."""
     _check_options(world_size, zero_level, prefetch_depth)
-    groups, notes = place_parameters(model, discovery, param_dtype)
+    groups, notes = place_parameters(model, discovery, dtype, mixed_precision)
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes)
     return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
                     prefetch_depth=prefetch_depth, memory_budget=memory_budget,

@@ -71,7 +71,8 @@ def render_groups(plan: WrapPlan) -> str:
     rows = [("group", "params", "bytes", "buffers", "checkpoint", "zero")]
     for g in plan.groups:
         rows.append((g.name, f"{g.param_numel():,}", fmt_bytes(g.param_bytes()),
-                     ",".join(f"{b.dtype}{'' if b.requires_grad else '(frozen)'}" for b in g.buffers) or "-",
+                     ",".join(f"{b.dtype}{'' if b.gather_dtype == b.dtype else '->' + b.gather_dtype}"
+                              f"{'' if b.requires_grad else '(frozen)'}" for b in g.buffers) or "-",
                      "-" if g.is_root else str(g.checkpoint).lower(), "-" if g.is_root else str(g.zero_level)))
     return _table(rows)
 

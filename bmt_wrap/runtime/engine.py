@@ -241,7 +241,7 @@ class Engine:
             used = [g is not None for g in per_slot]
             if not any(used) and self.world_size == 1:
                 continue
-            dtype = group.reduce_dtype or buf.dtype
+            dtype = buf.grad_dtype
             self.reducer.make_room()
             full, release = self._full_grad_buffer(group, i, dtype)
             buf.flatten_grads_into(full, per_slot)
@@ -251,7 +251,7 @@ class Engine:
                           ) -> tuple[torch.Tensor, Callable[[], None]]:
         """Where buffer ``i``'s flat gradient goes, and how to give that storage back."""
         buf = group.buffers[i]
-        if group.mode == "graph" and dtype == buf.dtype:
+        if group.mode == "graph" and dtype == buf.gather_dtype:
             # The gradient of a root-like group arrives once every use was differentiated: its gathered
             # parameters are no longer read, so their storage takes the gradient (one full copy less at
             # the peak of backward) and then serves the next forward's gather.

@@ -29,6 +29,8 @@ class FlatBuffer:
         self.rank = rank
         self.world_size = world_size
         self.dtype = to_dtype(spec.dtype)
+        self.gather_dtype = to_dtype(spec.gather_dtype)  # what blocks compute in (see FlatBufferSpec)
+        self.grad_dtype = to_dtype(spec.grad_dtype)  # the full gradient's, and its reduce-scatter's
         self.full_numel = spec.padded_numel(world_size)
         self.shard_numel = spec.shard_numel(world_size)
         if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:

@@ -52,7 +52,7 @@ class ShardGroup:
         self._last: list[torch.Tensor | None] = [None] * len(buffers)
         self._spare: list[torch.Tensor | None] = [None] * len(buffers)
         self.in_use = 0  # executors currently running on the gathered parameters
-        self.reduce_dtype: torch.dtype | None = None  # None: reduce gradients in each buffer's dtype
+        self._sends: list[torch.Tensor] = []  # param_dtype copies of the shards, while a gather reads them
         self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
         for b in buffers:
             b.group = self
@@ -82,22 +82,46 @@ class ShardGroup:
 
     # ---- gather / release -----------------------------------------------------------------------------
     def start_gather(self) -> None:
-        """Start gathering every buffer (no-op if gathered or in flight)."""
+        """Start gathering every buffer in its ``gather_dtype`` (no-op if gathered or in flight)."""
         if self._full is not None:
             return
+        self._check_materialised()
+        # Buffers outlive this call: made under inference_mode they could never serve training again.
+        with torch.inference_mode(False):
+            full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
+            self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
+        sends = [self._cast_shard(b) for b in self.buffers]
+        self._handles = [self.comm.all_gather_into(f, s, async_op=True, label=self.name)
+                         for f, s in zip(full, sends, strict=True)]
+        self._sends = [s for s, b in zip(sends, self.buffers, strict=True) if s is not b.shard]
+        self._full = full
+
+    def _cast_shard(self, b: FlatBuffer) -> torch.Tensor:
+        """The shard to send: itself, or (mixed precision) its param_dtype copy, so the gather moves
+        param_dtype bytes while the shard stays the fp32 master."""
+        if b.gather_dtype == b.dtype:
+            return b.shard
+        send = self.pool.acquire(b.shard_numel, b.gather_dtype, b.device)
+        return send.copy_(b.shard)
+
+    def gather_values(self) -> list[torch.Tensor]:
+        """Full buffers in the shard dtype, for reading or saving values (state_dict, ``bmt.gathered``):
+        a collective of its own, so mixed precision never hands out (or writes back) param_dtype copies."""
+        self._check_materialised()
+        full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in self.buffers]
+        handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=f"{self.name} values")
+                   for f, b in zip(full, self.buffers, strict=True)]
+        for h in handles:
+            h.wait()
+        return full
+
+    def _check_materialised(self) -> None:
         meta = [f for b in self.buffers if b.shard.is_meta for f in b.fqns()]
         if meta:
             raise UninitializedParameterError(
                 f"parameters of {self.name!r} are still on the meta device: {meta[:5]}"
                 f"{' ...' if len(meta) > 5 else ''}. Materialise them first: bmt.init_parameters(model), "
                 "or bmt.load(model, path).")
-        # Buffers outlive this call: made under inference_mode they could never serve training again.
-        with torch.inference_mode(False):
-            full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
-            self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
-        self._handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=self.name)
-                         for f, b in zip(full, self.buffers, strict=True)]
-        self._full = full
 
     def wait_gathered(self) -> list[torch.Tensor]:
         """The gathered full buffers, waiting for (or starting) the gather."""
@@ -107,6 +131,9 @@ class ShardGroup:
             for h in self._handles:
                 h.wait()
             self._handles = None
+            for send in self._sends:
+                self.pool.release(send)
+            self._sends = []
             if self.mode in ("resizable", "kept"):
                 # Saved tensors of a kept autograd graph view this storage; the refill is the same
                 # values, so the version bump it caused must not fail their check in backward.
@@ -148,16 +175,17 @@ class ShardGroup:
 
     def _alloc(self, i: int, b: FlatBuffer) -> torch.Tensor:
         if self.mode == "pooled":
-            return self.pool.acquire(b.full_numel, b.dtype, b.device)
+            return self.pool.acquire(b.full_numel, b.gather_dtype, b.device)
         if self.mode == "graph":
             spare, self._spare[i] = self._spare[i], None
             if spare is not None:
                 return spare
-            return torch.empty(b.full_numel, dtype=b.dtype, device=b.device)
+            return torch.empty(b.full_numel, dtype=b.gather_dtype, device=b.device)
         if self._dedicated is None:
-            self._dedicated = [torch.empty(x.full_numel, dtype=x.dtype, device=x.device) for x in self.buffers]
+            self._dedicated = [torch.empty(x.full_numel, dtype=x.gather_dtype, device=x.device)
+                               for x in self.buffers]
         t = self._dedicated[i]
-        nbytes = b.full_numel * b.dtype.itemsize
+        nbytes = b.full_numel * b.gather_dtype.itemsize
         if t.untyped_storage().nbytes() != nbytes:
             t.untyped_storage().resize_(nbytes)
         return t

@@ -46,8 +46,5 @@ def full_value(p: nn.Parameter) -> torch.Tensor:
     group = p._bmt_buffer.group
     if group.buffers[0].shard.is_meta:
         return torch.empty(p.full_shape, dtype=p.dtype, device="meta")
-    group.start_gather()
-    try:
-        return group.slot_views()[group.buffers.index(p._bmt_buffer)][p._bmt_slot].clone()
-    finally:
-        group.release()
+    i = group.buffers.index(p._bmt_buffer)
+    return p._bmt_buffer.slot_views(group.gather_values()[i])[p._bmt_slot].clone()  # frees the rest
