@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import InitError, NotInitializedError, UnsupportedError
+from . import errors
+from .errors import BMTError, InitError, NotInitializedError, UnsupportedError
 from .log import get_logger
 from .runtime.comm import (
     Communicator,
@@ -279,6 +280,41 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
         payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     state.comm.broadcast(payload, src, label="object")
     return bytes(payload.cpu().numpy().tobytes())
+
+
+def agree(error: BaseException | str | None, payload: list[int] | None = None, what: str = "verdict",
+          error_type: type[BMTError] = BMTError) -> list[list[int]]:
+    """Raise on every rank if any rank passes an ``error``; else return every rank's ``payload``.
+
+    A rank that failed on its own (planning on rank 0, a file it cannot read) must not leave the others
+    waiting in the next collective. One all-reduce; only on failure, the first failing rank's message is
+    broadcast (two more). That rank re-raises its own exception; the others raise the same bmt_wrap type
+    when it is one (else ``error_type``), with its message. A string ``error`` raises ``error_type``.
+    """
+    state = get_state()
+    payload = payload or []
+    width = 1 + len(payload)
+    table = torch.zeros(state.world_size * width, dtype=torch.int64, device=state.device)
+    table[state.rank * width] = int(error is not None)
+    table[state.rank * width + 1:(state.rank + 1) * width] = torch.tensor(payload, dtype=torch.int64)
+    if state.world_size > 1:
+        state.comm.all_reduce(table, "sum", label=f"{what} verdict")
+    rows = table.cpu().view(state.world_size, width).tolist()
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if not failed:
+        return [row[1:] for row in rows]
+    first = failed[0]
+    mine = None
+    if state.rank == first:
+        mine = f"{type(error).__name__}\n{error}" if isinstance(error, BaseException) else f"\n{error}"
+    name, _, message = broadcast_bytes(mine.encode() if mine else None, src=first).decode().partition("\n")
+    if state.rank == first and isinstance(error, BaseException):
+        raise error
+    cls = getattr(errors, name, None)
+    cls = cls if isinstance(cls, type) and issubclass(cls, BMTError) else error_type
+    if state.rank != first:
+        message = f"rank {first}: {name + ': ' if cls is error_type and name else ''}{message}"
+    raise cls(message)
 
 
 # BMTrain's differentiable ``bmt.distributed.*`` ops live under this module's name too; imported last

@@ -11,7 +11,7 @@ from torch import nn
 from . import passes
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .block import CheckpointBlock
-from .distributed import broadcast_bytes, get_state
+from .distributed import agree, broadcast_bytes, get_state
 from .errors import PlanError, WrapError
 from .log import get_logger
 from .mixed_precision import MixedPrecision
@@ -74,12 +74,13 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     notes = _take_over_hf_checkpointing(model) if checkpoint else []
     discovery = passes.discover_blocks(model)
     if plan is None:
-        mine = None
+        mine, failure = None, None
         if state.rank == 0:
-            cap = passes.capture(model, discovery, example_inputs)
-            mine = passes.build_plan(model, discovery, world_size=state.world_size, capture=cap,
-                                     mixed_precision=mixed_precision, **options)
-            mine.notes += notes
+            try:
+                mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, notes, options)
+            except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
+                failure = exc
+        agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
         plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
     else:
         if not isinstance(plan, WrapPlan):
@@ -94,6 +95,16 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     for note in plan.notes:
         get_logger().debug("plan: %s", note)
     return model
+
+
+def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
+                   mixed_precision: MixedPrecision | None, notes: list[str], options: dict[str, Any]) -> WrapPlan:
+    """Capture and plan (rank 0 only; the others receive its plan)."""
+    cap = passes.capture(model, discovery, example_inputs)
+    plan = passes.build_plan(model, discovery, world_size=get_state().world_size, capture=cap,
+                             mixed_precision=mixed_precision, **options)
+    plan.notes += notes
+    return plan
 
 
 wrap = BMTrainModelWrapper

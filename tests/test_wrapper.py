@@ -296,3 +296,22 @@ def _grad_scaler_body() -> str:
 
 def test_grad_scaler_on_sharded_gradients_is_refused() -> None:
     assert run_distributed(_grad_scaler_body, 2) == ["refused", "refused"]
+
+
+def _rank0_plan_error_body() -> float:
+    import time
+    from datetime import timedelta
+
+    from toy import ToyGPT
+
+    bmt.get_state().comm.timeout = timedelta(seconds=15)
+    start = time.monotonic()
+    with pytest.raises(PlanError, match="zero_level"):
+        BMTrainModelWrapper(ToyGPT(), zero_level=7)  # only rank 0 plans, so only rank 0 sees it first
+    bmt.barrier()  # the group is still usable: every rank raised at the same point
+    return time.monotonic() - start
+
+
+def test_an_error_while_rank0_plans_is_raised_on_every_rank() -> None:
+    seconds = run_distributed(_rank0_plan_error_body, 2, timeout=90)
+    assert max(seconds) < 10, seconds
