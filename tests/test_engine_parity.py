@@ -156,3 +156,54 @@ def test_rerun_is_bit_identical(world_size: int) -> None:
     first = run_distributed(_dropout_train_body, world_size, True)
     second = run_distributed(_dropout_train_body, world_size, True)
     assert first == second
+
+
+class _SideOutputLayer(torch.nn.Module):
+    """A layer whose second output (a router's logits, an auxiliary head) the model may ignore."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.side = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + torch.tanh(self.fc(x)), self.side(x)
+
+
+class _PartlyUsedNet(torch.nn.Module):
+    """Parameters no step differentiates: an unused tower, a probe whose output is dropped, block outputs
+    nothing reads. torch leaves their ``.grad`` None, so AdamW neither decays nor moves them."""
+
+    def __init__(self, d: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_SideOutputLayer(d) for _ in range(3))
+        self.tower = torch.nn.Linear(d, d)  # never called (a multimodal model's audio tower on text input)
+        self.probe = torch.nn.Linear(d, d)  # called, output dropped
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h, _ = layer(h)
+        self.probe(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def _partly_used_body(checkpoint: bool, optimizer: str) -> dict:
+    def build():
+        return _PartlyUsedNet()
+    out = train_side_by_side(build, _wrap(BLOCKS3, checkpoint=checkpoint), lm_batches(3, 8), optimizer=optimizer)
+    model = _wrap(BLOCKS3, checkpoint=checkpoint)(build())
+    model(*lm_batches(1, 8)[0]).backward()
+    out["none"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_parameters_nothing_differentiates_keep_grad_none(world_size: int, checkpoint: bool) -> None:
+    results = run_distributed(_partly_used_body, world_size, checkpoint, "adamw")
+    expected = sorted(f"{p}.{w}" for p in ["tower", "probe", *[f"layers.{i}.side" for i in range(3)]]
+                      for w in ["weight", "bias"])
+    assert all(r["none"] == expected for r in results), results[0]["none"]

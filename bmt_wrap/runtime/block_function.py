@@ -164,6 +164,7 @@ class BlockFunction(torch.autograd.Function):
     def forward(ctx: Any, call: BlockCall, anchor: torch.Tensor,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.call = call
+        ctx.set_materialize_grads(False)  # outputs nothing differentiated give None: no zero gradients
         n_in, n_ext = len(call.inputs.tensor_pos), len(call.ext_locations)
         ext = list(tensors[n_in:n_in + n_ext])
         call.input_needs_grad = list(ctx.needs_input_grad[2:])

@@ -25,6 +25,7 @@ class GatherFunction(torch.autograd.Function):
     def forward(ctx: Any, engine: Engine, group: ShardGroup, index: int,  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.engine, ctx.group, ctx.index = engine, group, index
+        ctx.set_materialize_grads(False)  # an unused parameter's None must stay None (its .grad stays None)
         return tuple(group.slot_views()[index])
 
     @staticmethod
