@@ -19,7 +19,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,22 @@ def loss_fn(kind: str) -> Callable[..., torch.Tensor]:
     return text
 
 
+@contextmanager
+def deterministic() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` for the comparisons, restored after.
+
+    Some CPU kernels are not reproducible run to run (``index_add_`` over several threads, as MoE token
+    dispatch uses): two plain runs of such a model already differ in the last bits, so bit-exactness
+    against plain PyTorch is only defined with deterministic algorithms, in both models alike.
+    """
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     """Batch statistics (BatchNorm and relatives) make each rank's forward depend on its own rows."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -392,8 +409,9 @@ def plain_body(kind: str, model_type: str, class_name: str) -> dict[str, Any]:
         return wrapped["m"]
 
     try:
-        res = train_side_by_side(lambda: model, wrap, batches, optimizer="sgd", loss_fn=loss, strict=False,
-                                 reseed=RESEED, check_buffers=True)
+        with deterministic():
+            res = train_side_by_side(lambda: model, wrap, batches, optimizer="sgd", loss_fn=loss, strict=False,
+                                     reseed=RESEED, check_buffers=True)
     except Exception as exc:  # noqa: BLE001
         rec.update(n1_stage="wrap" if "m" not in wrapped else "train", n1_reason=reason(exc),
                    n1_trace=traceback.format_exc()[-3000:])
@@ -429,8 +447,9 @@ def parity_body(kind: str, model_type: str, class_name: str, sliced: bool | None
         return wrapped["m"]
 
     try:
-        res = train_side_by_side(lambda: copy.deepcopy(model), wrap, batches, optimizer="sgd", loss_fn=loss,
-                                 strict=False, sliced_reference=sliced, check_buffers=sliced)
+        with deterministic():
+            res = train_side_by_side(lambda: copy.deepcopy(model), wrap, batches, optimizer="sgd", loss_fn=loss,
+                                     strict=False, sliced_reference=sliced, check_buffers=sliced)
     except Exception as exc:  # noqa: BLE001
         rec.update(n2_stage="wrap" if "m" not in wrapped else "train", n2_reason=reason(exc),
                    n2_trace=traceback.format_exc()[-3000:])
@@ -445,8 +464,10 @@ def parity_body(kind: str, model_type: str, class_name: str, sliced: bool | None
     any_failed = float(bmt.sum_loss(torch.tensor(1.0 if res["failures"] else 0.0))) > 0
     if any_failed and not sliced:
         try:
-            again = train_side_by_side(lambda: copy.deepcopy(model), lambda m: bmt.BMTrainModelWrapper(m), batches,
-                                       optimizer="sgd", loss_fn=loss, strict=False, sliced_reference=True)
+            with deterministic():
+                again = train_side_by_side(lambda: copy.deepcopy(model), lambda m: bmt.BMTrainModelWrapper(m),
+                                           batches, optimizer="sgd", loss_fn=loss, strict=False,
+                                           sliced_reference=True)
             rec["n2_sliced_ok"] = not again["failures"]
             rec["n2_sliced_failures"] = again["failures"][:2]
         except Exception as exc:  # noqa: BLE001
