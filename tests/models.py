@@ -132,6 +132,24 @@ class DictGPT(nn.Module):
         return self.head(x)
 
 
+class NestedListGPT(nn.Module):
+    """Layers in a list of lists (Funnel's encoder): the inner lists are never called, their layers are the
+    blocks ``stages.0.0 .. stages.1.1``."""
+
+    def __init__(self, dim: int = DIM, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.stages = nn.ModuleList(nn.ModuleList(Block(dim) for _ in range(2)) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return self.head(x)
+
+
 class AttrGPT(nn.Module):
     """Blocks as plain attributes ``block0 .. block{n-1}`` of the model itself."""
 
@@ -338,6 +356,7 @@ TOY: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[tuple, dict]], 
     "tied_gpt": (lambda: seeded(lambda: ToyGPT(tie=True)), _ids_pos, [f"layers.{i}" for i in range(4)]),
     "sequential": (lambda: seeded(SequentialGPT), _ids_pos, ["1", "2", "3"]),
     "module_dict": (lambda: seeded(DictGPT), _ids_pos, ["blocks.first", "blocks.second", "blocks.third"]),
+    "nested_lists": (lambda: seeded(NestedListGPT), _ids_pos, [f"stages.{i}.{j}" for i in range(2) for j in range(2)]),
     "attributes": (lambda: seeded(AttrGPT), _ids_pos, ["block0", "block1", "block2"]),
     "encoder_decoder": (lambda: seeded(EncoderDecoder), lambda: ((token_ids(), token_ids(seed=1)), {}),
                         ["encoder.0", "encoder.1", "decoder.0", "decoder.1"]),

@@ -3,6 +3,8 @@
 Blocks are maximal sets of >= 2 same-signature siblings; the outermost container with such a set
 wins; a same-container sibling that is near-identical to one of them (T5's block 0, a ResNet stage's
 first block) is a block of its own; a block must hold >= 0.5% of all parameters; blocks never nest.
+A module without a forward of its own (``ModuleList``, ``ModuleDict``) is never called, so it is never a
+block: it is read as the container it is (Funnel's encoder keeps its layers in a list of lists).
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _runs_itself(m: nn.Module) -> bool:
+    """True if ``m`` has a forward: only a module that is called can be gathered around its call."""
+    return type(m).forward is not nn.Module.forward
+
+
 def discover_blocks(model: nn.Module) -> Discovery:
     """Find the blocks of ``model`` by structure (works on meta-device models)."""
     signature = SignatureCache()
@@ -113,7 +120,8 @@ def discover_blocks(model: nn.Module) -> Discovery:
         children = list(module.named_children())
         by_sig: dict[str, list[nn.Module]] = defaultdict(list)
         for _, c in children:
-            by_sig[signature(c)].append(c)
+            if _runs_itself(c):
+                by_sig[signature(c)].append(c)
         runs = [ms for ms in by_sig.values() if len(ms) >= 2]
         in_run = {id(m) for ms in runs for m in ms}
         for ms in runs:
@@ -127,7 +135,7 @@ def discover_blocks(model: nn.Module) -> Discovery:
                 if big_enough(c):
                     add_block(prefix, c)
                 # A run member is never descended into: the outermost run wins even when too small.
-            elif big_enough(c) and any(near_identical(c, ms[0]) for ms in runs):
+            elif _runs_itself(c) and big_enough(c) and any(near_identical(c, ms[0]) for ms in runs):
                 add_block(prefix, c)
                 notes.append(f"{_join(prefix, name)!r} differs slightly from its siblings: a block of its own")
             elif id(c) not in seen:
