@@ -125,6 +125,31 @@ def test_dropout_is_bit_exact_to_plain_pytorch_on_one_rank() -> None:
         assert run_distributed(_dropout_train_body, 1, checkpoint)[0] == reference, checkpoint
 
 
+def _layerdrop_body(wrap: bool) -> list[float]:
+    """Dropout and layer-drop drawn from the global generator; the wrapper captures at the first call."""
+    import bmt_wrap as bmt
+    torch.manual_seed(0)
+    model = ToyGPT(dropout=0.2, layerdrop=0.3)
+    if wrap:
+        model = bmt.BMTrainModelWrapper(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100)
+    out = []
+    for idx, tgt in lm_batches(4, 8):
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss))
+    return out
+
+
+def test_first_call_capture_leaves_the_random_stream_alone() -> None:
+    # Capturing the first call traces a meta copy whose layer-drop draws real CPU numbers: they must not
+    # come out of the user's stream (m2m_100, NLLB, SeamlessM4T drew other dropout masks before).
+    assert run_distributed(_layerdrop_body, 1, True)[0] == run_distributed(_layerdrop_body, 1, False)[0]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dropout_checkpointed_equals_not_checkpointed(world_size: int) -> None:
     with_ckpt = run_distributed(_dropout_train_body, world_size, True)

@@ -48,8 +48,10 @@ class ToyGPT(nn.Module):
     """Embedding, a list of layers, final norm and a (possibly tied) head."""
 
     def __init__(self, vocab: int = 64, d: int = 16, n_layers: int = 3, tied: bool = True,
-                 dropout: float = 0.0, dict_layers: bool = False, widths: list[int] | None = None) -> None:
+                 dropout: float = 0.0, dict_layers: bool = False, widths: list[int] | None = None,
+                 layerdrop: float = 0.0) -> None:
         super().__init__()
+        self.layerdrop = layerdrop  # transformers-style: each layer skipped when a fresh torch.rand([]) < p
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Parameter(torch.randn(32, d) * 0.02)
         cls = DictLayer if dict_layers else Layer
@@ -67,6 +69,8 @@ class ToyGPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe[:t])
         mask = torch.ones(t, t, dtype=torch.bool).tril()
         for layer in self.layers:
+            if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                continue
             if self.dict_layers:
                 x = layer(x, mask=mask, tag="t")["hidden"]
             else:

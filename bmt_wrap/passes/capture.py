@@ -122,7 +122,18 @@ def eager_capture(recorder: EagerRecorder, notes: list[str] | None = None) -> Ca
 
 
 def capture(model: nn.Module, discovery: Discovery, example_inputs: object = None) -> Capture:
-    """Capture the block order of ``model`` (real or meta) by the cheapest method that works."""
+    """Capture the block order of ``model`` (real or meta) by the cheapest method that works.
+
+    The caller's random streams are left as they were: a traced forward that draws on the CPU generator
+    (layer-drop's ``torch.rand([])`` makes a real CPU tensor even in a meta run) would otherwise shift every
+    dropout mask of the first real step.
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        return _capture(model, discovery, example_inputs)
+
+
+def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> Capture:
     notes: list[str] = []
     fx_result: tuple[fx.Graph, list[str]] | None = None
     try:
