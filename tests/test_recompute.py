@@ -130,20 +130,24 @@ def test_batchnorm_buffers_update_once_per_step(world_size):
 class _Counter(nn.Module):
     """A block whose output depends on a buffer it updates: the recompute must see the old value."""
 
-    def __init__(self) -> None:
+    def __init__(self, reassign: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.reassign = reassign
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        if self.reassign:  # IBert's QuantAct: ``self.x_min = ...`` registers a new tensor as the buffer
+            self.calls = self.calls + 1
+        else:
+            self.calls += 1
         return self.lin(x) * self.calls
 
 
 class _CounterNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reassign: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_Counter(), _Counter()])
+        self.blocks = nn.ModuleList([_Counter(reassign), _Counter(reassign)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -151,13 +155,14 @@ class _CounterNet(nn.Module):
         return x.square().mean()
 
 
-def _buffer_read_after_write() -> None:
+def _buffer_read_after_write(reassign: bool) -> None:
     batches = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
-    train_side_by_side(_CounterNet, bmt.BMTrainModelWrapper, batches)
+    train_side_by_side(lambda: _CounterNet(reassign), bmt.BMTrainModelWrapper, batches, check_buffers=True)
 
 
-def test_block_reading_the_buffer_it_writes_matches_plain_pytorch():
-    run_distributed(_buffer_read_after_write, 2)
+@pytest.mark.parametrize("reassign", [False, True], ids=["in-place", "reassigned"])
+def test_block_reading_the_buffer_it_writes_matches_plain_pytorch(reassign):
+    run_distributed(_buffer_read_after_write, 2, reassign)
 
 
 # ---- non-tensor arguments ---------------------------------------------------------------------------------

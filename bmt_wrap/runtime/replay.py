@@ -257,7 +257,10 @@ class Replay:
                     "checkpointing off for this block (BMTrainModelWrapper(model, checkpoint=False) or the "
                     "plan's checkpoint flag).")
         for i, (m, name, b) in enumerate(self.buffers):
-            if b._version != self._buffer_versions[i] or (self.first and not _same(b, self.buffer_copies[i])):
+            # ``self.x_min = f(self.x_min)`` (IBert) leaves the old tensor untouched and registers a new one.
+            reassigned = m._buffers.get(name) is not b
+            if reassigned or b._version != self._buffer_versions[i] or (
+                    self.first and not _same(b, self.buffer_copies[i])):
                 self.memory.written_buffers.add((id(m), name))
                 if i not in self.buffer_copies:
                     # Written for the first time in a later call: its value before this forward is gone; the
