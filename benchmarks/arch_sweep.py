@@ -175,8 +175,11 @@ def _shrink_dict(d: dict[str, Any], dropout: bool) -> dict[str, Any]:
                 out[k] = [IMAGE] * len(v)
             elif k.endswith("token_id") or k.endswith("token_ids"):
                 out[k] = _fold(v, VOCAB)
-        if dropout is False and isinstance(v, float) and v > 0 and ("drop" in k or k.endswith("_pdrop")):
-            out[k] = 0.0
+        if dropout is False and ("drop" in k or k.endswith("_pdrop")):
+            if isinstance(v, float) and v > 0:
+                out[k] = 0.0
+            elif isinstance(v, list) and any(isinstance(x, float) and x > 0 for x in v):
+                out[k] = [0.0 if isinstance(x, float) else x for x in v]  # per-stage rates (CvT's drop_path_rate)
     if "vocab_size" in d and d["vocab_size"] is None:
         out["vocab_size"] = VOCAB
     vocab = out.get("vocab_size") if isinstance(out.get("vocab_size"), int) else VOCAB

@@ -53,3 +53,10 @@ def test_sample_architecture_matches_plain_pytorch(kind: str, model_type: str, m
     assert rec["passed"], why
     if model_type == "resnet":  # batch statistics: the per-rank-slice reference, buffers compared too
         assert rec["batchnorm"] and rec["n2_buffer"] == 0.0
+
+
+def test_two_rank_configs_turn_off_every_dropout_rate_lists_included() -> None:
+    # CvT keeps per-stage drop-path rates in a list: left on, two ranks drew other masks than one process.
+    cfg = arch_sweep.shrink_config("cvt", dropout=False)
+    assert cfg.drop_path_rate and all(r == 0.0 for r in cfg.drop_path_rate), cfg.drop_path_rate
+    assert any(r > 0 for r in arch_sweep.shrink_config("cvt", dropout=True).drop_path_rate)
