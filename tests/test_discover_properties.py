@@ -25,6 +25,11 @@ class Unit(nn.Module):
         if heads:
             self.heads = nn.ModuleList(nn.Linear(width, width) for _ in range(heads))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only a module that is called can be a block (a ModuleList never is): units have a forward.
+        h = self.proj_out(torch.relu(self.proj_in(self.norm(x))))
+        return x + h + sum(head(x) for head in getattr(self, "heads", []))
+
 
 def _container(kind: str, units: list[Unit]) -> tuple[nn.Module, list[str]]:
     if kind == "list":
