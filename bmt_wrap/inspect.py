@@ -123,7 +123,6 @@ class _Record:
         self.name = name
         self.value = value.detach()
         self.grad: torch.Tensor | None = None
-        self.awaits_recompute = False
 
     def hook(self, x: torch.Tensor) -> None:
         """Keep the gradient that reaches ``x`` (summed, if it arrives more than once)."""
@@ -174,9 +173,9 @@ def inspect_tensor() -> Iterator[InspectTensor]:
     """Record the tensors passed to ``record_tensor`` (and their gradients) while the block runs.
 
     Run forward and backward inside it, then call ``get_summary()`` (a collective) and print it with
-    ``format_summary``. Tensors recorded inside a checkpointed block are recorded once: the forward
-    keeps the value, the recompute in backward hooks the gradient (blocks are matched in reverse order,
-    as backward visits them; a name recorded twice inside one block pairs its gradients in reverse).
+    ``format_summary``. Tensors recorded inside a checkpointed block are recorded once, by its forward
+    (which runs in the model's graph, so the gradient reaches the recorded tensor); its recompute in
+    backward records nothing.
     """
     if _ACTIVE:
         raise BMTError("inspect_tensor() is already active; nest no second one")
@@ -196,17 +195,11 @@ def record_tensor(x: torch.Tensor, name: str, group: str | None = None) -> None:
         raise BMTError(f"record_tensor({name!r}) got a parameter; inspect parameters with inspect_model")
     inspector = _ACTIVE[0]
     full = f"{group}.{name}" if group is not None else name
-    if torch.is_grad_enabled() and x.requires_grad:
-        waiting = [r for r in inspector.records if r.awaits_recompute and r.name == full]
-        if waiting:  # the recompute of a checkpointed block: its forward kept the value
-            waiting[-1].awaits_recompute = False
-            waiting[-1].hook(x)
-            return
+    if distributed.is_initialized() and get_engine().recomputing:
+        return  # a checkpointed block runs again in backward: its forward recorded the value and the gradient
     record = _Record(full, x)
     if x.requires_grad and torch.is_grad_enabled():
         record.hook(x)
-    elif not torch.is_grad_enabled() and distributed.is_initialized() and get_engine().block_depth > 0:
-        record.awaits_recompute = True  # a checkpointed block runs its forward without a graph
     inspector.records.append(record)
 
 

@@ -209,7 +209,7 @@ def test_block_mutating_a_non_tensor_argument_matches_plain_pytorch(world_size):
 
 
 class _Shifty(nn.Module):
-    """Returns a different shape each call: its recompute cannot reproduce its forward."""
+    """Reads a different slice each call: its recompute cannot save what its forward saved."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,7 +218,7 @@ class _Shifty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return self.lin(x)[: 4 - self.calls % 2]
+        return self.lin(x[: 4 - self.calls % 2])
 
 
 def _shape_mismatch_is_named() -> str:

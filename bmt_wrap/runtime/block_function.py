@@ -1,12 +1,18 @@
-"""The block executor: one autograd ``Function`` per block call.
+"""The block executor: one ``BlockCall`` per call of a block, run in the model's own autograd graph.
 
-Forward: wait for this block's gather, start the next block's, run the block (under ``no_grad`` when
-checkpointed), release. Backward: gather (prefetching the blocks backward reaches next), recompute with
-the forward's RNG and autocast state when checkpointed, take input and parameter gradients with one
-``torch.autograd.grad``, and hand the parameter gradient to the reducer (async reduce-scatter).
+Forward: wait for this block's gather, start the next block's, install the gathered parameters as the
+outputs of a ``BlockParams`` node and run the block with grad on, in the real graph; a checkpointed block
+runs under saved-tensor hooks that keep nothing (each saved tensor becomes a number), then its storage
+goes back. Backward: the first saved tensor autograd asks for gathers the block again (prefetching the
+calls backward reaches next) and, when checkpointed, recomputes the block once with the forward's RNG,
+autocast, argument and buffer state, handing autograd the recomputed tensors. The ``BlockParams`` node
+runs once every use of the parameters was differentiated: it releases the storage and hands the
+gradients to the reducer (async reduce-scatter).
 
-A Function rather than module hooks: hooks do not fire on recompute with checkpointing's early stop,
-and ``torch.utils.checkpoint`` re-fires gather hooks on recompute (DESIGN.md).
+Because the graph is the model's own (the recompute only refills saved tensors), autograd accumulates
+every gradient in the same order as plain PyTorch: an encoder output read by every decoder layer gets
+bit-identical gradients at world size 1 (a node per block, returning its input's gradient pre-summed,
+added the decoder layers' contributions in another order).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from .replay import Replay
 
 if TYPE_CHECKING:
     from .engine import Engine
-
 
 # ---- pytrees of inputs and outputs ------------------------------------------------------------------
 def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
@@ -100,9 +105,16 @@ class _ForwardState:
 
 
 # ---- one block call ----------------------------------------------------------------------------------------
+_Meta = tuple[torch.Size, torch.dtype, torch.device]
+
+
+def _meta(t: torch.Tensor) -> _Meta:
+    return t.shape, t.dtype, t.device
+
+
 @dataclasses.dataclass(eq=False)
 class BlockCall:
-    """Everything one call of a block needs between its forward and its backward."""
+    """Everything one grad-enabled call of a block needs between its forward and its backward."""
 
     engine: Engine
     group: ShardGroup
@@ -111,36 +123,192 @@ class BlockCall:
     inputs: _Tree
     ext_locations: list[list[Location]]  # root-owned parameters used inside the block
     call_index: int = -1
-    outputs: _Tree | None = None
+    saved_inputs: list[torch.Tensor] | None = None  # checkpointed: the recompute's inputs
+    input_versions: list[int] = dataclasses.field(default_factory=list)
+    ext: list[torch.Tensor] = dataclasses.field(default_factory=list)
     state: _ForwardState | None = None
-    graph: tuple | None = None  # non-checkpointed: (input leaves, param leaves, ext leaves, outputs)
-    input_needs_grad: list[bool] = dataclasses.field(default_factory=list)
     replay: Replay | None = None  # the argument and buffer state a recompute runs against
-    n_outputs: int = 0  # the block's own output tensors; the escaped tensors follow them
-    out_meta: list[tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=list)
-    out_values: list[torch.Tensor] | None = None  # debug mode: the forward's outputs, to compare values
+    packed: list[_Meta] = dataclasses.field(default_factory=list)  # what the forward saved, in order
+    packed_values: list[torch.Tensor] | None = None  # debug mode: the forward's saved values
+    recomputed: dict[int, torch.Tensor] | None = None
+    acquired: bool = False  # gathered for backward and not yet released
+    params_done: bool = False  # the BlockParams node ran (its gradients went to the reducer)
+    param_refs: int = 0  # saved tensors viewing the gathered storage that autograd has not asked for yet
+    finished: bool = False  # the storage went back after this call's backward
+    _storage: set[int] = dataclasses.field(default_factory=set)  # data pointers of the gathered buffers
 
     @property
     def checkpoint(self) -> bool:
         return self.group.spec.checkpoint
 
-    def run(self, tensors: tuple[torch.Tensor, ...], param_tensors: list[list[torch.Tensor]],
-            ext_tensors: list[torch.Tensor], leaves: list[Any] | None = None) -> Any:
-        """Run the block with the given inputs, parameters and external parameters installed."""
-        n_in = len(self.inputs.tensor_pos)
-        args, kwargs = self.inputs.rebuild(list(tensors[:n_in]), leaves)
-        with self.group.installed(param_tensors), _installed_ext(self.ext_locations, ext_tensors), \
-                self.engine.inside_block():
-            return self.forward_fn(self.module, *args, **kwargs)
+    # ---- forward ---------------------------------------------------------------------------------------
+    def forward(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+        """Run the block in the caller's graph (gathered storage held by the caller)."""
+        engine = self.engine
+        self.ext = [locs[0][0]._parameters[locs[0][1]] for locs in self.ext_locations]
+        if self.checkpoint:
+            self.state = _ForwardState(engine.cuda_devices(tensors))
+            self.saved_inputs = list(tensors)
+            self.input_versions = [t._version for t in tensors]
+            self.replay = Replay(self.group.name, self.module, self.inputs.leaves,
+                                 engine.replay_memory(self.group))
+            if engine.debug:
+                self.packed_values = []
+        params = self._param_nodes()
+        self._storage = {f.untyped_storage().data_ptr() for f in self.group.wait_gathered()}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                self.group.installed(params), engine.inside_block():
+            out = self.forward_fn(self.module, *args, **kwargs)
+        if self.replay is not None:
+            self.replay.after_forward()
+        return out
 
-    def forget(self) -> None:
-        """Drop what only the backward needed."""
-        self.graph, self.state, self.replay, self.out_values = None, None, None, None
+    def _param_nodes(self) -> list[list[torch.Tensor]]:
+        """The gathered parameters to install: outputs of one ``BlockParams`` node when any needs grad."""
+        views = self.group.slot_views()
+        shards = [p for b in self.group.buffers for p in b.params if p.requires_grad and b.spec.requires_grad]
+        if not shards:
+            self.params_done = True  # no parameter gradient to wait for
+            return [[v.detach() for v in per] for per in views]
+        flat = iter(BlockParams.apply(self, *shards))
+        return [[next(flat) for _ in per] for per in views]
 
-    def param_leaves(self, requires_grad: bool) -> list[list[torch.Tensor]]:
-        """Fresh leaves viewing the gathered parameters (trainable buffers require grad)."""
-        return [[_leaf(v, requires_grad and b.spec.requires_grad) for v in views]
-                for b, views in zip(self.group.buffers, self.group.slot_views(), strict=True)]
+    def _aliases_params(self, t: torch.Tensor) -> bool:
+        try:
+            return t.untyped_storage().data_ptr() in self._storage
+        except RuntimeError:  # a tensor without storage (sparse, nested): never a parameter view
+            return False
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self.checkpoint:
+            if self._aliases_params(t):
+                self.param_refs += 1
+                return (t, True)
+            return (t, False)
+        self.packed.append(_meta(t))
+        if self.packed_values is not None:
+            self.packed_values.append(t.detach().clone())
+        return len(self.packed) - 1
+
+    def _unpack(self, handle: Any) -> torch.Tensor:
+        if not self.checkpoint:
+            t, aliases = handle
+            if aliases:
+                if self.finished:
+                    raise _second_backward(self.group.name)
+                self._ensure_gathered()
+                self.param_refs -= 1
+                self.try_release()
+            return t
+        if self.recomputed is None:
+            self._ensure_gathered()
+            self._recompute()
+        assert self.recomputed is not None
+        if handle not in self.recomputed:
+            raise _second_backward(self.group.name)
+        t = self.recomputed.pop(handle)
+        if self._aliases_params(t):
+            self.param_refs -= 1
+            self.try_release()
+        return t
+
+    # ---- backward --------------------------------------------------------------------------------------
+    def _ensure_gathered(self) -> None:
+        if not self.acquired:
+            self.engine.acquire_for_backward(self)
+            self.acquired = True
+            self._storage = {f.untyped_storage().data_ptr() for f in self.group.wait_gathered()}
+
+    def _recompute(self) -> None:
+        """Run the block again on the forward's state; keep what it saves, in order."""
+        assert self.saved_inputs is not None and self.state is not None and self.replay is not None
+        changed = [i for i, (t, v) in enumerate(zip(self.saved_inputs, self.input_versions, strict=True))
+                   if t._version != v]
+        if changed:
+            raise RecomputeError(f"block {self.group.name!r}: its input tensor {changed[0]} was modified in place "
+                                 "after the block's forward, so its recompute cannot see what the forward saw. "
+                                 "Clone it before the in-place change, or turn checkpointing off for this block.")
+        leaves = [_leaf(t, t.requires_grad) for t in self.saved_inputs]
+        params = [[_leaf(v, p.requires_grad and b.spec.requires_grad) for v, p in zip(views, b.params, strict=True)]
+                  for b, views in zip(self.group.buffers, self.group.slot_views(), strict=True)]
+        ext = [_leaf(t, t.requires_grad) for t in self.ext]
+        hidden = [_leaf(t, True) for t in self.replay.hidden()]
+        replayed = self.replay.leaves(self.inputs.leaves, hidden)
+        args, kwargs = self.inputs.rebuild(leaves, replayed)
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> int:
+            saved.append(t.detach())  # the recompute's own graph is never differentiated: let it go
+            return len(saved) - 1
+
+        with self.state.restored(), self.replay.buffers_swapped(), \
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda i: saved[i]), \
+                self.group.installed(params), _installed_ext(self.ext_locations, ext), \
+                self.engine.inside_block(recompute=True):
+            self.forward_fn(self.module, *args, **kwargs)
+        self._check_recompute(saved)
+        self.recomputed = dict(enumerate(saved))
+        self.param_refs = sum(1 for t in saved if self._aliases_params(t))
+        self.saved_inputs, self.state, self.replay, self.packed_values = None, None, None, None
+
+    def _check_recompute(self, saved: list[torch.Tensor]) -> None:
+        """The recompute must save what the forward saved: count, shapes and dtypes always, values in debug mode."""
+        got = [_meta(t) for t in saved]
+        if got != self.packed:
+            raise RecomputeError(
+                f"block {self.group.name!r}: its recompute in backward saved {_summary(got)} for autograd, but its "
+                f"forward saved {_summary(self.packed)}. The block depends on state that changed between forward "
+                "and backward; turn checkpointing off for it (BMTrainModelWrapper(model, checkpoint=False) or the "
+                "plan's checkpoint flag).")
+        for i, (a, b) in enumerate(zip(self.packed_values or [], saved)):
+            if a.is_floating_point() and not torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
+                diff = float((a.double() - b.detach().double()).abs().max())
+                raise RecomputeError(
+                    f"block {self.group.name!r}: saved tensor {i} of its recompute differs from its forward's "
+                    f"(max abs difference {diff:.3g}; checked because BMT_WRAP_DEBUG=1). The block depends on "
+                    "state that changed between forward and backward; turn checkpointing off for it.")
+
+    def parameters_differentiated(self, grads: list[list[torch.Tensor | None]]) -> None:
+        """The ``BlockParams`` node ran: release the storage (unless a saved tensor still views it), reduce."""
+        self.params_done = True
+        self.try_release()
+        self.engine.reduce_group_grads(self.group, grads)
+
+    def try_release(self, end_of_backward: bool = False) -> bool:
+        """Give the storage back once nothing autograd may still read views it; True when released."""
+        if not self.acquired or (not end_of_backward and (self.param_refs > 0 or not self.params_done)):
+            # A saved tensor still views the gathered storage, or the parameters' gradients are not all in.
+            return False
+        self.acquired = False
+        self.finished = True
+        if end_of_backward:
+            self.recomputed = {}  # saved tensors autograd never asked for
+        self.engine.release_after_use(self.group)
+        return True
+
+
+class BlockParams(torch.autograd.Function):
+    """The gathered parameters of one block call; backward hands their gradients to the reducer."""
+
+    @staticmethod
+    def forward(ctx: Any, call: BlockCall, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # a parameter nothing differentiated keeps .grad None
+        views = call.group.slot_views()
+        flat = [v for per in views for v in per]
+        frozen = [v for b, per in zip(call.group.buffers, views, strict=True)
+                  for v, p in zip(per, b.params, strict=True) if not (p.requires_grad and b.spec.requires_grad)]
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        call: BlockCall = ctx.call
+        it = iter(grads)
+        per_slot = [[next(it) for _ in b.params] for b in call.group.buffers]
+        call.parameters_differentiated(per_slot)
+        n_shards = sum(1 for b in call.group.buffers for p in b.params if p.requires_grad and b.spec.requires_grad)
+        return (None, *([None] * n_shards))
 
 
 @contextmanager
@@ -157,121 +325,12 @@ def _installed_ext(locations: list[list[Location]], tensors: list[torch.Tensor])
                 m._parameters[a] = old
 
 
-class BlockFunction(torch.autograd.Function):
-    """Autograd node of one block call; see the module docstring."""
-
-    @staticmethod
-    def forward(ctx: Any, call: BlockCall, anchor: torch.Tensor,  # type: ignore[override]
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.call = call
-        ctx.set_materialize_grads(False)  # outputs nothing differentiated give None: no zero gradients
-        n_in, n_ext = len(call.inputs.tensor_pos), len(call.ext_locations)
-        ext = list(tensors[n_in:n_in + n_ext])
-        call.input_needs_grad = list(ctx.needs_input_grad[2:])
-        engine, group = call.engine, call.group
-        assert call.replay is not None
-        engine.acquire_for_forward(group)
-        try:
-            if call.checkpoint:
-                call.state = _ForwardState(engine.cuda_devices(tensors))
-                out = call.run(tensors, group.slot_views(), ext)
-                call.outputs = _Tree(out)
-                flat = call.outputs.take_tensors() + call.replay.after_forward(call.inputs.leaves)
-                ctx.save_for_backward(*tensors)
-                call.out_meta = [(t.shape, t.dtype) for t in flat]
-                if engine.debug:
-                    call.out_values = [t.detach().clone() for t in flat]
-            else:
-                with torch.enable_grad():
-                    leaves = [_leaf(t, need) for t, need in zip(tensors, call.input_needs_grad, strict=True)]
-                    params = call.param_leaves(True)
-                    with call.replay.hidden_swapped(call.inputs.leaves, leaves[n_in + n_ext:]):
-                        out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:n_in + n_ext])
-                call.outputs = _Tree(out)
-                kept = call.outputs.take_tensors() + call.replay.after_forward(call.inputs.leaves)
-                call.graph = (leaves, params, kept)
-                flat = [t.detach() for t in kept]
-        finally:
-            engine.release_after_use(group)
-        call.n_outputs = len(flat) - len(call.replay.escaped)
-        ctx.mark_non_differentiable(*[t for t in flat if not _differentiable(t)])
-        return tuple(flat)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: BlockCall = ctx.call
-        engine, group = call.engine, call.group
-        engine.acquire_for_backward(call)
-        released = False
-        try:
-            input_grads, param_grads, needs = _block_grads(ctx, call, grads)
-            # The gathered parameters are done with before the gradient is flattened, so the pool can
-            # hand their buffer to the gradient: one block's worth less at the backward peak.
-            call.forget()  # the user may hold the loss (and this node) much longer
-            engine.release_after_use(group)
-            released = True
-            engine.reduce_group_grads(group, param_grads)
-        finally:
-            if not released:
-                call.forget()
-                engine.release_after_use(group)
-        return (None, None, *[next(input_grads) if need else None for need in needs])
+def _second_backward(block: str) -> WrapError:
+    return WrapError(f"backward ran twice through one call of block {block!r} (retain_graph=True): a sharded "
+                     "block frees what its backward needs after the first one. Run the forward again for a "
+                     "second backward.")
 
 
-def _block_grads(ctx: Any, call: BlockCall, grads: tuple[torch.Tensor | None, ...]
-                 ) -> tuple[Iterator[torch.Tensor | None], list[list[torch.Tensor | None]], list[bool]]:
-    """Input gradients (in order, for inputs that need one), per-slot parameter gradients, and which
-    inputs need one; recomputes the block first when it is checkpointed."""
-    if (call.state if call.checkpoint else call.graph) is None:
-        raise WrapError(f"backward ran twice through one call of block {call.group.name!r} (retain_graph=True): "
-                        "a sharded block frees what its backward needs after the first one. Run the "
-                        "forward again for a second backward.")
-    if call.checkpoint:
-        leaves = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, call.input_needs_grad, strict=True)]
-        params = call.param_leaves(True)
-        n_in, n_ext = len(call.inputs.tensor_pos), len(call.ext_locations)
-        assert call.replay is not None
-        replayed = call.replay.leaves(call.inputs.leaves, leaves[n_in + n_ext:])
-        with call.state.restored(), call.replay.buffers_swapped():
-            out = call.run(tuple(leaves[:n_in]), params, leaves[n_in:n_in + n_ext], replayed)
-        tree = _Tree(out)
-        outs = tree.take_tensors() + call.replay.escaped_from(replayed)
-        _check_recompute(call, tree, outs)
-    else:
-        leaves, params, outs = call.graph
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
-    wrt_inputs = [t for t in leaves if t.requires_grad]
-    wrt_params = [p for b in params for p in b if p.requires_grad]
-    if pairs and (wrt_inputs or wrt_params):
-        got = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + wrt_params, [g for _, g in pairs],
-                                  allow_unused=True)
-    else:
-        got = (None,) * (len(wrt_inputs) + len(wrt_params))
-    param_grads = iter(got[len(wrt_inputs):])
-    per_slot = [[next(param_grads) if p.requires_grad else None for p in b] for b in params]
-    return iter(got[:len(wrt_inputs)]), per_slot, [t.requires_grad for t in leaves]
-
-
-def _check_recompute(call: BlockCall, tree: _Tree, outs: list[torch.Tensor]) -> None:
-    """The recompute must reproduce the forward: structure, shapes and dtypes always, values in debug mode."""
-    assert call.outputs is not None
-    got = [(t.shape, t.dtype) for t in outs]
-    if tree.spec != call.outputs.spec or got != call.out_meta:
-        raise RecomputeError(
-            f"block {call.group.name!r}: its recompute in backward returned {_summary(tree.spec, got)}, but its "
-            f"forward returned {_summary(call.outputs.spec, call.out_meta)}. The block's output depends on state "
-            "that changed between forward and backward; turn checkpointing off for it "
-            "(BMTrainModelWrapper(model, checkpoint=False) or the plan's checkpoint flag).")
-    if call.out_values is not None:
-        for i, (a, b) in enumerate(zip(call.out_values, outs, strict=True)):
-            if not torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
-                diff = float((a.double() - b.detach().double()).abs().max()) if a.is_floating_point() else float("nan")
-                raise RecomputeError(
-                    f"block {call.group.name!r}: output tensor {i} of its recompute differs from its forward's "
-                    f"(max abs difference {diff:.3g}; checked because BMT_WRAP_DEBUG=1). The block depends on "
-                    "state that changed between forward and backward; turn checkpointing off for it.")
-
-
-def _summary(spec: pytree.TreeSpec, meta: list[tuple[torch.Size, torch.dtype]]) -> str:
-    shapes = ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in meta[:6])
-    return f"{len(meta)} tensor(s) [{shapes}{', ...' if len(meta) > 6 else ''}] in a {spec.type.__name__ if spec.type else 'leaf'}"
+def _summary(meta: list[_Meta]) -> str:
+    shapes = ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d, _ in meta[:6])
+    return f"{len(meta)} tensor(s) [{shapes}{', ...' if len(meta) > 6 else ''}]"

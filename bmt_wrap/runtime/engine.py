@@ -18,7 +18,7 @@ from torch import nn
 from ..distributed import get_state
 from ..errors import WrapError
 from ..plan import ShardGroupSpec
-from .block_function import BlockCall, BlockFunction, _Tree
+from .block_function import BlockCall, _Tree
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .flat_buffer import FlatBuffer
@@ -27,7 +27,7 @@ from .grad_reduce import GradReducer
 from .group import Location, ShardGroup
 from .param import DistributedParameter
 from .prefetch import Prefetcher
-from .replay import Replay, ReplayMemory, put_escaped
+from .replay import ReplayMemory
 
 
 def storage_mode(spec: ShardGroupSpec) -> str:
@@ -53,7 +53,9 @@ class Engine:
         self.groups: list[ShardGroup] = []
         self.in_forward = False
         self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
+        self.recompute_depth = 0
         self._backward_started = False
+        self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
         self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
 
@@ -141,19 +143,26 @@ class Engine:
     def end_forward(self) -> None:
         """A root forward ended: learn the schedule, drop gathers the forward did not use."""
         self.in_forward = False
-        self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
+        self.block_depth = 0
         self._standalone_cache.clear()
         self.prefetcher.end_forward()
         self._release_strays()
 
     @contextmanager
-    def inside_block(self) -> Iterator[None]:
+    def inside_block(self, recompute: bool = False) -> Iterator[None]:
         """A block's own code is running: modules inside it are not model roots, even in a recompute."""
         self.block_depth += 1
+        self.recompute_depth += int(recompute)
         try:
             yield
         finally:
             self.block_depth -= 1
+            self.recompute_depth -= int(recompute)
+
+    @property
+    def recomputing(self) -> bool:
+        """True while a checkpointed block runs again in backward (its side effects already happened)."""
+        return self.recompute_depth > 0
 
     def gathered_standalone(self, p: DistributedParameter) -> torch.Tensor:
         """A bare ``DistributedParameter`` read during forward: gathered once per forward and grad mode."""
@@ -201,16 +210,11 @@ class Engine:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
         call.call_index = self.prefetcher.record_call(group)
-        # The shards get their gradients from the reducer, not from autograd; this empty leaf only makes
-        # the outputs require grad when the block's parameters do and its inputs do not.
-        anchor = torch.empty(0, requires_grad=group.trainable)
-        call.replay = Replay(group.name, module, inputs.leaves, self.replay_memory(group), recompute=group.spec.checkpoint)
-        outs = BlockFunction.apply(call, anchor, *tensors, *ext, *call.replay.hidden())
-        assert call.outputs is not None and call.replay is not None
-        # Tensors the block stored into its arguments (a cache's keys) are replaced by the node's outputs,
-        # so gradients flow through them as in plain PyTorch.
-        put_escaped(call.inputs.leaves, call.replay.escaped, list(outs[call.n_outputs:]))
-        return call.outputs.rebuild(outs[:call.n_outputs])
+        self.acquire_for_forward(group)
+        try:
+            return call.forward(args, kwargs, tensors)
+        finally:
+            self.release_after_use(group)
 
     def gather_for_root(self, group: ShardGroup) -> list[list[torch.Tensor]]:
         """Gather a group used outside blocks; tensors are autograd-connected to the shards."""
@@ -226,6 +230,7 @@ class Engine:
         """Gather this call's group, prefetching the calls backward reaches next."""
         self.reducer.ensure_callback()
         self._on_backward_start()
+        self._acquired_calls.append(call)
         self._acquire(call.group, self.prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
@@ -269,6 +274,11 @@ class Engine:
 
     def _end_backward(self) -> None:
         self._backward_started = False
+        # Calls whose saved tensors autograd never asked for (outputs the loss did not use) hold their
+        # storage until here.
+        calls, self._acquired_calls = self._acquired_calls, []
+        for call in calls:
+            call.try_release(end_of_backward=True)
         self.prefetcher.end_backward()
         for g in self.groups:
             if g.in_use == 0:

@@ -10,9 +10,8 @@ So before the forward, a ``Replay`` takes a structural copy of every mutable non
 Python objects are copied, tensors shared, so a cache of any length costs a few object copies) and a
 clone of every buffer the block is known to write; the recompute runs on those copies and the copies are
 thrown away, so nothing the user can see changes twice. Tensors the forward stored into an argument
-("escaped": the cache's new keys) are handed back to the caller, which returns them from the block's
-autograd node and puts those outputs where the forward stored them, so they carry gradients as in plain
-PyTorch. What cannot be replayed (a tensor inside an argument written in place, an object that cannot be
+(the cache's new keys) need nothing: the forward ran in the model's own graph, so they carry gradients
+as in plain PyTorch. What cannot be replayed (a tensor inside an argument written in place, an object that cannot be
 copied) raises ``RecomputeError`` naming the block, never a wrong gradient.
 """
 
@@ -121,32 +120,6 @@ def _describe(path: Path) -> str:
     return text
 
 
-def _walk(x: Any, path: Path, seen: set[int]) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Every tensor reachable from ``x`` through containers and object attributes, with its path."""
-    if isinstance(x, torch.Tensor):
-        yield path, x
-        return
-    if isinstance(x, _ATOMS + _SHARED) or id(x) in seen:
-        return
-    seen.add(id(x))
-    if isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _walk(v, path + (("idx", i),), seen)
-    elif isinstance(x, dict):
-        for k, v in list(x.items()):
-            yield from _walk(v, path + (("key", k),), seen)
-    elif not isinstance(x, (set, frozenset)):
-        for k, v in list(getattr(x, "__dict__", {}).items()):
-            yield from _walk(v, path + (("attr", k),), seen)
-
-
-def _get(root: Any, path: Path) -> Any:
-    x = root
-    for kind, key in path:
-        x = getattr(x, key) if kind == "attr" else x[key]
-    return x
-
-
 def _put(x: Any, path: Path, value: Any) -> Any:
     """``x`` with the object at ``path`` replaced by ``value`` (in place; tuples on the way are rebuilt)."""
     if not path:
@@ -170,20 +143,9 @@ def _put(x: Any, path: Path, value: Any) -> Any:
 class Replay:
     """The state one checkpointed call's recompute runs against; see the module docstring."""
 
-    def __init__(self, block: str, module: nn.Module, leaves: list[Any], memory: ReplayMemory,
-                 recompute: bool = True) -> None:
+    def __init__(self, block: str, module: nn.Module, leaves: list[Any], memory: ReplayMemory) -> None:
         self.block, self.memory = block, memory
         self.mutable = [i for i, x in enumerate(leaves) if is_mutable_leaf(x)]
-        self.copies: dict[int, Any] = {}
-        self.buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-        self.buffer_copies: dict[int, torch.Tensor] = {}
-        self.escaped: list[list[Path]] = []
-        self.recompute, self.first = recompute, False
-        self._clones: dict[Path, torch.Tensor] = {}
-        if not recompute:  # only the escaped and hidden tensors are needed: nothing runs twice
-            self._seen = [(p, t, t._version) for i in self.mutable for p, t in _walk(leaves[i], (("leaf", i),), set())]
-            self._find_hidden()
-            return
         self.first = memory.calls == 0
         memory.calls += 1
         copier = _Copier(block, clone_all=self.first, clone_paths=memory.written_paths)
@@ -204,43 +166,14 @@ class Replay:
         self._hidden = list(by_id.values())
 
     def hidden(self) -> list[torch.Tensor]:
-        """Tensors needing grad inside non-tensor arguments (earlier blocks' cache entries): inputs of the
-        block that autograd cannot see, so the block's node takes them as extra inputs."""
+        """Tensors needing grad inside non-tensor arguments (earlier blocks' cache entries): the recompute
+        reads detached copies of them, so it builds no graph into the blocks that made them."""
         return [t for t, _ in self._hidden]
 
-    def put_hidden(self, leaves: list[Any], tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
-        """Put ``tensors`` where the hidden inputs are in ``leaves`` (in place)."""
-        put_escaped(leaves, [paths for _, paths in self._hidden], list(tensors))
-
-    @contextmanager
-    def hidden_swapped(self, leaves: list[Any], tensors: list[torch.Tensor]) -> Iterator[None]:
-        """The real arguments hold ``tensors`` for the hidden inputs while a kept-graph forward runs."""
-        self.put_hidden(leaves, tensors)
-        try:
-            yield
-        finally:
-            for (orig, paths), t in zip(self._hidden, tensors, strict=True):
-                for path in paths:
-                    try:
-                        still = _get(leaves[path[0][1]], path[1:]) is t
-                    except (AttributeError, KeyError, IndexError, TypeError):
-                        still = False
-                    if still:
-                        leaves[path[0][1]] = _put(leaves[path[0][1]], path[1:], orig)
-
-    def after_forward(self, leaves: list[Any]) -> list[torch.Tensor]:
-        """Check what the forward changed; returns the tensors it stored into arguments (escaped)."""
-        if self.recompute:
-            self._check_writes()
-        before = {id(t) for _, t, _ in self._seen}  # the tensors stay alive in _seen: ids are not reused
-        by_id: dict[int, tuple[torch.Tensor, list[Path]]] = {}
-        for i in self.mutable:
-            for path, t in _walk(leaves[i], (("leaf", i),), set()):
-                if id(t) not in before:
-                    by_id.setdefault(id(t), (t, []))[1].append(path)
+    def after_forward(self) -> None:
+        """Learn what the forward wrote (buffers, argument tensors); drop the references to the arguments."""
+        self._check_writes()
         self._seen, self._clones = [], {}
-        self.escaped = [paths for _, paths in by_id.values()]
-        return [t for t, _ in by_id.values()]
 
     def _check_writes(self) -> None:
         # Kernels may write without bumping the version counter (BatchNorm's running statistics), so the
@@ -271,21 +204,10 @@ class Replay:
         """The forward's non-tensor leaves with the mutable ones replaced by their copies, which hold
         ``hidden`` (fresh leaves) where the hidden inputs were."""
         out = [self.copies.get(i, x) for i, x in enumerate(leaves)]
-        self.put_hidden(out, hidden)
-        return out
-
-    def escaped_from(self, leaves: list[Any]) -> list[torch.Tensor]:
-        """After the recompute: the tensors it stored at the places the forward stored them."""
-        out = []
-        for paths in self.escaped:
-            try:
-                t = _get(leaves[paths[0][0][1]], paths[0][1:])
-            except (AttributeError, KeyError, IndexError, TypeError):
-                t = None
-            if not isinstance(t, torch.Tensor):
-                raise RecomputeError(f"block {self.block!r}: the recompute did not store a tensor at "
-                                  f"{_describe(paths[0])} as its forward did")
-            out.append(t)
+        for (_, paths), t in zip(self._hidden, hidden, strict=True):
+            for path in paths:
+                i = path[0][1]
+                out[i] = _put(out[i], path[1:], t)
         return out
 
     @contextmanager
@@ -301,11 +223,3 @@ class Replay:
         finally:
             for m, name, b in saved:
                 m._buffers[name] = b
-
-
-def put_escaped(leaves: list[Any], escaped: list[list[Path]], tensors: list[torch.Tensor]) -> None:
-    """Put the block's outputs for escaped tensors where the forward stored the originals."""
-    for paths, t in zip(escaped, tensors, strict=True):
-        for path in paths:
-            i = path[0][1]
-            leaves[i] = _put(leaves[i], path[1:], t)
