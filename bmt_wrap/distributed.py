@@ -145,7 +145,10 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     if world_size == 1:
         backend_comm = SingleProcessCommunicator(timeout)
     elif resolved == "gloo":
-        backend_comm = GlooCommunicator(None, rank, world_size, timeout)
+        # Each collective first checks that every rank runs the same one (a skipped block is named at
+        # once instead of hanging until the timeout); BMT_WRAP_CHECK_COLLECTIVES=0 turns that off.
+        check = os.environ.get("BMT_WRAP_CHECK_COLLECTIVES", "1") not in ("", "0", "false", "False")
+        backend_comm = GlooCommunicator(None, rank, world_size, timeout, check_order=check)
     elif resolved == "nccl":
         backend_comm = TorchCommunicator(None, rank, world_size, timeout, "nccl")
     else:

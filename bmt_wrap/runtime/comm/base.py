@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from ...errors import CommError, CommTimeoutError, PeerLostError
+from ...errors import CollectiveMismatchError, CommError, CommTimeoutError, PeerLostError
 
 #: Reduction names accepted by every backend.
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -42,6 +42,7 @@ class Communicator(abc.ABC):
         self.world_size = world_size
         self.timeout = timeout
         self.broken: str | None = None
+        self.mismatch: str | None = None  # why ranks disagreed on a collective: every later op says it again
 
     # ---- public API -------------------------------------------------------------------------
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
@@ -129,8 +130,15 @@ class Communicator(abc.ABC):
     # ---- helpers ----------------------------------------------------------------------------------
     def _check_usable(self, what: str, label: str) -> None:
         if self.broken is not None:
-            raise CommTimeoutError(f"{what}{_at(label)}: the {self.describe()} is unusable after an earlier "
-                                   f"failure ({self.broken}); restart the job.")
+            raise self.unusable_error(f"{what}{_at(label)}")
+
+    def unusable_error(self, what: str) -> CommError:
+        """The error for ``what`` on a group an earlier failure broke: the mismatch itself when ranks
+        disagreed (so every rank reports the divergence, whichever op it waits on first)."""
+        if self.mismatch is not None:
+            return CollectiveMismatchError(self.mismatch)
+        return CommTimeoutError(f"{what}: the {self.describe()} is unusable after an earlier failure "
+                                f"({self.broken}); restart the job.")
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle | None:
@@ -165,6 +173,15 @@ class CommunicatorWrapper(Communicator):
     @broken.setter
     def broken(self, value: str | None) -> None:
         self.inner.broken = value
+
+    @property  # type: ignore[override]
+    def mismatch(self) -> str | None:
+        """The wrapped backend's collective mismatch, or None."""
+        return self.inner.mismatch
+
+    @mismatch.setter
+    def mismatch(self, value: str | None) -> None:
+        self.inner.mismatch = value
 
     def describe(self) -> str:
         """The wrapped backend's description."""

@@ -5,6 +5,13 @@ runs a full all-reduce (2x the bytes) on a clone; ``isend``/``irecv`` into the d
 byte once (DESIGN.md, CPU facts). Why one worker thread: ops must reach gloo in the same order on every
 rank, async ops (a ring reduce-scatter is N-1 dependent steps) need something to drive them, and a
 single FIFO thread gives both while the main thread computes.
+
+Every op first checks that all ranks are at the same collective: each rank sends every peer a 128-byte
+description of its op (name, size, dtype, label: the block) and compares what it receives. A block
+skipped or repeated on one rank then raises ``CollectiveMismatchError`` naming both sides on every rank
+at its first divergent collective, instead of exchanging the wrong block's data or hanging until the
+timeout. The check runs on the worker thread, inside the op the caller already waits for: no extra
+round trip on the main thread (benchmarks/comm.py measures what it costs).
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...errors import CommError, CommTimeoutError
+from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
+_TAG_ORDER = 13
+_ORDER_BYTES = 128
 
 # How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
 _PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "application crash", "remote worker")
@@ -59,9 +68,12 @@ class GlooCommunicator(Communicator):
 
     backend_name = "gloo"
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
+                 check_order: bool = True) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
+        self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
+        self._sequence = 0  # collectives run so far (worker thread only)
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], _Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
         self._thread.start()
@@ -82,8 +94,7 @@ class GlooCommunicator(Communicator):
                 return
             fn, fut = item
             if self.broken is not None:
-                fut._set(CommTimeoutError(f"the {self.describe()} is unusable after an earlier failure "
-                                          f"({self.broken}); restart the job."))
+                fut._set(self.unusable_error(fut._what))
                 continue
             try:
                 fn()
@@ -91,10 +102,49 @@ class GlooCommunicator(Communicator):
             except BaseException as exc:  # reported to the waiting thread, which raises it
                 fut._set(exc)
 
-    def _submit(self, what: str, fn: Callable[[], None]) -> _Future:
+    def _submit(self, what: str, fn: Callable[[Callable[[], None]], None]) -> _Future:
+        """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them."""
         fut = _Future(self, what)
-        self._queue.put((fn, fut))
+
+        def checked() -> None:
+            self._sequence += 1
+            if not self.check_order:
+                fn(lambda: None)
+                return
+            # The descriptions travel beside the op's first transfers (no extra round trip); they are
+            # compared before waiting on the data, which a divergent peer may never send.
+            posted = self._post_order(what)
+            fn(lambda: self._verify(posted, what))
+
+        self._queue.put((checked, fut))
         return fut
+
+    def _post_order(self, what: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], list]:
+        mine = torch.zeros(_ORDER_BYTES, dtype=torch.uint8)
+        raw = what.encode()[:_ORDER_BYTES]
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        theirs = {p: torch.empty(_ORDER_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
+        works = []
+        for peer, buf in theirs.items():
+            works.append(dist.isend(mine, peer, group=self._group, tag=_TAG_ORDER))
+            works.append(dist.irecv(buf, peer, group=self._group, tag=_TAG_ORDER))
+        return mine, theirs, works
+
+    def _verify(self, posted: tuple[torch.Tensor, dict[int, torch.Tensor], list], what: str) -> None:
+        """Raise ``CollectiveMismatchError`` on every rank unless all ranks are running ``what`` now."""
+        mine, theirs, works = posted
+        self._wait_all(works, f"the order check before {what}")
+        if all(torch.equal(buf, mine) for buf in theirs.values()):
+            return
+        theirs[self.rank] = mine
+        sides = "; ".join(f"rank {p}: {bytes(theirs[p].tolist()).rstrip(bytes(1)).decode(errors='replace')}"
+                          for p in sorted(theirs))
+        self.mismatch = (
+            f"collective #{self._sequence} differs across ranks ({sides}). A block was skipped or repeated on "
+            "some ranks: data-dependent control flow around blocks (layer drop, experts, optional inputs) must "
+            "take the same path on every rank. The process group is unusable after this; restart the job.")
+        self.broken = f"collective #{self._sequence} differed across ranks"
+        raise CollectiveMismatchError(self.mismatch)
 
     def _wait_all(self, works: list, what: str) -> None:
         for work in works:
@@ -113,7 +163,7 @@ class GlooCommunicator(Communicator):
         what = _describe("all_gather_into", shard, label)
         n, r, size = self.world_size, self.rank, shard.numel()
 
-        def run() -> None:
+        def run(verify: Callable[[], None]) -> None:
             works = []
             for peer in range(n):
                 if peer != r:
@@ -121,6 +171,7 @@ class GlooCommunicator(Communicator):
                     works.append(dist.irecv(out[peer * size:(peer + 1) * size], peer, group=self._group,
                                             tag=_TAG_ALL_GATHER))
             out[r * size:(r + 1) * size].copy_(shard)
+            verify()
             self._wait_all(works, what)
 
         return self._submit(what, run)
@@ -132,7 +183,7 @@ class GlooCommunicator(Communicator):
         def piece(i: int) -> torch.Tensor:
             return full[(i % n) * size:((i % n) + 1) * size]
 
-        def run() -> None:
+        def run(verify: Callable[[], None]) -> None:
             # Ring: at step s rank r sends its running sum of chunk r-s-1 to r+1 and receives chunk r-s-2
             # from r-1, adding its own piece; after n-1 steps it holds the full sum of chunk r. Buffers
             # alternate so the last step receives straight into `out` (one scratch piece, no copy).
@@ -143,6 +194,8 @@ class GlooCommunicator(Communicator):
                 recv = out if (n - 2 - step) % 2 == 0 else scratch
                 works = [dist.isend(send, nxt, group=self._group, tag=_TAG_REDUCE_SCATTER),
                          dist.irecv(recv, prv, group=self._group, tag=_TAG_REDUCE_SCATTER)]
+                if step == 0:
+                    verify()
                 self._wait_all(works, what)
                 recv.add_(piece(r - step - 2))
                 send = recv
@@ -154,9 +207,10 @@ class GlooCommunicator(Communicator):
     def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle:
         what = _describe("all_reduce", tensor, label)
 
-        def run() -> None:
+        def run(verify: Callable[[], None]) -> None:
             work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group,
                                    async_op=True)
+            verify()
             self._wait_all([work], what)
             if op == "avg":
                 tensor.div_(self.world_size)
@@ -166,8 +220,10 @@ class GlooCommunicator(Communicator):
     def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
         what = _describe("broadcast", tensor, label)
 
-        def run() -> None:
-            self._wait_all([dist.broadcast(tensor, src, group=self._group, async_op=True)], what)
+        def run(verify: Callable[[], None]) -> None:
+            work = dist.broadcast(tensor, src, group=self._group, async_op=True)
+            verify()
+            self._wait_all([work], what)
 
         return self._submit(what, run)
 
@@ -175,8 +231,10 @@ class GlooCommunicator(Communicator):
         flag = torch.zeros(1)
         what = f"barrier{f' for {label!r}' if label else ''}"
 
-        def run() -> None:
-            self._wait_all([dist.all_reduce(flag, group=self._group, async_op=True)], what)
+        def run(verify: Callable[[], None]) -> None:
+            work = dist.all_reduce(flag, group=self._group, async_op=True)
+            verify()
+            self._wait_all([work], what)
 
         return self._submit(what, run)
 
