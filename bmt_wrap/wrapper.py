@@ -13,6 +13,7 @@ from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .block import CheckpointBlock
 from .distributed import agree, broadcast_bytes, get_state
 from .errors import PlanError, WrapError
+from .generate import attach_generate
 from .log import get_logger
 from .mixed_precision import MixedPrecision
 from .plan import WrapPlan
@@ -92,6 +93,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     apply_plan(model, plan, mixed_precision)
     model._bmt_first_forward = first
     attach_verify(model)
+    attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
     for note in plan.notes:
         get_logger().debug("plan: %s", note)
     return model

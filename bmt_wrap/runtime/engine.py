@@ -220,10 +220,31 @@ class Engine:
         """Gather a group used outside blocks; tensors are autograd-connected to the shards."""
         group.start_gather()
         tensors = gathered_tensors(self, group)
-        group.release()  # from here on the autograd graph owns the storage
-        if not torch.is_grad_enabled():
-            group.recycle()
+        if group.in_use == 0:  # not held resident (generation)
+            group.release()  # from here on the autograd graph owns the storage
+            if not torch.is_grad_enabled():
+                group.recycle()
         return tensors
+
+    @contextmanager
+    def resident(self, groups: list[ShardGroup]) -> Iterator[None]:
+        """Keep ``groups`` gathered until the block exits: forwards in it communicate nothing (generation,
+        where each token would otherwise gather the whole model again)."""
+        held: list[ShardGroup] = []
+        try:
+            for g in groups:
+                g.start_gather()
+            for g in groups:
+                g.wait_gathered()
+                g.in_use += 1
+                held.append(g)
+            yield
+        finally:
+            for g in held:
+                g.in_use -= 1
+                if g.in_use == 0:
+                    g.release()
+                    g.recycle()
 
     # ---- backward --------------------------------------------------------------------------------------------
     def acquire_for_backward(self, call: BlockCall) -> None:

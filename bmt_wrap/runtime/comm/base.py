@@ -99,8 +99,9 @@ class Communicator(abc.ABC):
         self.broken = what
         return CommTimeoutError(
             f"{what} did not complete within {self.timeout.total_seconds():.0f}s on the {self.describe()}. "
-            "Usually another rank died, or ranks called different collectives (a block skipped or "
-            "repeated on some ranks; run with BMT_WRAP_DEBUG=1 to name it). The process group is unusable "
+            "Usually another rank died or stopped calling collectives (it left a loop early: a different "
+            "number of batches or generated tokens per rank), or, on GPU, ranks called different "
+            "collectives (BMT_WRAP_DEBUG=1 names them). The process group is unusable "
             "after this: restart the job (torchrun restarts it with --max-restarts).")
 
     def peer_lost_error(self, what: str, detail: str) -> PeerLostError:
