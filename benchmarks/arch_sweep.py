@@ -7,8 +7,9 @@ then wrapped at world size 1 (dropout on: bit-exact) and 2 (dropout off: DESIGN.
 The shrinker changes sizes only: layers 2 (every ``num_*layers`` field, encoder and decoder too), hidden
 width about 64, 4 heads / 2 key-value heads, intermediate about 128, vocabulary 256, images 32 px (patches
 4 px), token ids folded into the vocabulary. Every other default stays (``use_cache`` included); the one
-exception is dropout, drop-path and layer-drop, set to 0 for the two-rank comparison, because two ranks'
-random streams cannot equal one process's. Nothing is downloaded.
+exception is dropout, drop-path, layer-drop and a router's jitter noise (training-time random draws), set
+to 0 for the two-rank comparison, because two ranks' random streams cannot equal one process's; at world
+size 1 they stay on and must match bit for bit. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def _shrink_dict(d: dict[str, Any], dropout: bool) -> dict[str, Any]:
                 out[k] = [IMAGE] * len(v)
             elif k.endswith("token_id") or k.endswith("token_ids"):
                 out[k] = _fold(v, VOCAB)
-        if dropout is False and ("drop" in k or k.endswith("_pdrop")):
+        if dropout is False and ("drop" in k or k.endswith("_pdrop") or "jitter" in k):
             if isinstance(v, float) and v > 0:
                 out[k] = 0.0
             elif isinstance(v, list) and any(isinstance(x, float) and x > 0 for x in v):
@@ -386,9 +387,6 @@ def plain_body(kind: str, model_type: str, class_name: str) -> dict[str, Any]:
     rec["params"] = sum(p.numel() for p in model.parameters())
     rec["batchnorm"] = has_batchnorm(model)
     rec["dropout_modules"] = sum(1 for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0)
-    # Training-time randomness that is not dropout (a router's jitter noise): two ranks draw other numbers.
-    rec["noise"] = {k: v for k, v in model.config.to_dict().items()
-                    if "jitter" in k and isinstance(v, float) and v > 0}
     batches = make_batches(kind, model.config)
     loss = loss_fn(kind)
     try:

@@ -113,10 +113,7 @@ def failure_class(rec: dict[str, Any]) -> str:
     if not rec.get("n1_exact"):
         wrong.append("N=1 " + _what(rec.get("n1_failures") or [], rec.get("n1_loss") or 0.0, n1=True))
     if not rec.get("n2_pass", rec.get("n2_ok")):
-        if rec.get("noise"):
-            wrong.append(f"N=2 differs by nature: training-time noise besides dropout ({', '.join(rec['noise'])})")
-        else:
-            wrong.append("N=2 " + _what([f.split(": ", 1)[-1] for f in rec.get("n2_failures") or []], 0.0))
+        wrong.append("N=2 " + _what([f.split(": ", 1)[-1] for f in rec.get("n2_failures") or []], 0.0))
     return "WRONG NUMBERS: " + "; ".join(wrong)
 
 
@@ -172,8 +169,8 @@ def write_report(cache: dict[str, Any], keys: list[str], meta: dict[str, Any]) -
         "",
         "- **N=1**: wrapped at world size 1, dropout on, 3 SGD(lr=0.1) steps, reseeded before each model's",
         "  step: losses, gradients, parameters and buffers must be **bit-identical** to plain PyTorch;",
-        "- **N=2**: dropout/drop-path/layer-drop 0, wrapped on 2 gloo ranks (each rank 2 of the 4 rows) vs one",
-        "  process on the global batch (models with BatchNorm: vs plain PyTorch fed each rank's slice with the",
+        "- **N=2**: dropout/drop-path/layer-drop and router jitter noise 0, wrapped on 2 gloo ranks (each rank",
+        "  2 of the 4 rows) vs one process on the global batch (models with BatchNorm: vs plain PyTorch fed each rank's slice with the",
         "  gradients averaged, buffers compared too), 3 SGD(lr=0.1) steps, DESIGN.md's tolerances: losses rtol",
         "  1e-5, gradients and parameters `assert_close(rtol=1e-5, atol=1e-6)`. When the global reference",
         "  disagrees, the data-parallel reference (plain PyTorch on each rank's slice, gradients averaged: what",
@@ -223,8 +220,7 @@ def write_report(cache: dict[str, Any], keys: list[str], meta: dict[str, Any]) -
               "parameters, which torch does not; typically unused towers of multimodal models, or poolers);",
               "*not bit-exact (last bits)* at N=1 (fp32 accumulation order, e.g. an encoder output read by",
               "every decoder layer); *forward differs under the same seed* at N=1 (the random stream is not",
-              "the plain model's: dropout/layer-drop draws); *differs by nature* (training-time noise other",
-              "than dropout). Rerun one case with `python benchmarks/coverage.py --only TYPE --rerun`; the",
+              "the plain model's: dropout/layer-drop/jitter draws). Rerun one case with `python benchmarks/coverage.py --only TYPE --rerun`; the",
               "cached record (`benchmarks/results/coverage.json`) holds every rank's first violations and the",
               "traceback of any exception."]
     lines += ["", "## Every case", "",

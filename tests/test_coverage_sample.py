@@ -59,3 +59,10 @@ def test_two_rank_configs_turn_off_every_dropout_rate_lists_included() -> None:
     cfg = arch_sweep.shrink_config("cvt", dropout=False)
     assert cfg.drop_path_rate and all(r == 0.0 for r in cfg.drop_path_rate), cfg.drop_path_rate
     assert any(r > 0 for r in arch_sweep.shrink_config("cvt", dropout=True).drop_path_rate)
+
+
+def test_two_rank_config_zeroes_router_jitter_noise() -> None:
+    # PhiMoE's router multiplies its logits by random jitter in training: two ranks draw other numbers
+    # than one process, so the two-rank comparison turns it off like dropout (N=1 keeps it, bit-exact).
+    assert arch_sweep.shrink_config("phimoe", dropout=True).router_jitter_noise > 0
+    assert arch_sweep.shrink_config("phimoe", dropout=False).router_jitter_noise == 0.0
