@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ._compat import pytree
 from .block import CheckpointBlock, bind_block
 from .dtypes import to_dtype
 from .errors import PlanError, WrapError

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ._compat import pytree
 from .dtypes import to_dtype
 from .errors import BMTError, CLIError
 from .mixed_precision import MixedPrecision

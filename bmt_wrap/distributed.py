@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._compat import default_store
 from . import errors
 from .errors import BMTError, InitError, NotInitializedError, UnsupportedError
 from .log import get_logger
@@ -152,7 +153,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     elif resolved == "nccl":
         backend_comm = TorchCommunicator(None, rank, world_size, timeout, "nccl")
     else:
-        backend_comm = CupyNcclCommunicator(dist.distributed_c10d._get_default_store(), rank, world_size, timeout)
+        backend_comm = CupyNcclCommunicator(default_store(), rank, world_size, timeout)
     if debug and world_size > 1:
         backend_comm = FingerprintCommunicator(backend_comm)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import hf_initialize_weights, hf_initialize_weights_replaced, tensor_version
 from .distributed import get_state
 from .errors import InitError
 from .runtime.flat_buffer import FlatBuffer
@@ -141,20 +142,18 @@ class _Replay:
     def hf_pass(self, pretrained: Any) -> None:
         """``pretrained.initialize_weights()``, each module's ``_init_weights`` run on full temporaries."""
         patched = [m for m in pretrained.modules() if id(self.hf_owner.get(id(m))) == id(m)]
+        replacements = {}
         for owner in patched:
-            original = owner._initialize_weights
+            original = hf_initialize_weights(owner)
 
             def initialize(module: nn.Module, is_custom_code: bool = False, _original: Any = original) -> None:
                 if getattr(module, "_is_hf_initialized", False):
                     return  # done by a nested model's own pass, as during construction
                 self.run(module, "_init_weights", lambda temps: _original(module, is_custom_code))
 
-            owner.__dict__["_initialize_weights"] = initialize  # smart_apply looks it up on each model
-        try:
+            replacements[owner] = initialize
+        with hf_initialize_weights_replaced(replacements):
             pretrained.initialize_weights()
-        finally:
-            for owner in patched:
-                owner.__dict__.pop("_initialize_weights", None)
 
     # ---- one module on full temporaries ------------------------------------------------------------
     def run(self, module: nn.Module, what: str, call: Callable[[Temps], Any], only: set[str] | None = None,
@@ -172,8 +171,8 @@ class _Replay:
                 by_param[id(p)] = nn.Parameter(_blank(shape, p.dtype, self.device), requires_grad=p.requires_grad)
         meta = [(m, n, b) for m in holders for n, b in m._buffers.items() if b is not None and b.is_meta]
         fresh = [_blank(b.shape, b.dtype, self.device) for _, _, b in meta]
-        versions = {id(t): t._version for t in [*by_param.values(), *fresh]}
-        shards = [(b, b.shard._version) for b in self.buffers]
+        versions = {id(t): tensor_version(t) for t in [*by_param.values(), *fresh]}
+        shards = [(b, tensor_version(b.shard)) for b in self.buffers]
         for m, a, p in originals:
             m._parameters[a] = by_param[id(p)]
         for (m, n, _), t in zip(meta, fresh, strict=True):
@@ -191,7 +190,7 @@ class _Replay:
             for (m, n, b), t in zip(meta, fresh, strict=True):
                 if not _written(t, versions[id(t)]):
                     m._buffers[n] = b  # not rebuilt: stays meta, reported at the end
-        touched = [b.group_name for b, v in shards if b.shard._version != v]
+        touched = [b.group_name for b, v in shards if tensor_version(b.shard) != v]
         if touched:
             raise InitError(f"{what} of {self.where(module)} wrote into parameters of modules below its children "
                             f"(groups {touched}), which are sharded: it cannot be replayed on full temporaries. "
@@ -252,7 +251,7 @@ def _blank(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch
 
 def _written(t: torch.Tensor, version: int) -> bool:
     """Whether an initialisation wrote into ``t`` (a ``_blank``), in place or through ``.data``."""
-    if t._version != version:
+    if tensor_version(t) != version:
         return True
     return (t.is_floating_point() or t.is_complex()) and not bool(torch.isnan(t).all())
 

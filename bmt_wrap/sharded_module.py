@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import register_state_dict_hooks
 from .errors import WrapError
 from .runtime.group import ShardGroup
 from .runtime.param import DistributedParameter
@@ -68,8 +69,7 @@ def install_state_hooks(module: nn.Module) -> None:
     """Make ``module``'s own sharded parameters save as full tensors and load from full tensors."""
     if getattr(module, "_bmt_state_hooks", False):
         return
-    module._register_state_dict_hook(_save_hook)
-    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+    register_state_dict_hooks(module, _save_hook, _load_pre_hook)
     module._bmt_state_hooks = True
 
 

@@ -8,9 +8,9 @@ from types import MethodType
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ._compat import pytree
 from .distributed import get_state
 from .errors import ParityError
 from .runtime.param import DistributedParameter

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .._compat import foreach_mul_
 from ..distributed import current_state
 from ..dtypes import LOW_PRECISION
 from ..errors import OptimizerError
@@ -132,7 +133,7 @@ def clip_grads_(sharded: list[torch.Tensor], replicated: list[torch.Tensor], max
     value = float(total)
     coef = max_norm / (value + eps)
     if math.isfinite(value) and coef < 1.0:
-        torch._foreach_mul_(sharded + replicated, coef)
+        foreach_mul_(sharded + replicated, coef)
     return total.float()
 
 

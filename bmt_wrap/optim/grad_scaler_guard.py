@@ -7,20 +7,19 @@ different slice, so one rank skips a step that the others take and the shards si
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
-from torch.amp import GradScaler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from .._compat import caller_frame, grad_scaler_step_codes
 from ..distributed import current_state
 from ..errors import OptimizerError
 from .sharding import is_sharded
 
 # GradScaler reaches optimizer.step() through one of these (subclasses such as torch.cuda.amp's inherit them).
-_SCALER_CODES = frozenset({GradScaler.step.__code__, GradScaler._maybe_opt_step.__code__})
+_SCALER_CODES = grad_scaler_step_codes()
 # Frames between GradScaler and this check: step wrappers, no_grad, hooks.
 _MAX_DEPTH = 12
 
@@ -28,7 +27,7 @@ _guard: RemovableHandle | None = None
 
 
 def _called_from_grad_scaler() -> bool:
-    frame = sys._getframe(1)
+    frame = caller_frame(1)
     for _ in range(_MAX_DEPTH):
         if frame is None:
             return False

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .._compat import foreach_div_
 from ..errors import OptimizerError
 from ..log import get_logger
 from .grad_norm import GradRanges, any_rank, clip_grads_, local_overflow
@@ -87,7 +88,7 @@ class OptimManager:
             else:
                 if scale != 1.0:
                     sharded, replicated = self._ranges(p for g in opt.param_groups for p in g["params"])
-                    torch._foreach_div_(sharded + replicated, scale)
+                    foreach_div_(sharded + replicated, scale)
                 opt.step()
             if scheduler is not None:
                 scheduler.step()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._compat import foreach_copy_, fused_adamw_
 from .adam_math import AdamHyper
 
 #: fp32 elements per scratch slice (16 MiB). Measured on 2 busy cores, 100M bf16 elements: 2^18-element
@@ -27,14 +28,14 @@ def step_in_place(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     device = params[0].device
     step = torch.tensor(float(hyper.step), dtype=torch.float32, device=device)
     grad_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32, device=device)
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hyper.lr,
+    fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hyper.lr,
                         beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
                         amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None)
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     if all(d.device == s.device for d, s in zip(dsts, srcs, strict=True)):
-        torch._foreach_copy_(dsts, srcs)
+        foreach_copy_(dsts, srcs)
     else:  # offload: between host state and device parameters
         for d, s in zip(dsts, srcs, strict=True):
             d.copy_(s)

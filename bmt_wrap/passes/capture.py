@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map
 
+from .._compat import pytree
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
@@ -58,7 +58,7 @@ def as_call(example_inputs: object) -> Call | None:
 
 def to_meta(tree: Any) -> Any:
     """Copy every tensor in a pytree to the meta device (shape, dtype and strides only)."""
-    return tree_map(lambda t: t if not isinstance(t, torch.Tensor) or t.is_meta
+    return pytree.tree_map(lambda t: t if not isinstance(t, torch.Tensor) or t.is_meta
                     else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), tree)
 
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
-from torch.export._tree_utils import reorder_kwargs
-from torch.utils._pytree import tree_leaves
 
+from .._compat import pytree, reorder_kwargs
 from ..errors import PlanError
 from .activations import ActivationProfile, BlockKey, profile_activations
 from .discover import Discovery
@@ -33,7 +32,7 @@ class _TensorOutputs(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
         """The wrapped model's output tensors, flattened."""
         out = getattr(self, _INNER)(*args, **kwargs)
-        return tuple(x for x in tree_leaves(out) if isinstance(x, torch.Tensor))
+        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
 
 
 def _strip(path: str) -> str:
@@ -123,7 +122,7 @@ def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs
     graph, order = condense(gm.graph, block_of)
     notes: list[str] = []
     try:
-        flat = tree_leaves((args, reorder_kwargs(kwargs, ep.call_spec.in_spec)))
+        flat = pytree.tree_leaves((args, reorder_kwargs(kwargs, ep.call_spec.in_spec)))
         activations: ActivationProfile | None = profile_activations(gm, flat, block_of)
     except Exception as exc:  # the estimate is optional: the capture stands without it
         activations = None

@@ -23,9 +23,9 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from .._compat import pytree, tensor_version
 from ..errors import RecomputeError, WrapError
 from .group import Location, ShardGroup
 from .replay import Replay
@@ -149,7 +149,7 @@ class BlockCall:
         if self.checkpoint:
             self.state = _ForwardState(engine.cuda_devices(tensors))
             self.saved_inputs = list(tensors)
-            self.input_versions = [t._version for t in tensors]
+            self.input_versions = [tensor_version(t) for t in tensors]
             self.replay = Replay(self.group.name, self.module, self.inputs.leaves,
                                  engine.replay_memory(self.group))
             if engine.debug:
@@ -223,7 +223,7 @@ class BlockCall:
         """Run the block again on the forward's state; keep what it saves, in order."""
         assert self.saved_inputs is not None and self.state is not None and self.replay is not None
         changed = [i for i, (t, v) in enumerate(zip(self.saved_inputs, self.input_versions, strict=True))
-                   if t._version != v]
+                   if tensor_version(t) != v]
         if changed:
             raise RecomputeError(f"block {self.group.name!r}: its input tensor {changed[0]} was modified in place "
                                  "after the block's forward, so its recompute cannot see what the forward saw. "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._compat import queue_autograd_callback
 from ..plan import GRADS_IN_FLIGHT
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
@@ -55,7 +56,7 @@ class GradReducer:
     def ensure_callback(self) -> None:
         """Queue the end-of-backward callback once per backward (call from inside backward)."""
         if not self.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+            queue_autograd_callback(self.finalize)
             self.callback_queued = True
 
     def reduce(self, buffer: FlatBuffer, full_grad: torch.Tensor, used: list[bool],

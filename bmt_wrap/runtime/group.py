@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .._compat import set_version_counters, tensor_version
 from ..errors import UninitializedParameterError, WrapError
 from ..plan import ShardGroupSpec
 from .buffer_pool import BufferPool
@@ -89,7 +90,7 @@ class ShardGroup:
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
-            self._versions = [t._version for t in full] if self.mode in ("resizable", "kept") else []
+            self._versions = [tensor_version(t) for t in full] if self.mode in ("resizable", "kept") else []
         sends = [self._cast_shard(b) for b in self.buffers]
         self._handles = [self.comm.all_gather_into(f, s, async_op=True, label=self.name)
                          for f, s in zip(full, sends, strict=True)]
@@ -137,7 +138,7 @@ class ShardGroup:
             if self.mode in ("resizable", "kept"):
                 # Saved tensors of a kept autograd graph view this storage; the refill is the same
                 # values, so the version bump it caused must not fail their check in backward.
-                torch._C._autograd._unsafe_set_version_counter(tuple(self._full), tuple(self._versions))
+                set_version_counters(self._full, self._versions)
         assert self._full is not None
         return self._full
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._compat import make_tensor_subclass
+
 if TYPE_CHECKING:
     from .flat_buffer import FlatBuffer
 
@@ -40,7 +42,7 @@ class DistributedParameter(nn.Parameter):
     @classmethod
     def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool,
                  fqn: str, full_shape: torch.Size) -> DistributedParameter:
-        p = torch.Tensor._make_subclass(cls, view, requires_grad)
+        p = make_tensor_subclass(cls, view, requires_grad)
         p.fqn = fqn
         p.full_shape = torch.Size(full_shape)
         p._bmt_buffer = buffer

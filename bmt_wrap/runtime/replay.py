@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import tensor_version
 from ..errors import RecomputeError
 
 Path = tuple[tuple[str, Any], ...]
@@ -65,7 +66,7 @@ class _Copier:
 
     def copy(self, x: Any, path: Path) -> Any:
         if isinstance(x, torch.Tensor):
-            self.seen.append((path, x, x._version))
+            self.seen.append((path, x, tensor_version(x)))
             if self.clone_all or path in self.clone_paths:
                 self.clones[path] = x.detach().clone()
                 return self.clones[path]
@@ -154,7 +155,7 @@ class Replay:
         self._clones = copier.clones
         self._find_hidden()
         self.buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-        self._buffer_versions = [b._version for _, _, b in self.buffers]
+        self._buffer_versions = [tensor_version(b) for _, _, b in self.buffers]
         self.buffer_copies = {i: b.detach().clone() for i, (m, name, b) in enumerate(self.buffers)
                               if self.first or (id(m), name) in memory.written_buffers}
 
@@ -179,7 +180,7 @@ class Replay:
         # Kernels may write without bumping the version counter (BatchNorm's running statistics), so the
         # first call, which copied everything, compares values; later calls also watch version counters.
         for path, t, version in self._seen:
-            if t._version == version and not (self.first and not _same(t, self._clones[path])):
+            if tensor_version(t) == version and not (self.first and not _same(t, self._clones[path])):
                 continue
             known = path in self.memory.written_paths
             self.memory.written_paths.add(path)
@@ -192,7 +193,7 @@ class Replay:
         for i, (m, name, b) in enumerate(self.buffers):
             # ``self.x_min = f(self.x_min)`` (IBert) leaves the old tensor untouched and registers a new one.
             reassigned = m._buffers.get(name) is not b
-            if reassigned or b._version != self._buffer_versions[i] or (
+            if reassigned or tensor_version(b) != self._buffer_versions[i] or (
                     self.first and not _same(b, self.buffer_copies[i])):
                 self.memory.written_buffers.add((id(m), name))
                 if i not in self.buffer_copies:

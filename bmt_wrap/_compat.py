@@ -1,0 +1,119 @@
+"""Every private torch and transformers name bmt_wrap relies on, behind one small function each.
+
+A torch or transformers upgrade that renames one of these breaks this file only, and
+``tests/test_compat.py`` checks each shim against the installed versions (and that no other module
+reaches a private name directly). Leaf module: it imports nothing from bmt_wrap.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree  # re-exported: tree_flatten, tree_unflatten, tree_map, register_dataclass
+from torch import nn
+
+__all__ = [
+    "caller_frame", "default_store", "foreach_copy_", "foreach_div_", "foreach_mul_", "fused_adamw_",
+    "grad_scaler_step_codes", "hf_initialize_weights", "hf_initialize_weights_replaced", "make_tensor_subclass",
+    "pytree", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
+    "tensor_version",
+]
+
+
+# ---- autograd ---------------------------------------------------------------------------------------------
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place version counter autograd checks (bumped by every in-place op on ``t`` or a view)."""
+    return t._version
+
+
+def set_version_counters(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Set version counters back (a refill with the same values must not fail saved tensors' checks)."""
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def queue_autograd_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass has finished (from inside a backward hook or node)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """``data`` as an instance of the tensor subclass ``cls``, sharing its storage (what Parameter does)."""
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------
+def foreach_mul_(tensors: list[torch.Tensor], scalar: float | torch.Tensor) -> None:
+    """Multiply every tensor in place by ``scalar`` (one multi-tensor kernel)."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def foreach_div_(tensors: list[torch.Tensor], scalar: float | torch.Tensor) -> None:
+    """Divide every tensor in place by ``scalar`` (one multi-tensor kernel)."""
+    torch._foreach_div_(tensors, scalar)
+
+
+def foreach_copy_(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair (one multi-tensor kernel)."""
+    torch._foreach_copy_(dsts, srcs)
+
+
+def fused_adamw_(*args: Any, **kwargs: Any) -> None:
+    """torch's fused AdamW step over lists of params, grads and moments (``torch.optim.AdamW(fused=True)``'s)."""
+    torch._fused_adamw_(*args, **kwargs)
+
+
+# ---- modules, export, distributed --------------------------------------------------------------------------
+def register_state_dict_hooks(module: nn.Module, save: Callable[..., Any], load_pre: Callable[..., Any]) -> None:
+    """Hooks that rewrite ``module``'s state_dict on save and the incoming one before load."""
+    module._register_state_dict_hook(save)
+    module._register_load_state_dict_pre_hook(load_pre, with_module=True)
+
+
+def reorder_kwargs(kwargs: dict[str, Any], spec: Any) -> tuple[Any, ...]:
+    """``kwargs`` in the order an exported program's input spec expects."""
+    from torch.export._tree_utils import reorder_kwargs as _reorder
+
+    return _reorder(kwargs, spec)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (for exchanging a NCCL unique id)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+# ---- Python frames and GradScaler ------------------------------------------------------------------------
+def caller_frame(depth: int = 1) -> FrameType | None:
+    """The frame ``depth`` levels above the caller of this function."""
+    return sys._getframe(depth + 1)
+
+
+def grad_scaler_step_codes() -> frozenset[Any]:
+    """Code objects through which ``GradScaler`` calls ``optimizer.step()`` (subclasses inherit them)."""
+    from torch.amp import GradScaler
+
+    return frozenset({GradScaler.step.__code__, GradScaler._maybe_opt_step.__code__})
+
+
+# ---- transformers -----------------------------------------------------------------------------------------
+def hf_initialize_weights(model: nn.Module) -> Callable[..., Any]:
+    """The per-module initializer ``PreTrainedModel.initialize_weights()`` applies (``_initialize_weights``)."""
+    return model._initialize_weights
+
+
+@contextmanager
+def hf_initialize_weights_replaced(replacements: dict[nn.Module, Callable[..., Any]]) -> Iterator[None]:
+    """Each model's ``_initialize_weights`` replaced (on the instance: transformers looks it up per model)."""
+    for model, fn in replacements.items():
+        model.__dict__["_initialize_weights"] = fn
+    try:
+        yield
+    finally:
+        for model in replacements:
+            model.__dict__.pop("_initialize_weights", None)

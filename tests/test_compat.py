@@ -1,0 +1,163 @@
+"""bmt_wrap/_compat.py: each shim over a private torch/transformers name works on the installed versions,
+and no other module reaches a private name directly (a torch upgrade breaks one file)."""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from bmt_wrap import _compat
+
+PACKAGE = Path(__file__).resolve().parent.parent / "bmt_wrap"
+
+# Private torch / transformers names as code spells them (strings and comments are not code).
+_PRIVATE = re.compile(
+    r"\btorch\._[A-Za-z]|\butils\._pytree\b|\bexport\._|\._version\b|_execution_engine|_make_subclass"
+    r"|_register_state_dict_hook|_register_load_state_dict|\bsys\._getframe|_get_default_store"
+    r"|\bdistributed_c10d\b|\._initialize_weights\b|_maybe_opt_step|_unsafe_")
+
+
+def _code(path: Path) -> str:
+    """The file's source with every string and comment blanked out."""
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        out.append(" " if tok.type in (tokenize.STRING, tokenize.COMMENT) else tok.string)
+        if tok.type in (tokenize.NEWLINE, tokenize.NL):
+            out.append("\n")
+    return " ".join(out)
+
+
+def test_no_module_outside_compat_uses_a_private_torch_name() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        hits = sorted(set(_PRIVATE.findall(_code(path))))
+        if hits:
+            offenders[str(path.relative_to(PACKAGE))] = hits
+    assert not offenders, f"private names outside bmt_wrap/_compat.py: {offenders}"
+
+
+def test_the_check_sees_a_private_name() -> None:
+    assert _PRIVATE.search("x = t._version + torch._foreach_mul_(a, 2)")
+    assert not _PRIVATE.search("x = tensor_version(t)")
+
+
+def test_version_counters() -> None:
+    t = torch.zeros(3)
+    v = _compat.tensor_version(t)
+    t.add_(1)
+    assert _compat.tensor_version(t) == v + 1
+    _compat.set_version_counters([t], [v])
+    assert _compat.tensor_version(t) == v
+
+
+def test_autograd_callback_runs_after_backward() -> None:
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+
+    def hook(grad: torch.Tensor) -> None:
+        _compat.queue_autograd_callback(lambda: order.append("end"))
+        order.append("hook")
+
+    y.register_hook(hook)
+    (y * x).sum().backward()
+    assert order == ["hook", "end"]
+
+
+def test_tensor_subclass_shares_storage() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    data = torch.arange(4.0)
+    sub = _compat.make_tensor_subclass(Sub, data, True)
+    assert isinstance(sub, Sub) and sub.requires_grad and sub.data_ptr() == data.data_ptr()
+
+
+def test_foreach_kernels() -> None:
+    a, b = [torch.ones(3), torch.full((2,), 4.0)], [torch.zeros(3), torch.zeros(2)]
+    _compat.foreach_mul_(a, 3.0)
+    _compat.foreach_div_(a, 2.0)
+    _compat.foreach_copy_(b, a)
+    assert torch.equal(b[0], torch.full((3,), 1.5)) and torch.equal(b[1], torch.full((2,), 6.0))
+
+
+def test_fused_adamw_matches_torch_adamw() -> None:
+    torch.manual_seed(0)
+    p, g = torch.randn(8), torch.randn(8)
+    ref = p.clone().requires_grad_()
+    ref.grad = g.clone()
+    torch.optim.AdamW([ref], lr=0.1, weight_decay=0.01, foreach=False).step()
+    m, v, step = torch.zeros(8), torch.zeros(8), torch.tensor(1.0)
+    _compat.fused_adamw_([p], [g], [m], [v], [], [step], lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                         eps=1e-8, amsgrad=False, maximize=False)
+    torch.testing.assert_close(p, ref.detach())
+
+
+def test_state_dict_hooks() -> None:
+    seen = []
+    lin = nn.Linear(2, 2)
+
+    def save(module, sd, prefix, local_metadata):
+        sd["extra"] = torch.ones(1)
+
+    def load_pre(module, sd, prefix, *args):
+        seen.append(sd.pop("extra", None) is not None)
+
+    _compat.register_state_dict_hooks(lin, save, load_pre)
+    sd = lin.state_dict()
+    assert "extra" in sd
+    lin.load_state_dict(sd)
+    assert seen == [True]
+
+
+def test_reorder_kwargs_follows_the_exported_signature() -> None:
+    class M(nn.Module):
+        def forward(self, a, b):
+            return a - b
+
+    ep = torch.export.export(M(), (), {"a": torch.zeros(1), "b": torch.ones(1)})
+    args = _compat.reorder_kwargs({"b": "B", "a": "A"}, ep.call_spec.in_spec)
+    assert [x for x in _compat.pytree.tree_leaves(args)] == ["A", "B"]
+
+
+def test_caller_frame_and_grad_scaler_codes() -> None:
+    def inner():
+        return _compat.caller_frame(1)
+
+    assert inner().f_code is test_caller_frame_and_grad_scaler_codes.__code__
+    codes = _compat.grad_scaler_step_codes()
+    assert len(codes) == 2 and all(hasattr(c, "co_name") for c in codes)
+
+
+def test_default_store_of_an_initialised_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process; the shim is covered by the CuPy tests")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = _compat.default_store()
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_initialize_weights_is_replaced_and_restored() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    original = _compat.hf_initialize_weights(model)
+    calls = []
+    with _compat.hf_initialize_weights_replaced({model: lambda module, is_custom_code=False: calls.append(module)}):
+        model.initialize_weights()
+    assert calls and all(isinstance(m, nn.Module) for m in calls)
+    assert _compat.hf_initialize_weights(model) == original
