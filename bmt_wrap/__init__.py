@@ -5,52 +5,70 @@
     model = bmt.BMTrainModelWrapper(model)
 """
 
-# BMTrain's module paths are importable here too; ``distributed`` is the module holding init_distributed
-# and the differentiable collectives.
-from . import (
-    block_layer,
-    distributed,
-    errors,
-    global_var,
-    inspect,
-    loss,
-    lr_scheduler,
-    nccl,
-    nn,
-    optim,
-    passes,
-    pipe_layer,
-    store,
-    utils,
-)
-from .apply_plan import is_wrapped
-from .block import Block, CheckpointBlock, PipelineTransformerBlockList, TransformerBlockList
-from .checkpoint import load, load_checkpoint, save, save_checkpoint
-from .distributed import (
-    barrier,
-    comm_stats,
-    get_state,
-    init_distributed,
-    is_initialized,
-    local_rank,
-    print_rank,
-    rank,
-    reset_comm_stats,
-    shutdown,
-    sum_loss,
-    world_size,
-)
-from .gathered import gathered
-from .global_var import config
-from .init import init_parameters
-from .inspect import see_memory
-from .mixed_precision import MixedPrecision
-from .module import DistributedModule
-from .plan import WrapPlan
-from .runtime.param import DistributedParameter
-from .synchronize import gather_result, synchronize, wait_loader  # the module's name now means the function
-from .verify import VerifyReport
-from .wrapper import BMTrainModelWrapper, wrap
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+# Names load on first use (PEP 562), so ``import bmt_wrap.plan`` or ``bmt_wrap.passes`` (the CLI's
+# planning, a notebook reading a plan) loads no runtime. BMTrain's module paths are importable here too;
+# ``distributed`` is the module holding init_distributed and the differentiable collectives.
+_SUBMODULES = frozenset({
+    "block_layer", "distributed", "errors", "global_var", "inspect", "loss", "lr_scheduler", "nccl", "nn",
+    "optim", "passes", "pipe_layer", "store", "utils",
+})
+_FROM = {
+    "apply_plan": ["is_wrapped"],
+    "block": ["Block", "CheckpointBlock", "PipelineTransformerBlockList", "TransformerBlockList"],
+    "checkpoint": ["load", "load_checkpoint", "save", "save_checkpoint"],
+    "distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized", "local_rank",
+                    "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss", "world_size"],
+    "gathered": ["gathered"],
+    "global_var": ["config"],
+    "init": ["init_parameters"],
+    "inspect": ["see_memory"],
+    "mixed_precision": ["MixedPrecision"],
+    "module": ["DistributedModule"],
+    "plan": ["WrapPlan"],
+    "runtime.param": ["DistributedParameter"],
+    "synchronize": ["gather_result", "synchronize", "wait_loader"],  # the module's name means the function
+    "verify": ["VerifyReport"],
+    "wrapper": ["BMTrainModelWrapper", "wrap"],
+}
+_WHERE = {name: module for module, names in _FROM.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name (or BMTrain-path submodule) on first use."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'bmt_wrap' has no attribute {name!r}")
+    globals()[name] = value  # after the import, which set the submodule of the same name (synchronize)
+    return value
+
+
+class _Package(types.ModuleType):
+    """The package module: loading the submodule ``synchronize`` must not replace the function of that name
+    (Python sets a package attribute for each submodule it loads; BMTrain's ``bmt.synchronize()``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "synchronize" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    """Public names, loaded or not."""
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -321,6 +322,14 @@ def agree(error: BaseException | str | None, payload: list[int] | None = None, w
     raise cls(message)
 
 
-# BMTrain's differentiable ``bmt.distributed.*`` ops live under this module's name too; imported last
-# because they build on the state above.
-from .collectives import all_gather, all_reduce, broadcast, reduce_scatter  # noqa: E402, F401
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "broadcast", "reduce_scatter"})
+
+
+def __getattr__(name: str) -> Any:
+    """BMTrain's differentiable ``bmt.distributed.*`` ops, from ``collectives`` (which builds on this module,
+    so it is loaded on first use rather than imported here)."""
+    if name in _COLLECTIVES:
+        from . import collectives
+
+        return getattr(collectives, name)
+    raise AttributeError(f"module 'bmt_wrap.distributed' has no attribute {name!r}")
