@@ -24,17 +24,17 @@ from .comm import Communicator
 from .flat_buffer import FlatBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
-from .group import Location, ShardGroup
+from .group import Location, ShardGroup, StorageMode
 from .param import DistributedParameter
 from .prefetch import Prefetcher
 from .replay import ReplayMemory
 
 
-def storage_mode(spec: ShardGroupSpec) -> str:
+def storage_mode(spec: ShardGroupSpec) -> StorageMode:
     """How a block's gathered storage is managed (see ``group.py``)."""
     if spec.zero_level == 2:
-        return "kept"
-    return "pooled" if spec.checkpoint else "resizable"
+        return StorageMode.KEPT
+    return StorageMode.POOLED if spec.checkpoint else StorageMode.RESIZABLE
 
 
 class Engine:
@@ -87,7 +87,7 @@ class Engine:
                         if t is not None:
                             buf.load_slot(i, t.to(buf.dtype))
             buffers.append(buf)
-        mode = "graph" if used_outside_blocks or spec.is_root else storage_mode(spec)
+        mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
         group.restore()
         self.groups.append(group)
@@ -186,7 +186,7 @@ class Engine:
     def release_after_use(self, group: ShardGroup, backward_follows: bool = True) -> None:
         """A block is done with its parameters; ``kept`` (zero_level=2) groups stay until the step ends."""
         group.in_use -= 1
-        if group.in_use == 0 and not (backward_follows and group.mode == "kept"):
+        if group.in_use == 0 and not (backward_follows and group.mode is StorageMode.KEPT):
             group.release()
 
     def run_block(self, group: ShardGroup, module: nn.Module, forward_fn: Callable[..., Any],
@@ -277,7 +277,7 @@ class Engine:
                           ) -> tuple[torch.Tensor, Callable[[], None]]:
         """Where buffer ``i``'s flat gradient goes, and how to give that storage back."""
         buf = group.buffers[i]
-        if group.mode == "graph" and dtype == buf.gather_dtype:
+        if group.mode is StorageMode.GRAPH and dtype == buf.gather_dtype:
             # The gradient of a root-like group arrives once every use was differentiated: its gathered
             # parameters are no longer read, so their storage takes the gradient (one full copy less at
             # the peak of backward) and then serves the next forward's gather.
@@ -308,7 +308,7 @@ class Engine:
 
     def _release_strays(self) -> None:
         for g in self.groups:
-            if g.in_use == 0 and g.gathered and g.mode != "kept":
+            if g.in_use == 0 and g.gathered and g.mode is not StorageMode.KEPT:
                 g.release()
 
 

@@ -1,6 +1,8 @@
 """A shard group: the unit of gathering (one block, or the root), and where its parameters live.
 
-Three storage modes, chosen from the group's checkpoint and ZeRO settings:
+A group is in one ``GroupState`` at a time — released, gathering (collectives in flight), gathered — and
+every transition asserts the state it starts from (FSDP2's ``_assert_in_states``), so a schedule bug fails
+at the transition instead of reading a half-gathered buffer. Four ``StorageMode``s, chosen from the group's checkpoint and ZeRO settings:
 - ``pooled``: gathered into a pool buffer and given back right after use (checkpointed blocks: nothing
   from forward references the parameters, recompute gathers again);
 - ``resizable``: one dedicated buffer whose storage is freed after forward and refilled in place before
@@ -17,6 +19,7 @@ Three storage modes, chosen from the group's checkpoint and ZeRO settings:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,11 +36,34 @@ from .flat_buffer import FlatBuffer
 Location = tuple[nn.Module, str]
 
 
+class StorageMode(enum.Enum):
+    """How a group's gathered storage is managed (module docstring)."""
+
+    POOLED = "pooled"
+    RESIZABLE = "resizable"
+    KEPT = "kept"
+    GRAPH = "graph"
+
+
+class GroupState(enum.Enum):
+    """Where a group's gathered parameters are."""
+
+    RELEASED = "released"  # only the shards exist
+    GATHERING = "gathering"  # full buffers allocated, all-gathers in flight
+    GATHERED = "gathered"  # full buffers hold every rank's shard
+
+
+def _assert_in(group: ShardGroup, action: str, *states: GroupState) -> None:
+    if group.state not in states:
+        raise AssertionError(f"bmt_wrap internal error: {action} on group {group.name!r} in state "
+                             f"{group.state.value}, expected {' or '.join(s.value for s in states)}")
+
+
 class ShardGroup:
     """Flat buffers of one block (or the root) plus the module attributes their parameters occupy."""
 
     def __init__(self, spec: ShardGroupSpec, buffers: list[FlatBuffer], locations: list[list[list[Location]]],
-                 comm: Communicator, pool: BufferPool, mode: str) -> None:
+                 comm: Communicator, pool: BufferPool, mode: StorageMode) -> None:
         self.spec = spec
         self.name = spec.name
         self.buffers = buffers
@@ -45,6 +71,7 @@ class ShardGroup:
         self.comm = comm
         self.pool = pool
         self.mode = mode
+        self.state = GroupState.RELEASED
         self._full: list[torch.Tensor] | None = None
         self._handles: list[Handle] | None = None
         self._versions: list[int] = []
@@ -62,7 +89,7 @@ class ShardGroup:
     @property
     def gathered(self) -> bool:
         """True while gathered or gathering."""
-        return self._full is not None
+        return self.state is not GroupState.RELEASED
 
     @property
     def trainable(self) -> bool:
@@ -84,18 +111,19 @@ class ShardGroup:
     # ---- gather / release -----------------------------------------------------------------------------
     def start_gather(self) -> None:
         """Start gathering every buffer in its ``gather_dtype`` (no-op if gathered or in flight)."""
-        if self._full is not None:
+        if self.state is not GroupState.RELEASED:
             return
         self._check_materialised()
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
-            self._versions = [tensor_version(t) for t in full] if self.mode in ("resizable", "kept") else []
+            self._versions = [tensor_version(t) for t in full] if self._dedicated_storage else []
         sends = [self._cast_shard(b) for b in self.buffers]
         self._handles = [self.comm.all_gather_into(f, s, async_op=True, label=self.name)
                          for f, s in zip(full, sends, strict=True)]
         self._sends = [s for s, b in zip(sends, self.buffers, strict=True) if s is not b.shard]
         self._full = full
+        self.state = GroupState.GATHERING
 
     def _cast_shard(self, b: FlatBuffer) -> torch.Tensor:
         """The shard to send: itself, or (mixed precision) its param_dtype copy, so the gather moves
@@ -126,36 +154,42 @@ class ShardGroup:
 
     def wait_gathered(self) -> list[torch.Tensor]:
         """The gathered full buffers, waiting for (or starting) the gather."""
-        if self._full is None:
+        if self.state is GroupState.RELEASED:
             self.start_gather()
-        if self._handles is not None:
+        if self.state is GroupState.GATHERING:
+            assert self._handles is not None
             for h in self._handles:
                 h.wait()
             self._handles = None
             for send in self._sends:
                 self.pool.release(send)
             self._sends = []
-            if self.mode in ("resizable", "kept"):
+            self.state = GroupState.GATHERED
+            if self._dedicated_storage:
                 # Saved tensors of a kept autograd graph view this storage; the refill is the same
                 # values, so the version bump it caused must not fail their check in backward.
                 set_version_counters(self._full, self._versions)
+        _assert_in(self, "reading the gathered buffers", GroupState.GATHERED)
         assert self._full is not None
         return self._full
 
     def release(self) -> None:
         """Give the gathered storage back (waits for an in-flight gather first)."""
-        if self._full is None:
+        if self.state is GroupState.RELEASED:
             return
-        if self._handles is not None:
+        if self.state is GroupState.GATHERING:
             self.wait_gathered()
+        _assert_in(self, "release", GroupState.GATHERED)
         full, self._full = self._full, None
-        if self.mode == "pooled":
+        assert full is not None
+        self.state = GroupState.RELEASED
+        if self.mode is StorageMode.POOLED:
             for f in full:
                 self.pool.release(f)
-        elif self.mode in ("resizable", "kept"):
+        elif self._dedicated_storage:
             for f in full:
                 f.untyped_storage().resize_(0)
-        if self.mode == "graph":
+        else:
             self._last = list(full)
 
     def recycle(self) -> None:
@@ -174,10 +208,15 @@ class ShardGroup:
         """Storage the next gather of buffer ``i`` may reuse."""
         self._spare[i] = t
 
+    @property
+    def _dedicated_storage(self) -> bool:
+        # One buffer per group, freed and refilled in place: saved tensors of a kept graph view it.
+        return self.mode in (StorageMode.RESIZABLE, StorageMode.KEPT)
+
     def _alloc(self, i: int, b: FlatBuffer) -> torch.Tensor:
-        if self.mode == "pooled":
+        if self.mode is StorageMode.POOLED:
             return self.pool.acquire(b.full_numel, b.gather_dtype, b.device)
-        if self.mode == "graph":
+        if self.mode is StorageMode.GRAPH:
             spare, self._spare[i] = self._spare[i], None
             if spare is not None:
                 return spare
