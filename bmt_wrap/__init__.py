@@ -52,12 +52,16 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+# Functions named like the module that defines them (``bmt.gathered``, BMTrain's ``bmt.synchronize``).
+_SHADOWED = frozenset(name for name, module in _WHERE.items() if name == module)
+
+
 class _Package(types.ModuleType):
-    """The package module: loading the submodule ``synchronize`` must not replace the function of that name
-    (Python sets a package attribute for each submodule it loads; BMTrain's ``bmt.synchronize()``)."""
+    """The package module: loading a submodule must not replace the function of the same name (Python
+    sets a package attribute for each submodule it loads)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "synchronize" and isinstance(value, types.ModuleType):
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -34,9 +34,11 @@ def test_runtime_never_imports_torch_fx() -> None:
 
 
 def test_lazy_package_keeps_bmtrains_names() -> None:
-    # Loading the submodule ``synchronize`` first must not replace the function of that name.
-    code = ("import bmt_wrap.synchronize, bmt_wrap.collectives\nimport bmt_wrap as bmt\n"
-            "assert callable(bmt.synchronize) and not isinstance(bmt.synchronize, type(bmt)), bmt.synchronize\n"
+    # Loading a submodule first must not replace the function of that name (gathered, synchronize).
+    code = ("import bmt_wrap.synchronize, bmt_wrap.gathered, bmt_wrap.collectives, bmt_wrap.generate\n"
+            "import bmt_wrap as bmt\n"
+            "for f in (bmt.synchronize, bmt.gathered):\n"
+            "    assert callable(f) and not isinstance(f, type(bmt)), f\n"
             "assert bmt.distributed.all_gather is bmt_wrap.collectives.all_gather\n"
             "assert bmt.nn.Linear and bmt.optim.AdamOptimizer and bmt.BMTrainModelWrapper is bmt.wrap\n"
             "from bmt_wrap import DistributedParameter, init_distributed\n"
