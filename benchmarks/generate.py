@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import bmt_wrap as bmt
+from report import publish
 
 
 def main() -> None:
@@ -82,10 +83,7 @@ def main() -> None:
                      f"{statistics.median(r) / base:.2f}x |")
     lines += ["", f"command: torchrun --nproc_per_node={state.world_size} benchmarks/generate.py --tokens "
               f"{args.tokens} --repeats {args.repeats} --d-model {args.d_model} --layers {args.layers}"]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 
 import bmt_wrap as bmt
 from bmt_wrap.runtime.comm import GlooCommunicator
+from report import publish
 from toy_gpt import ToyGPT, ToyGPTConfig
 
 
@@ -88,10 +89,7 @@ def main() -> None:
         "command: torchrun --nproc_per_node=2 benchmarks/order_check.py "
         f"--steps {args.steps} --d-model {args.d_model} --layers {args.layers} --batch {args.batch}",
     ]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 MB = 1e6
@@ -72,3 +73,11 @@ def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:
     fig.suptitle(f"{setup['describe']}, {setup['world_size']} ranks", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def publish(lines: list[str], out: Path) -> None:
+    """Print a benchmark's Markdown table and write it to ``out`` (RESULTS.md quotes these files)."""
+    text = "\n".join(lines)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
