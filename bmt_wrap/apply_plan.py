@@ -18,8 +18,10 @@ from .errors import PlanError, WrapError
 from .mixed_precision import MixedPrecision
 from .optim import clip_grad_norm_, install_grad_scaler_guard
 from .plan import WrapPlan
-from .runtime.engine import Engine, get_engine, storage_mode
+from .runtime.engine import Engine, storage_mode
+from .runtime.process_engine import get_engine
 from .runtime.group import Location, ShardGroup
+from .runtime.model_runtime import ModelRuntime
 from .runtime.module_params import ParamSite, check_single_device, param_sites
 from .runtime.standalone import full_value
 from .sharded_module import ShardedModuleMixin, install_state_hooks
@@ -33,6 +35,7 @@ class WrappedModule(ShardedModuleMixin, nn.Module):
     plan: WrapPlan
     _bmt_root: ShardGroup | None
     _bmt_mp: MixedPrecision | None
+    _bmt_runtime: ModelRuntime  # this model's groups and schedule
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
         """Clip to the norm of the full gradient over every rank (what transformers' Trainer calls)."""
@@ -59,6 +62,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     _check_plan_precision(plan, mixed_precision)
     by_name = {n: s for s in sites for n in s.names}
     engine = get_engine()
+    runtime = engine.new_runtime(type(model).__name__)
     device = check_single_device(sites, type(model).__name__)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
 
@@ -70,18 +74,19 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     root_group: ShardGroup | None = None
     for spec in plan.groups:
         if spec.is_root:
-            root_group = _build_root(engine, spec, by_name, device)
+            root_group = _build_root(engine, runtime, spec, by_name, device)
             continue
         module = blocks[spec.name]
-        bind_block(module, spec, sites, ext_locations=ext[spec.name])
+        bind_block(module, spec, sites, ext_locations=ext[spec.name], runtime=runtime)
     engine.sync_buffers(model, 0)
-    engine.set_prefetch_depth(plan.prefetch_depth)
+    _turn_off_self_checkpointing(model, plan)
     groups = {name: module._bmt_group for name, module in blocks.items()}
-    engine.prefetcher.set_order([groups[n] for n in plan.order if n in groups])
+    runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
 
     model.__class__ = _root_class(type(model))
     model.plan = plan
     model._bmt_root = root_group
+    model._bmt_runtime = runtime
     model._bmt_mp = mixed_precision
     model.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
     model.register_forward_hook(_root_post_hook, always_call=True)
@@ -113,13 +118,12 @@ def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
     """Adopt ``plan``'s schedule (order, prefetch depth, checkpoint and ZeRO level per block).
 
     The layout must be the one already applied: groups, parameters and offsets never change after
-    wrapping (DESIGN.md, contracts).
+    wrapping (docs/design.md, contracts).
     """
     old = model.plan
     if [(g.name, g.buffers) for g in old.groups] != [(g.name, g.buffers) for g in plan.groups]:
         raise PlanError("a new schedule may not change the layout fixed at wrap time (groups, parameters, "
                         "offsets); pass the layout-changing plan to BMTrainModelWrapper(model, plan=...) instead")
-    engine = get_engine()
     groups: dict[str, ShardGroup] = {}
     for spec in plan.blocks():
         group = model.get_submodule(spec.name)._bmt_group
@@ -129,8 +133,7 @@ def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
         group.spec = spec
         group.mode = storage_mode(spec)
         groups[spec.name] = group
-    engine.set_prefetch_depth(plan.prefetch_depth)
-    engine.prefetcher.set_order([groups[n] for n in plan.order if n in groups])
+    model._bmt_runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
     model.plan = plan
 
 
@@ -161,6 +164,17 @@ def _check_plan_precision(plan: WrapPlan, mp: MixedPrecision | None) -> None:
                     "(wrap without plan=).")
 
 
+def _turn_off_self_checkpointing(model: nn.Module, plan: WrapPlan) -> None:
+    """The plan's checkpointing recomputes these modules' layers: their own would run them a third time."""
+    for name in plan.self_checkpointing_off:
+        try:
+            model.get_submodule(name).gradient_checkpointing = False
+        except AttributeError:
+            raise PlanError(f"the plan turns off gradient checkpointing of module {name!r}, which "
+                            f"{type(model).__name__} does not have; regenerate the plan for this "
+                            "model") from None
+
+
 def _submodule(model: nn.Module, name: str) -> nn.Module:
     try:
         return model.get_submodule(name)
@@ -178,11 +192,12 @@ def _ext_names(block: nn.Module, root_params: set[int], by_name: dict[str, Param
     return [by_id[id(p)].names[0] for p in block.parameters() if id(p) in root_params]
 
 
-def _build_root(engine: Engine, spec: Any, by_name: dict[str, ParamSite], device: torch.device) -> ShardGroup:
+def _build_root(engine: Engine, runtime: ModelRuntime, spec: Any, by_name: dict[str, ParamSite],
+                device: torch.device) -> ShardGroup:
     locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
     sources = [[full_value(by_name[slot.fqn].param).to(to_dtype(b.dtype)) for slot in b.slots]
                for b in spec.buffers]
-    group = engine.build_group(spec, locations, sources, device, sync_from=0)
+    group = engine.build_group(spec, locations, sources, device, sync_from=0, runtime=runtime)
     for locs in locations:
         for slot_locs in locs:
             for m, _ in slot_locs:
@@ -205,7 +220,7 @@ def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tup
     model._bmt_outermost = not engine.in_forward
     root = model._bmt_root
     if model._bmt_outermost:
-        engine.begin_forward(lead=root)
+        engine.begin_forward(model._bmt_runtime, lead=root)
     if root is not None:
         root.install(engine.gather_for_root(root))
     mp = model._bmt_mp
@@ -219,7 +234,7 @@ def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
     if model._bmt_root is not None:
         model._bmt_root.restore()
     if getattr(model, "_bmt_outermost", True):
-        engine.end_forward()
+        engine.end_forward(model._bmt_runtime)
     first = getattr(model, "_bmt_first_forward", None)
     if first is not None:
         model._bmt_first_forward = None

@@ -16,8 +16,9 @@ from torch import nn
 
 from .errors import BlockListError, WrapError
 from .plan import ShardGroupSpec, layout_buffers
-from .runtime.engine import get_engine
+from .runtime.process_engine import get_engine
 from .runtime.group import Location, ShardGroup
+from .runtime.model_runtime import ModelRuntime
 from .runtime.module_params import ParamSite, check_single_device, param_sites
 from .runtime.param import DistributedParameter
 from .runtime.standalone import full_value
@@ -73,8 +74,10 @@ Block = CheckpointBlock
 
 
 def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
-               ext_locations: list[list[Location]], sync_from: int | None = 0) -> CheckpointBlock:
-    """Shard ``module``'s parameters per ``spec`` and make ``module`` a ``CheckpointBlock`` in place."""
+               ext_locations: list[list[Location]], sync_from: int | None = 0,
+               runtime: ModelRuntime | None = None) -> CheckpointBlock:
+    """Shard ``module``'s parameters per ``spec`` and make ``module`` a ``CheckpointBlock`` in place, in
+    ``runtime``'s schedule (default: the explicit API's)."""
     if isinstance(module, CheckpointBlock):
         raise WrapError(f"module {type(module).__name__} ({spec.name!r}) is already a CheckpointBlock; "
                         "wrap each module once")
@@ -95,7 +98,7 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
     inits = {slot.fqn: getattr(by_name[slot.fqn].param, "_init_method", None)
              for b in spec.buffers for slot in b.slots}
     engine = get_engine()
-    group = engine.build_group(spec, locations, sources, device, sync_from=sync_from)
+    group = engine.build_group(spec, locations, sources, device, sync_from=sync_from, runtime=runtime)
     for old in adopted:
         engine.forget(old)
     for locs in locations:

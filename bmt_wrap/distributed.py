@@ -164,6 +164,11 @@ def init_distributed(seed: int = 0, backend: str = "auto",
                        backend=resolved, seed=seed, timeout=timeout, debug=debug,
                        comm=CountingCommunicator(backend_comm), requested=requested,
                        own_group=dist.group.WORLD if owns else None)
+    # The runtime gets its communicator from here; it never reads this module's state.
+    from .runtime.engine import Engine  # the engine pulls in autograd machinery: load on use
+    from .runtime.process_engine import install_engine
+
+    install_engine(Engine(_STATE.comm, device, debug=debug))
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
 
@@ -206,6 +211,9 @@ def shutdown() -> None:
     group = _STATE.own_group
     if stopped and group is not None and dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()
+    from .runtime.process_engine import install_engine
+
+    install_engine(None)
     _STATE = None
 
 

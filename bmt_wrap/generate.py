@@ -26,7 +26,7 @@ from .distributed import agree, get_state
 from .errors import WrapError
 from .gathered import sharded_groups
 from .log import get_logger
-from .runtime.engine import get_engine
+from .runtime.process_engine import get_engine
 
 _POLICIES = ("auto", "once", "per-step")
 

@@ -22,7 +22,7 @@ from . import distributed
 from .errors import BMTError
 from .log import get_logger
 from .optim.sharding import is_sharded
-from .runtime.engine import get_engine
+from .runtime.process_engine import get_engine
 
 STAT_KEYS = ("mean", "std", "min", "max")
 

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from .errors import WrapError
-from .runtime.engine import get_engine
+from .runtime.process_engine import get_engine
 from .runtime.param import DistributedParameter
 from .sharded_module import ShardedModuleMixin
 
@@ -33,12 +33,12 @@ class DistributedModule(ShardedModuleMixin, nn.Module):
         outermost = not engine.in_forward and engine.block_depth == 0  # a recompute is not a new forward
         if outermost:
             _check_parameters(self, engine.world_size)
-            engine.begin_forward()
+            engine.begin_forward(engine.explicit)
         try:
             return super().__call__(*args, **kwargs)
         finally:
             if outermost:
-                engine.end_forward()
+                engine.end_forward(engine.explicit)
 
 
 def _check_parameters(root: nn.Module, world_size: int) -> None:

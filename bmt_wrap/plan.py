@@ -214,6 +214,9 @@ class WrapPlan:
     resident: list[str] = field(default_factory=list)  # parameters kept unsharded
     capture: str = "none"  # "fx", "export", "eager" or "explicit"
     notes: list[str] = field(default_factory=list)
+    # Modules whose own (transformers) gradient checkpointing applying the plan turns off, because the
+    # plan's checkpointing recomputes those blocks (left on, each would run, and gather, a third time).
+    self_checkpointing_off: list[str] = field(default_factory=list)
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)  # keyed by str(world_size)
     version: int = PLAN_VERSION
 
@@ -257,6 +260,7 @@ class WrapPlan:
             estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}
             return cls(groups=groups, prefetch_depth=raw["prefetch_depth"], order=raw["order"],
                        resident=raw["resident"], capture=raw["capture"], notes=raw["notes"],
+                       self_checkpointing_off=raw.get("self_checkpointing_off", []),
                        estimates=estimates, version=raw["version"])
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc

@@ -16,7 +16,7 @@ from .errors import ParityError
 from .runtime.param import DistributedParameter
 
 
-# DESIGN.md's tolerances, measured on a perfect data-parallel reference in fp32.
+# docs/design.md's tolerances, measured on a perfect data-parallel reference in fp32.
 LOSS_RTOL = 1e-5
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -96,7 +96,7 @@ def verify(model: nn.Module, reference: nn.Module, batches: Iterable[Any],
     ``batches`` are global batches: the reference sees all of each, this rank's model its slice along
     dim 0 of every tensor. A collective: every rank calls it. Returns the largest differences per step;
     with ``strict`` (the default) raises ``ParityError`` when a loss differs by more than ``LOSS_RTOL``
-    relative or a gradient element by more than ``GRAD_TOL`` (DESIGN.md's tolerances, as in
+    relative or a gradient element by more than ``GRAD_TOL`` (docs/design.md's tolerances, as in
     ``torch.testing.assert_close``). Parameters are reported, not judged: the optimizer's own arithmetic
     may amplify rounding noise (Adam on near-zero gradients).
     """

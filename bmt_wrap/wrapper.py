@@ -72,13 +72,12 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     _refuse_sharded_parts(model)
     options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                "memory_budget": memory_budget}
-    notes = _take_over_hf_checkpointing(model) if checkpoint else []
     discovery = passes.discover_blocks(model)
     if plan is None:
         mine, failure = None, None
         if state.rank == 0:
             try:
-                mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, notes, options)
+                mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options)
             except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                 failure = exc
         agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -100,13 +99,11 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
-                   mixed_precision: MixedPrecision | None, notes: list[str], options: dict[str, Any]) -> WrapPlan:
+                   mixed_precision: MixedPrecision | None, options: dict[str, Any]) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan)."""
     cap = passes.capture(model, discovery, example_inputs)
-    plan = passes.build_plan(model, discovery, world_size=get_state().world_size, capture=cap,
+    return passes.build_plan(model, discovery, world_size=get_state().world_size, capture=cap,
                              mixed_precision=mixed_precision, **options)
-    plan.notes += notes
-    return plan
 
 
 wrap = BMTrainModelWrapper
@@ -127,18 +124,3 @@ def _refuse_sharded_parts(model: nn.Module) -> None:
             "wrap the plain model (it finds the blocks itself; a layer called twice is shared), or finish the "
             "explicit API: make the root a bmt.DistributedModule whose own parameters are "
             "bmt.DistributedParameters.")
-
-
-def _take_over_hf_checkpointing(model: nn.Module) -> list[str]:
-    """Turn off ``transformers``' own gradient checkpointing on layers: our executor recomputes them once.
-
-    Left on, a layer would run our executor inside ``torch.utils.checkpoint``, which re-runs (and
-    re-gathers) it a second time.
-    """
-    names = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for name in names:
-        model.get_submodule(name).gradient_checkpointing = False
-    if names:
-        return [f"transformers gradient checkpointing was on for {len(names)} module(s): bmt_wrap's "
-                "checkpointing recomputes those blocks instead (once)"]
-    return []

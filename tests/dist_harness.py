@@ -70,7 +70,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
 def _reset_engine() -> None:
     # Test bodies must not leak per-process engine state into the next body.
     try:
-        from bmt_wrap.runtime import engine
+        from bmt_wrap.runtime import process_engine as engine
     except ImportError:
         return
     reset = getattr(engine, "reset_engine", None)

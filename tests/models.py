@@ -274,6 +274,13 @@ def llama() -> nn.Module:
     return seeded(lambda: LlamaForCausalLM(LlamaConfig(**_hf_small())))
 
 
+def llama_self_checkpointing() -> nn.Module:
+    """``llama()`` with transformers' own gradient checkpointing on, as a user enables it before wrapping."""
+    model = llama()
+    model.activation_checkpointing_enable()
+    return model
+
+
 def mistral() -> nn.Module:
     """transformers MistralForCausalLM, 2 layers."""
     from transformers import MistralConfig, MistralForCausalLM

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,37 @@ def test_dump_json_is_a_reappliable_plan_and_a_schedule(capsys: pytest.CaptureFi
     assert plan.estimates["4"].activations is not None
     kinds = [r["step"]["kind"] for r in doc["graph"] if r["step"]]
     assert kinds.count("prefetch") == kinds.count("wait") == kinds.count("release") == 2
+
+
+def _wrapped_plan_body() -> dict:
+    import models
+
+    import bmt_wrap as bmt
+
+    model = bmt.BMTrainModelWrapper(models.llama_self_checkpointing())
+    left_on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    return {"plan": model.plan.to_json(), "left_on": left_on}
+
+
+def test_cli_and_wrapper_make_the_same_plan_for_a_self_checkpointing_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # transformers' gradient checkpointing on: the planner decides to take it over, for both.
+    from dist_harness import run_distributed
+
+    code, out, err = run(capsys, "dump", f"{MODELS}:llama_self_checkpointing", "--world-size", "1",
+                         "--format", "json")
+    assert code == 0, err
+    shown = WrapPlan.from_json(json.dumps(json.loads(out)["plan"]))
+    result = run_distributed(_wrapped_plan_body, 1)[0]
+    applied = WrapPlan.from_json(result["plan"])
+
+    def schedule(p: WrapPlan) -> tuple:
+        return ([(g.name, g.checkpoint, g.zero_level) for g in p.groups], p.order, p.prefetch_depth,
+                p.self_checkpointing_off)
+
+    assert schedule(shown) == schedule(applied)
+    assert all(g.checkpoint for g in shown.blocks()) and shown.self_checkpointing_off
+    assert result["left_on"] == [], "wrapping turned transformers' checkpointing off"
 
 
 def test_dump_text_and_dot(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,8 +1,9 @@
-"""The layering DESIGN.md asks for, checked on the real import graph: the plan and the passes load no
+"""The layering docs/design.md asks for, checked on the real import graph: the plan and the passes load no
 runtime, the runtime never imports torch.fx, and the lazy package keeps BMTrain's names."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -31,6 +32,69 @@ def test_runtime_never_imports_torch_fx() -> None:
     offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.joinpath("runtime").rglob("*.py")
                  if "torch.fx" in p.read_text() or "import fx" in p.read_text()]
     assert not offenders, offenders
+
+
+# What runtime/ may import from the package: the plan and prefetch schedule it executes, the error types,
+# dtypes and the torch shims. What joins runtime to the rest (distributed state, the wrapper) sits above.
+RUNTIME_MAY_IMPORT = {"bmt_wrap.plan", "bmt_wrap.prefetch_schedule", "bmt_wrap.errors", "bmt_wrap.dtypes",
+                      "bmt_wrap._compat"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Each runtime module's bmt_wrap imports, wherever they run (module or function level), except
+    those under ``if TYPE_CHECKING:``, which never execute."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.joinpath("runtime").rglob("*.py"):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                found |= {target} | {f"{target}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m.startswith("bmt_wrap") and m != name}
+    return graph
+
+
+def test_runtime_imports_nothing_above_it() -> None:
+    # The runtime is handed its communicator (init_distributed installs the engine); it never reaches up.
+    allowed = ("bmt_wrap.runtime", *RUNTIME_MAY_IMPORT)
+    above = {m: sorted(t for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed))
+             for m, targets in _runtime_imports().items()}
+    assert not {m: t for m, t in above.items() if t}, above
+
+
+def test_runtime_has_no_import_cycles() -> None:
+    graph = _runtime_imports()
+    modules = set(graph)
+    graph = {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(t):] + [m, t]))
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
 
 
 def test_lazy_package_keeps_bmtrains_names() -> None:

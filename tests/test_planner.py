@@ -10,7 +10,8 @@ import torch
 
 from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import PlanError
-from bmt_wrap.passes import Capture, build_plan, capture, discover_blocks, estimate, schedule
+from bmt_wrap.passes import (Capture, build_plan, capture, discover_blocks, estimate, schedule,
+                             self_checkpointing_modules)
 from bmt_wrap.passes.planner import MAX_PREFETCH_DEPTH, SCHEDULE_NOTE
 from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan
 
@@ -186,12 +187,18 @@ def test_memory_budget_without_activations_keeps_every_block_checkpointed() -> N
     assert any("activation bytes unknown" in n for n in plan.notes)
 
 
-def test_transformers_gradient_checkpointing_is_not_doubled() -> None:
-    model = M.llama()
-    model.activation_checkpointing_enable()
+def test_transformers_gradient_checkpointing_is_taken_over_not_doubled() -> None:
+    model = M.llama_self_checkpointing()
+    own = self_checkpointing_modules(model)
+    assert own, "the model turns its own checkpointing on"
     plan = build_plan(model, discover_blocks(model), world_size=2)
-    assert not any(g.checkpoint for g in plan.blocks())
-    assert any("already recompute themselves" in n for n in plan.notes)
+    assert all(g.checkpoint for g in plan.blocks()), "bmt_wrap's checkpointing recomputes the blocks"
+    assert plan.self_checkpointing_off == own, "applying the plan turns transformers' off"
+    assert WrapPlan.from_json(plan.to_json()).self_checkpointing_off == own
+    kept = build_plan(model, discover_blocks(model), world_size=2, checkpoint=False)
+    assert not any(g.checkpoint for g in kept.blocks()) and kept.self_checkpointing_off == []
+    assert any("stays on" in n for n in kept.notes)
+    assert self_checkpointing_modules(model) == own, "planning leaves the model as it was"
 
 
 def test_estimate_at_other_world_sizes_shrinks_model_states() -> None:

@@ -13,14 +13,15 @@ from .capture import (
 )
 from .discover import Block, BlockList, Discovery, discover_blocks
 from .estimate import estimate
-from .planner import build_plan, place_parameters, schedule, self_checkpointed
+from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_estimates, render_json, render_text
 from .rewrite import Step, rewrite, steps
+from .util import self_checkpointing_modules
 
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "Block", "BlockCallActivations", "BlockList", "Capture", "Discovery",
     "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph", "discover_blocks",
     "eager_capture", "estimate", "meta_skeleton", "place_parameters", "render_dot", "render_estimates",
-    "render_json", "render_text", "rewrite", "schedule", "self_checkpointed", "steps", "to_meta",
+    "render_json", "render_text", "rewrite", "schedule", "self_checkpointing_modules", "steps", "to_meta",
 ]

@@ -24,7 +24,7 @@ from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
 from .recorder import EagerRecorder
-from .util import describe
+from .util import describe, self_checkpointing_suspended
 
 CAPTURE_METHODS = ("fx", "export", "eager", "none")
 
@@ -129,7 +129,7 @@ def capture(model: nn.Module, discovery: Discovery, example_inputs: object = Non
     dropout mask of the first real step.
     """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), self_checkpointing_suspended(model):
         return _capture(model, discovery, example_inputs)
 
 

@@ -1,4 +1,4 @@
-"""Block discovery: find the repeated units of a model from its module tree alone (DESIGN.md rules).
+"""Block discovery: find the repeated units of a model from its module tree alone (docs/design.md rules).
 
 Blocks are maximal sets of >= 2 same-signature siblings; the outermost container with such a set
 wins; a same-container sibling that is near-identical to one of them (T5's block 0, a ResNet stage's

@@ -1,4 +1,4 @@
-"""Per-rank memory and per-step communication a plan implies (DESIGN.md "Memory per rank").
+"""Per-rank memory and per-step communication a plan implies (docs/design.md "Memory per rank").
 
 Model states follow the ZeRO paper: bf16/fp16 shards with Adam keep (2 + 2 + 12)Ψ/N bytes per rank
 (low-precision parameter and gradient, fp32 master, momentum and variance); fp32 shards (4 + 4 + 8)Ψ/N,

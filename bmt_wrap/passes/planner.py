@@ -21,6 +21,7 @@ from .activations import ActivationProfile
 from .capture import Capture
 from .discover import Discovery
 from .estimate import estimate
+from .util import self_checkpointing_modules
 
 #: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
 SCHEDULE_NOTE = "schedule: "
@@ -68,10 +69,14 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
     return groups, notes
 
 
-def self_checkpointed(model: nn.Module, discovery: Discovery) -> set[str]:
-    """Blocks that recompute themselves (``transformers``' ``gradient_checkpointing_enable()``)."""
-    return {b.fqn for b in discovery.blocks
-            if getattr(model.get_submodule(b.fqn), "gradient_checkpointing", False) is True}
+def _self_checkpointing_notes(names: list[str], checkpoint: bool) -> list[str]:
+    if not names:
+        return []
+    if checkpoint:
+        return [f"transformers gradient checkpointing is on for {len(names)} module(s): wrapping turns it "
+                "off and bmt_wrap's checkpointing recomputes those blocks instead (once)"]
+    return [f"transformers gradient checkpointing stays on for {len(names)} module(s) (checkpoint=False): "
+            "their layers recompute themselves, gathering again in backward"]
 
 
 def _check_options(world_size: int, zero_level: int, prefetch_depth: int) -> None:
@@ -121,12 +126,8 @@ def _fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_siz
 
 
 def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int, checkpoint: bool = True,
-             zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
-             recomputed: set[str] | frozenset[str] = frozenset()) -> WrapPlan:
-    """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched.
-
-    ``recomputed`` names blocks that checkpoint themselves: they are never recomputed a second time.
-    """
+             zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None) -> WrapPlan:
+    """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched."""
     _check_options(world_size, zero_level, prefetch_depth)
     new = copy.deepcopy(plan)
     names = [g.name for g in new.blocks()]
@@ -136,11 +137,8 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     new.prefetch_depth = prefetch_depth
     for group in new.blocks():
         group.zero_level = zero_level
-        group.checkpoint = checkpoint and group.name not in recomputed
+        group.checkpoint = checkpoint
     notes = list(capture.notes) if capture is not None else []
-    if recomputed:
-        notes.append(f"{len(recomputed)} block(s) already recompute themselves (transformers gradient "
-                     "checkpointing): not checkpointed again")
     activations = capture.activations if capture is not None else None
     if memory_budget is not None:
         notes += _fit_budget(new, activations, world_size, memory_budget, checkpoint)
@@ -156,7 +154,8 @@ def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, check
     """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any)."""
     _check_options(world_size, zero_level, prefetch_depth)
     groups, notes = place_parameters(model, discovery, dtype, mixed_precision)
-    plan = WrapPlan(groups=groups, notes=discovery.notes + notes)
+    own = self_checkpointing_modules(model)
+    plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
+                    self_checkpointing_off=own if checkpoint else [])
     return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
-                    prefetch_depth=prefetch_depth, memory_budget=memory_budget,
-                    recomputed=self_checkpointed(model, discovery))
+                    prefetch_depth=prefetch_depth, memory_budget=memory_budget)

@@ -1,9 +1,10 @@
 """Rewrite: insert ``prefetch``/``wait``/``release`` and checkpoint markers around every block call.
 
-The rewritten graph is the schedule: call i is preceded by the prefetch of call i + depth (the first
-``depth`` prefetches are issued as soon as the inputs exist), then ``wait(i)``; ``release(i)`` follows
-it. Every block call gets exactly one of each. The graph is for display and as the schedule source;
-it is never executed (the model's own forward runs, with blocks replaced in place).
+The markers show ``PrefetchSchedule`` (prefetch_schedule.py), the rule the runtime executes: each
+``prefetch`` stands where the schedule first requests a call's gather (the first ``depth`` as soon as
+the inputs exist, then call i + depth just before call i), then ``wait(i)``; ``release(i)`` follows it.
+Every block call gets exactly one of each. The graph is for display; it is never executed (the model's
+own forward runs, with blocks replaced in place, and the runtime reads the same schedule).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import fx
 
 from ..errors import PlanError
 from ..plan import WrapPlan
+from ..prefetch_schedule import PrefetchSchedule
 from .capture import Capture
 
 _META = "bmt_schedule"
@@ -61,10 +63,17 @@ def rewrite(capture: Capture, plan: WrapPlan) -> fx.Graph:
     if order != plan.order:
         raise PlanError(f"the plan's block order {plan.order} does not match the captured graph's {order}; "
                         "re-plan from this capture (passes.schedule)")
-    depth = plan.prefetch_depth
+    schedule = PrefetchSchedule(len(calls), plan.prefetch_depth)
+    requested: set[int] = set()
     index = {n: i for i, n in enumerate(calls)}
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+
+    def request(wanted: list[int]) -> None:
+        for j in wanted:
+            if j not in requested:
+                requested.add(j)
+                mark("prefetch", j)
 
     def mark(kind: str, call: int) -> None:
         node = out.call_function(_TARGETS[kind], (order[call], call))
@@ -74,14 +83,12 @@ def rewrite(capture: Capture, plan: WrapPlan) -> fx.Graph:
     for node in capture.graph.nodes:
         if not started and node.op != "placeholder":
             started = True
-            for j in range(min(depth, len(calls))):
-                mark("prefetch", j)
+            request(schedule.at_start())
         i = index.get(node)
         if i is None:
             env[node] = out.node_copy(node, env.__getitem__)
             continue
-        if i + depth < len(calls):
-            mark("prefetch", i + depth)
+        request(schedule.forward(i))  # its own gather counts where nothing prefetched it (depth 0)
         mark("wait", i)
         checkpointed = blocks[order[i]].checkpoint
         if checkpointed:

@@ -2,7 +2,7 @@
 
 glibc ``mmap``s every allocation over 32 MB, so a fresh gathered buffer per block call page-faults its
 whole size; reusing a few buffers (as many as prefetch depth keeps in flight) was ~30% faster end to
-end on CPU (DESIGN.md). Transformer blocks share one size, so exact-size free lists suffice.
+end on CPU (docs/design.md). Transformer blocks share one size, so exact-size free lists suffice.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The engine: builds shard groups from a plan's specs and runs them (gather, prefetch, reduce, release).
 
-One engine per process serves every wrapped model and explicit-API block, so a backward that spans
-several models (teacher and student, or an explicit block list beside a wrapped model) has one schedule
-and one end-of-backward callback.
+One engine per process holds what every wrapped model shares: the communicator it is given, the buffer
+pool, the gradient reducer with its end-of-backward callback, and the phase, so a backward that spans
+several models (teacher and student, or an explicit block list beside a wrapped model) ends once. Each
+model's groups and prefetch schedule live in its own ``ModelRuntime`` (model_runtime.py). The layer that
+initialises communication installs the engine (process_engine.py); nothing here reads global state.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import get_state
 from ..errors import WrapError
 from ..plan import ShardGroupSpec
 from .block_function import BlockCall, _Tree
@@ -25,9 +26,10 @@ from .flat_buffer import FlatBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
 from .group import Location, ShardGroup, StorageMode
+from .model_runtime import ModelRuntime
 from .param import DistributedParameter
-from .prefetch import Prefetcher
 from .replay import ReplayMemory
+from .standalone import shard_standalone
 
 
 def storage_mode(spec: ShardGroupSpec) -> StorageMode:
@@ -38,19 +40,20 @@ def storage_mode(spec: ShardGroupSpec) -> StorageMode:
 
 
 class Engine:
-    """Owns the communicator view, buffer pool, prefetcher and reducer of this process."""
+    """Owns the communicator view, buffer pool and reducer of this process, and its models' runtimes."""
 
-    def __init__(self, comm: Communicator, device: torch.device, prefetch_depth: int = 1,
-                 debug: bool = False) -> None:
+    def __init__(self, comm: Communicator, device: torch.device, debug: bool = False) -> None:
         self.comm = comm
         self.debug = debug  # BMT_WRAP_DEBUG: also compare recomputed outputs' values
         self.rank, self.world_size = comm.rank, comm.world_size
         self.device = device
         self.pool = BufferPool()
-        self.prefetcher: Prefetcher[ShardGroup] = Prefetcher(prefetch_depth)
         self.reducer = GradReducer(comm, self.pool, device)
         self.reducer.on_finalize.append(self._end_backward)
-        self.groups: list[ShardGroup] = []
+        # Wrapped models hold their runtime; a model that is gone takes its groups with it.
+        self._runtimes: weakref.WeakSet[ModelRuntime] = weakref.WeakSet()
+        # The explicit API's blocks and bare parameters have no model to belong to: they share this one.
+        self.explicit = self.new_runtime("explicit API")
         self.in_forward = False
         self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
         self.recompute_depth = 0
@@ -60,10 +63,23 @@ class Engine:
         self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
 
     # ---- building groups --------------------------------------------------------------------------------
+    def new_runtime(self, name: str) -> ModelRuntime:
+        """A runtime for one model's groups and schedule; the caller (the model) keeps it alive."""
+        runtime = ModelRuntime(name)
+        self._runtimes.add(runtime)
+        return runtime
+
+    @property
+    def groups(self) -> list[ShardGroup]:
+        """Every live group of every model."""
+        return [g for rt in list(self._runtimes) for g in rt.groups]
+
     def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
                     sources: list[list[torch.Tensor | None]], device: torch.device | str,
-                    sync_from: int | None = 0, used_outside_blocks: bool = False) -> ShardGroup:
-        """Shard ``sources`` (full tensors per buffer and slot) into a new group.
+                    sync_from: int | None = 0, used_outside_blocks: bool = False,
+                    runtime: ModelRuntime | None = None) -> ShardGroup:
+        """Shard ``sources`` (full tensors per buffer and slot) into a new group of ``runtime``
+        (default: the explicit API's).
 
         ``sync_from``: rank whose values every rank keeps (one group-sized broadcast), or None when every
         rank passes identical values (BMTrain's contract for ``DistributedParameter``). Sources on the
@@ -90,13 +106,21 @@ class Engine:
         mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
         group.restore()
-        self.groups.append(group)
+        runtime = runtime or self.explicit
+        runtime.groups.append(group)
+        group.runtime = runtime
         return group
+
+    def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
+                             init_method: Callable[[torch.Tensor], Any] | None = None,
+                             group: str | None = None) -> DistributedParameter:
+        """A bare ``DistributedParameter``: ``data`` (identical on every rank) sharded into its own group."""
+        return shard_standalone(self, data, requires_grad, init_method, group)
 
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
         group.release()
-        self.groups = [g for g in self.groups if g is not group]
+        group.runtime.groups = [g for g in group.runtime.groups if g is not group]
 
     @torch.no_grad()
     def sync_buffers(self, module: nn.Module, src: int | None) -> None:
@@ -110,12 +134,6 @@ class Engine:
             self.comm.broadcast(flat, src, label=f"buffer {name}")
             if flat.data_ptr() != buf.data_ptr():
                 buf.copy_(flat.view_as(buf))
-
-    def set_prefetch_depth(self, depth: int) -> None:
-        """How many groups ahead forward and backward gather."""
-        if depth < 0:
-            raise WrapError(f"prefetch_depth must be >= 0, got {depth}")
-        self.prefetcher.depth = depth
 
     def replay_memory(self, group: ShardGroup) -> ReplayMemory:
         """What this group's earlier calls wrote (buffers, argument tensors), for faithful recompute."""
@@ -131,21 +149,22 @@ class Engine:
         return sorted(d for d in devices if d is not None)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def begin_forward(self, lead: ShardGroup | None = None) -> None:
-        """A root forward starts: drop stray gathers, gather ``lead`` (the root), prefetch the first blocks."""
+    def begin_forward(self, runtime: ModelRuntime, lead: ShardGroup | None = None) -> None:
+        """A root forward of ``runtime``'s model starts: drop stray gathers, gather ``lead`` (the root),
+        prefetch the model's first blocks."""
         self.in_forward = True
         self._release_strays()
         if lead is not None:
             lead.start_gather()
-        for g in self.prefetcher.begin_forward():
+        for g in runtime.prefetcher.begin_forward():
             g.start_gather()
 
-    def end_forward(self) -> None:
-        """A root forward ended: learn the schedule, drop gathers the forward did not use."""
+    def end_forward(self, runtime: ModelRuntime) -> None:
+        """A root forward ended: learn the model's schedule, drop gathers the forward did not use."""
         self.in_forward = False
         self.block_depth = 0
         self._standalone_cache.clear()
-        self.prefetcher.end_forward()
+        runtime.prefetcher.end_forward()
         self._release_strays()
 
     @contextmanager
@@ -173,7 +192,7 @@ class Engine:
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
         """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
-        self._acquire(group, self.prefetcher.forward_call(group))
+        self._acquire(group, group.runtime.prefetcher.forward_call(group))
 
     def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
         # This group's gather is queued first, so prefetches never delay the one needed now.
@@ -209,7 +228,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
-        call.call_index = self.prefetcher.record_call(group)
+        call.call_index = group.runtime.prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
             return call.forward(args, kwargs, tensors)
@@ -252,7 +271,7 @@ class Engine:
         self.reducer.ensure_callback()
         self._on_backward_start()
         self._acquired_calls.append(call)
-        self._acquire(call.group, self.prefetcher.backward_call(call.call_index))
+        self._acquire(call.group, call.group.runtime.prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
@@ -291,7 +310,8 @@ class Engine:
     def _on_backward_start(self) -> None:
         if not self._backward_started:
             self._backward_started = True
-            self.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
+            for runtime in list(self._runtimes):
+                runtime.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
 
     def _end_backward(self) -> None:
         self._backward_started = False
@@ -300,7 +320,8 @@ class Engine:
         calls, self._acquired_calls = self._acquired_calls, []
         for call in calls:
             call.try_release(end_of_backward=True)
-        self.prefetcher.end_backward()
+        for runtime in list(self._runtimes):
+            runtime.prefetcher.end_backward()
         for g in self.groups:
             if g.in_use == 0:
                 g.release()
@@ -315,22 +336,3 @@ class Engine:
 
 def _or_zeros(t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     return t if t is not None else torch.zeros(shape, dtype=dtype)
-
-
-# ---- the process's engine ---------------------------------------------------------------------------------------
-_ENGINE: Engine | None = None
-
-
-def get_engine() -> Engine:
-    """The engine of this process, created on first use (after ``init_distributed``)."""
-    global _ENGINE
-    if _ENGINE is None:
-        state = get_state()
-        _ENGINE = Engine(state.comm, state.device, debug=state.debug)
-    return _ENGINE
-
-
-def reset_engine() -> None:
-    """Forget every group (tests; a process that wraps models one after another)."""
-    global _ENGINE
-    _ENGINE = None

@@ -120,7 +120,7 @@ class FlatBuffer:
             pos = slot.offset + slot.numel
         if pos < out.numel():
             pieces.append(out.new_zeros(out.numel() - pos))
-        # One cat into a pooled buffer is much cheaper than per-slice copies (DESIGN.md, CPU facts).
+        # One cat into a pooled buffer is much cheaper than per-slice copies (docs/design.md, CPU facts).
         return torch.cat([p.to(out.dtype) for p in pieces], out=out)
 
     # ---- gradients -----------------------------------------------------------------------------------

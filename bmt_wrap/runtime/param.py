@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._compat import make_tensor_subclass
+from .process_engine import get_engine
 
 if TYPE_CHECKING:
     from .flat_buffer import FlatBuffer
@@ -35,9 +36,7 @@ class DistributedParameter(nn.Parameter):
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
                 init_method: Callable[[torch.Tensor], Any] | None = None, group: str | None = None
                 ) -> DistributedParameter:
-        from .standalone import shard_standalone  # the engine builds the one-parameter group
-
-        return shard_standalone(data, requires_grad=requires_grad, init_method=init_method, group=group)
+        return get_engine().standalone_parameter(data, requires_grad, init_method, group)
 
     @classmethod
     def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool,

@@ -1,13 +1,17 @@
-"""Which groups to gather ahead: the forward schedule and this step's calls replayed in reverse.
+"""Which groups to gather ahead: ``PrefetchSchedule`` (prefetch_schedule.py) over the forward's block
+order, and over this step's calls replayed in reverse for backward.
 
-Every decision is a function of the sequence of block calls alone, so ranks running the same program
-issue the same gathers in the same order. A call that leaves the schedule (data-dependent control
-flow) stops prefetching for the rest of that forward; correctness never depends on a prefetch.
+The order comes from the plan, or is learned from the first forward (the explicit API). Every decision
+is a function of the sequence of block calls alone, so ranks running the same program issue the same
+gathers in the same order. A call that leaves the schedule (data-dependent control flow) stops
+prefetching for the rest of that forward; correctness never depends on a prefetch.
 """
 
 from __future__ import annotations
 
 from typing import Generic, TypeVar
+
+from ..prefetch_schedule import PrefetchSchedule
 
 G = TypeVar("G")
 
@@ -29,10 +33,14 @@ class Prefetcher(Generic[G]):
         """Use a known schedule (from the plan) instead of learning it from the first forward."""
         self.order = list(order) or None
 
+    @property
+    def _schedule(self) -> PrefetchSchedule:
+        return PrefetchSchedule(len(self.order or ()), self.depth)
+
     def begin_forward(self) -> list[G]:
         """A forward starts at the root: returns the first groups worth gathering early."""
         self._pos, self._diverged, self._recording = 0, False, []
-        return list(self.order[:self.depth]) if self.order else []
+        return [self.order[c] for c in self._schedule.at_start()] if self.order else []
 
     def end_forward(self) -> None:
         """A forward ended: learn the schedule from it if none is known yet."""
@@ -41,7 +49,7 @@ class Prefetcher(Generic[G]):
         self._recording = []
 
     def forward_call(self, group: G) -> list[G]:
-        """``group`` is being called in forward: returns the groups to start gathering now."""
+        """``group`` is being called in forward: returns the other groups to start gathering now."""
         if len(self._recording) < _MAX_RECORDED:
             self._recording.append(group)
         order = self.order
@@ -52,8 +60,8 @@ class Prefetcher(Generic[G]):
         if self._diverged or self._pos >= len(order) or order[self._pos] is not group:
             self._diverged = True
             return []
-        self._pos += 1
-        return order[self._pos:self._pos + self.depth]
+        i, self._pos = self._pos, self._pos + 1
+        return [order[c] for c in self._schedule.forward(i)[1:]]
 
     def record_call(self, group: G) -> int:
         """Remember a grad-enabled forward call; its index orders backward prefetch."""
@@ -62,7 +70,8 @@ class Prefetcher(Generic[G]):
 
     def backward_call(self, index: int) -> list[G]:
         """Backward of call ``index`` starts: returns the groups of the calls backward reaches next."""
-        return [self.calls[j] for j in range(index - 1, max(-1, index - 1 - self.depth), -1)]
+        schedule = PrefetchSchedule(len(self.calls), self.depth)
+        return [self.calls[j] for j in schedule.backward(index)[1:]]
 
     def end_backward(self) -> None:
         """The step's backward finished."""

@@ -1,4 +1,4 @@
-"""What a checkpointed block's recompute needs to replay its forward faithfully (DESIGN.md: recompute is
+"""What a checkpointed block's recompute needs to replay its forward faithfully (docs/design.md: recompute is
 invisible to the user).
 
 A block's forward may change more than its outputs: it may fill a non-tensor argument (a transformers

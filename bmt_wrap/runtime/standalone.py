@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -11,13 +11,15 @@ from torch import nn
 from ..dtypes import dtype_name
 from ..errors import WrapError
 from ..plan import ParamInfo, ShardGroupSpec, layout_buffers
-from .engine import get_engine
 from .param import DistributedParameter
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 _COUNTER = [0]
 
 
-def shard_standalone(data: torch.Tensor, requires_grad: bool = True,
+def shard_standalone(engine: Engine, data: torch.Tensor, requires_grad: bool = True,
                      init_method: Callable[[torch.Tensor], Any] | None = None,
                      group: str | None = None) -> DistributedParameter:
     """Shard ``data`` (identical on every rank) into a group of its own; returns the sharded parameter."""
@@ -30,7 +32,6 @@ def shard_standalone(data: torch.Tensor, requires_grad: bool = True,
     info = ParamInfo(fqn=name, shape=list(data.shape), dtype=dtype_name(data.dtype),
                      requires_grad=requires_grad)
     spec = ShardGroupSpec(name=name, buffers=layout_buffers([info]), checkpoint=False, zero_level=3)
-    engine = get_engine()
     g = engine.build_group(spec, [[[]]], [[data.detach()]], data.device, sync_from=0, used_outside_blocks=True)
     g.standalone = True
     p = g.buffers[0].params[0]

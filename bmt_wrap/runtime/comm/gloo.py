@@ -2,7 +2,7 @@
 
 Why point-to-point: gloo's own all-gather gathers into scratch and copies out, and its reduce-scatter
 runs a full all-reduce (2x the bytes) on a clone; ``isend``/``irecv`` into the destination moves each
-byte once (DESIGN.md, CPU facts). Why one worker thread: ops must reach gloo in the same order on every
+byte once (docs/design.md, CPU facts). Why one worker thread: ops must reach gloo in the same order on every
 rank, async ops (a ring reduce-scatter is N-1 dependent steps) need something to drive them, and a
 single FIFO thread gives both while the main thread computes.
 
