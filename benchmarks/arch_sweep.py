@@ -1,5 +1,5 @@
 """One transformers architecture through bmt_wrap: build it small from its default config, train it plainly,
-then wrapped at world size 1 (dropout on: bit-exact) and 2 (dropout off: DESIGN.md's tolerances).
+then wrapped at world size 1 (dropout on: bit-exact) and 2 (dropout off: docs/design.md's tolerances).
 
 ``benchmarks/coverage.py`` runs this for every model type in transformers' auto mappings and writes
 ``docs/coverage.md``; ``tests/test_coverage_sample.py`` runs a fixed sample through the same functions.
@@ -429,7 +429,7 @@ def plain_body(kind: str, model_type: str, class_name: str) -> dict[str, Any]:
 
 def parity_body(kind: str, model_type: str, class_name: str, sliced: bool | None = None) -> dict[str, Any]:
     """World size 2, dropout off: plain on the global batch (or, with BatchNorm, on each rank's slice with
-    the gradients averaged) vs wrapped on this rank's slice, 3 SGD steps, DESIGN.md's tolerances. When the
+    the gradients averaged) vs wrapped on this rank's slice, 3 SGD steps, docs/design.md's tolerances. When the
     global reference disagrees, the sliced one is tried too, to tell batch-coupled models from engine bugs."""
     import bmt_wrap as bmt
 

@@ -7,7 +7,7 @@
 Each model type of the auto mappings (causal LM, masked LM, seq2seq LM, sequence and image
 classification) is built from its default config, shrunk (``arch_sweep.py`` says how), trained one plain
 step, then wrapped at world size 1 with dropout on (bit-exact against plain PyTorch under the same seed)
-and at 2 gloo ranks with dropout off (3 SGD steps against one process on the global batch, DESIGN.md's
+and at 2 gloo ranks with dropout off (3 SGD steps against one process on the global batch, docs/design.md's
 tolerances). By default a type appearing in several mappings runs once, under the first of ``--kinds``
 that maps it; ``--every-kind`` runs each (kind, type) pair. Results are cached per case in
 ``benchmarks/results/coverage.json`` with a fingerprint of ``bmt_wrap/``'s sources, so a rerun only runs
@@ -171,7 +171,7 @@ def write_report(cache: dict[str, Any], keys: list[str], meta: dict[str, Any]) -
         "  step: losses, gradients, parameters and buffers must be **bit-identical** to plain PyTorch;",
         "- **N=2**: dropout/drop-path/layer-drop and router jitter noise 0, wrapped on 2 gloo ranks (each rank",
         "  2 of the 4 rows) vs one process on the global batch (models with BatchNorm: vs plain PyTorch fed each rank's slice with the",
-        "  gradients averaged, buffers compared too), 3 SGD(lr=0.1) steps, DESIGN.md's tolerances: losses rtol",
+        "  gradients averaged, buffers compared too), 3 SGD(lr=0.1) steps, docs/design.md's tolerances: losses rtol",
         "  1e-5, gradients and parameters `assert_close(rtol=1e-5, atol=1e-6)`. When the global reference",
         "  disagrees, the data-parallel reference (plain PyTorch on each rank's slice, gradients averaged: what",
         "  DDP computes) is tried too; matching it passes (\"pass (DP ref)\"): the two references differ by",

@@ -1,7 +1,7 @@
 """Train a model plainly in one process and sharded on every rank, side by side, and compare.
 
 Every rank builds the same reference (same seed) and trains it on the global batch locally; the sharded
-copy trains on this rank's slice. Tolerances are DESIGN.md's (measured on a perfect data-parallel
+copy trains on this rank's slice. Tolerances are docs/design.md's (measured on a perfect data-parallel
 reference): losses rtol 1e-5; under SGD(lr=0.1) grads and params assert_close(rtol=1e-5, atol=1e-6);
 under AdamW the per-tensor relative norm of the parameter difference is at most 5e-3.
 

@@ -1,5 +1,5 @@
 """bmt.save_checkpoint / load_checkpoint: resume bit-exactly at the same world size, reshard across world
-sizes within DESIGN.md's AdamW tolerances, and refuse broken or foreign directories on every rank."""
+sizes within docs/design.md's AdamW tolerances, and refuse broken or foreign directories on every rank."""
 
 from __future__ import annotations
 

@@ -142,11 +142,44 @@ def test_parsers() -> None:
         parse_input("input_ids=int64")
 
 
-def test_console_script_plans_a_7b_llama_on_meta() -> None:
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_cli_examples() -> list[tuple[list[str], list[str]]]:
+    """Every ``$ bmt-wrap ...`` example in README.md: (arguments, the lines shown after it)."""
+    text = README.read_text()
+    examples = []
+    for block in re.findall(r"```text\n(.*?)```", text, flags=re.S):
+        lines = block.rstrip("\n").splitlines()
+        if lines and lines[0].startswith("$ bmt-wrap "):
+            examples.append((shlex.split(lines[0][len("$ bmt-wrap "):]), lines[1:]))
+    return examples
+
+
+def _shown_in_order(shown: list[str], printed: list[str]) -> str | None:
+    """None if ``printed`` contains the ``shown`` lines in order, ``...`` standing for any run of lines;
+    else the first shown line that is missing."""
+    pos = 0
+    for line in shown:
+        if line.strip() == "...":
+            continue
+        while pos < len(printed) and printed[pos] != line:
+            pos += 1
+        if pos == len(printed):
+            return line
+        pos += 1
+    return None
+
+
+def test_readme_cli_examples_print_what_the_readme_shows() -> None:
+    # The installed console script, from the repository root (the README's paths are relative to it).
+    examples = readme_cli_examples()
+    assert {argv[0] for argv, _ in examples} == {"dump", "plan"}, examples
     script = Path(sys.executable).with_name("bmt-wrap")
-    proc = subprocess.run([str(script), "plan", f"{MODELS}:llama_7b", "--world-size", "8", "--dtype", "bf16"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "6,738,415,616 parameters (bfloat16)" in proc.stdout
-    states = next(line for line in proc.stdout.splitlines() if "= model states" in line)
-    assert states.split()[-2:] == ["12.55", "GiB"]  # 16 bytes x 6.74e9 / 8 ranks
+    for argv, shown in examples:
+        proc = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300,
+                              cwd=README.parent)
+        assert proc.returncode == 0, proc.stderr
+        missing = _shown_in_order(shown, proc.stdout.splitlines())
+        assert missing is None, (f"README's `bmt-wrap {' '.join(argv)}` shows {missing!r}, which the command "
+                                 f"no longer prints:\n{proc.stdout}")

@@ -1,7 +1,7 @@
 """A fixed sample of benchmarks/coverage.py's sweep, through the same code (benchmarks/arch_sweep.py): real
 transformers models from their default configs (sizes shrunk, ``use_cache`` and every other default kept),
 one plain step, then wrapped at world size 1 with dropout on (bit-exact) and at 2 gloo ranks with dropout
-off (DESIGN.md's tolerances; ResNet's BatchNorm against plain PyTorch fed each rank's slice)."""
+off (docs/design.md's tolerances; ResNet's BatchNorm against plain PyTorch fed each rank's slice)."""
 
 from __future__ import annotations
 

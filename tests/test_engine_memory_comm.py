@@ -1,4 +1,4 @@
-"""Memory per rank and bytes communicated per step, against DESIGN.md's formulas.
+"""Memory per rank and bytes communicated per step, against docs/design.md's formulas.
 
 Memory is counted independently of the engine's own accounting: every tensor the garbage collector can
 see plus every tensor autograd saved for backward, deduplicated by storage, at the executor's peak (the

@@ -1,4 +1,4 @@
-"""Recompute is invisible (DESIGN.md contracts): a checkpointed block's backward replay sees the state its
+"""Recompute is invisible (docs/design.md contracts): a checkpointed block's backward replay sees the state its
 forward saw, updates buffers once, mutates non-tensor arguments once, and fails loudly otherwise."""
 
 from __future__ import annotations
