@@ -1,6 +1,7 @@
 # Set-up and the project's two jobs. Both create .venv themselves.
 #   make demo   - install, then train a small GPT on 2 ranks with torchrun (gloo on CPU, NCCL on GPU)
 #   make test   - install, then run the whole test suite
+#   make check-cuda - compile-check the CUDA kernels with nvcc and with NVRTC as CuPy does (no GPU needed)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13$(comma)<2.15,torch==2.13.0)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 
-.PHONY: demo test install-test install-examples clean
+.PHONY: demo test install-test install-examples check-cuda clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +32,15 @@ install-examples: $(VENV)/.torch
 test: install-test
 	$(PY) -m pytest -q
 
+# NVRTC through CuPy, in a venv of its own (the suite's venv stays without CuPy, as on CPU machines).
+CUDA_CHECK_VENV ?= .venv-cuda
+check-cuda:
+	$(PYTHON) -m venv $(CUDA_CHECK_VENV)
+	$(CUDA_CHECK_VENV)/bin/python -m pip install --quiet "cupy-cuda13x==14.2.0" "nvidia-cuda-nvrtc==13.5.37"
+	$(CUDA_CHECK_VENV)/bin/python tools/check_cuda.py --require-nvrtc
+
 demo: install-examples
 	$(VENV)/bin/torchrun --nproc_per_node=2 examples/train_gpt.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CUDA_CHECK_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -190,11 +190,12 @@ def seed_everything(seed: int) -> None:
 
 
 def _stop_comm_thread() -> bool:
-    """Stop our gloo worker thread once its queued ops are done; False if it is stuck in a collective."""
+    """Stop the backend's threads (gloo's worker once its queued ops are done, the NCCL watchdog); False if
+    one is stuck in a collective."""
     inner = _STATE.comm.inner if _STATE is not None else None
     while hasattr(inner, "inner"):
         inner = inner.inner
-    return inner.close() if isinstance(inner, GlooCommunicator) else True
+    return inner.close() if inner is not None else True
 
 
 def shutdown() -> None:

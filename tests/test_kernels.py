@@ -139,6 +139,20 @@ def _cuda_with_cupy() -> bool:
 
 gpu = pytest.mark.skipif(not _cuda_with_cupy(), reason="needs a CUDA device and CuPy (pip install 'bmt-wrap[gpu]')")
 
+_BLOCK = 256  # the kernels' threads per block
+
+
+def _past_one_grid(per_item: int = 1) -> int:
+    """Items (of ``per_item`` elements) for more elements than the largest grid covers in one pass, so
+    every grid-stride loop runs at least three iterations: a wrong stride changes the result."""
+    from bmt_wrap.kernels import grid_for
+
+    device = torch.device("cuda")
+    largest = grid_for(2**40, _BLOCK, device) * _BLOCK
+    items = -(-3 * largest // per_item) + 7
+    assert items * per_item > 3 * grid_for(items * per_item, _BLOCK, device) * _BLOCK
+    return items
+
 
 @pytest.mark.gpu
 @gpu
@@ -147,14 +161,16 @@ def test_cupy_adam_kernel_matches_cpu_optimizer(dtype: torch.dtype) -> None:
     from bmt_wrap.optim import AdamOptimizer
 
     torch.manual_seed(0)
-    flat = torch.randn(10_000).to(dtype)
-    params = {dev: [torch.nn.Parameter(flat.to(dev)[a:b]) for a, b in ((0, 4000), (4096, 10_000))]
-              for dev in ("cpu", "cuda")}
+    n = _past_one_grid()
+    cut = n // 2 // 64 * 64
+    slices = ((0, cut - 96), (cut, n))  # two parameters of one flat buffer, a gap between them
+    flat = torch.randn(n).to(dtype)
+    params = {dev: [torch.nn.Parameter(flat.to(dev)[a:b]) for a, b in slices] for dev in ("cpu", "cuda")}
     opts = {dev: AdamOptimizer(ps, lr=1e-2, weight_decay=0.1) for dev, ps in params.items()}
     for _ in range(5):
-        grads = torch.randn(10_000).to(dtype)
+        grads = torch.randn(n).to(dtype)
         for dev, ps in params.items():
-            for p, (a, b) in zip(ps, ((0, 4000), (4096, 10_000)), strict=True):
+            for p, (a, b) in zip(ps, slices, strict=True):
                 p.grad = grads.to(dev)[a:b] * 8
             opts[dev].step(scale=8.0)
     assert opts["cuda"].last_step_runs == 1
@@ -169,7 +185,7 @@ def test_cupy_adam_kernel_matches_cpu_optimizer(dtype: torch.dtype) -> None:
 def test_cupy_cross_entropy_matches_cpu(dtype: torch.dtype) -> None:
     from bmt_wrap.loss import FusedCrossEntropy
 
-    logits, target = _ce_inputs(dtype, 64, 5000)
+    logits, target = _ce_inputs(dtype, _past_one_grid(per_item=5000), 5000)
     logits[1] = 0.5
     outs = {}
     for dev in ("cpu", "cuda"):

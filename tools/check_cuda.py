@@ -4,10 +4,14 @@
 Each ``.cu`` (and each ``.cuh`` on its own) goes through ``nvcc --ptx -arch=sm_90`` with warnings as
 errors; when CuPy imports, each ``.cu`` is also compiled by NVRTC exactly as CuPy will compile it at
 run time (headers inlined). Exits non-zero on any failure. Needs no GPU.
+
+``--require-nvrtc`` (CI: ``make check-cuda`` installs CuPy and NVRTC, which need no GPU either) makes a
+missing NVRTC a failure instead of a skip.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import shutil
 import subprocess
@@ -57,6 +61,9 @@ def nvrtc_check(source: Path) -> str | None:
 
 def main() -> int:
     """Run every check, report each, and return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--require-nvrtc", action="store_true", help="fail when CuPy's NVRTC cannot load")
+    args = parser.parse_args()
     sources = sorted(KERNEL_DIR.glob("*.cu")) + sorted(KERNEL_DIR.glob("*.cuh"))
     if not sources:
         print(f"no CUDA sources under {KERNEL_DIR}", file=sys.stderr)
@@ -78,6 +85,8 @@ def main() -> int:
         nvrtc.getVersion()  # loads the NVRTC library itself
     except Exception as exc:  # no CuPy, or one that cannot load NVRTC here
         print(f"NVRTC check skipped: CuPy's NVRTC is not importable ({type(exc).__name__}: {exc})")
+        if args.require_nvrtc:
+            failures.append("--require-nvrtc: install cupy-cuda13x and nvidia-cuda-nvrtc (make check-cuda)")
     else:
         for source in sources:
             if source.suffix == ".cu":

@@ -90,6 +90,10 @@ class Communicator(abc.ABC):
         self._check_usable("barrier", label)
         self._finish(self._barrier(label), async_op=False)
 
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the backend's own threads before its process group goes; False if one is stuck."""
+        return True
+
     def describe(self) -> str:
         """A short description of the group for error messages."""
         return f"{self.backend_name} group of {self.world_size} rank(s), this is rank {self.rank}"

@@ -1,5 +1,11 @@
 """GPU backend: NCCL through ``cupy.cuda.nccl`` on a dedicated stream, ordered against torch's stream.
 
+Waits are stream-ordered: ``Handle.wait()`` makes torch's current stream wait on the collective's event
+and returns at once, so the host runs ahead and queues the next blocks' work while NCCL runs (FSDP2's
+model). Timeouts still hold: a watchdog thread (watchdog.py) aborts the NCCL communicator when a
+collective passes its deadline or NCCL reports an asynchronous error, which frees the stuck stream,
+and the next call on this rank raises ``CommTimeoutError``/``CommError`` naming the collective.
+
 CuPy is imported lazily so this module imports cleanly on machines without a GPU or without CuPy.
 The NCCL unique id travels through the torch.distributed store of the default (gloo) group.
 """
@@ -15,6 +21,7 @@ import torch.distributed as dist
 
 from ...errors import CommError, InitError
 from .base import Communicator, Handle
+from .watchdog import CompletionWatchdog
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable since NCCL 2.10; bf16 and avg need >= 2.10).
 _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
@@ -57,8 +64,34 @@ class CupyNcclCommunicator(Communicator):
             self._comm = nccl.NcclCommunicator(world_size, uid, rank)
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr)
+        self._failure: CommError | None = None
+        self._watchdog = CompletionWatchdog(self._fail, probe=self._comm.check_async_error)
+
+    def _fail(self, what: str, why: str) -> None:
+        """Watchdog thread: ``what`` timed out or NCCL failed; abort so no stream waits forever."""
+        if why == "timeout":
+            self._failure = self.timeout_error(what)
+        else:
+            self.broken = what
+            self._failure = CommError(f"{what} failed in NCCL on the {self.describe()} ({why}). The process "
+                                      "group is unusable after this; restart the job.")
+        try:
+            self._comm.abort()
+        except Exception:  # already torn down: nothing left to release
+            pass
+
+    def raise_if_failed(self) -> None:
+        """Raise the watchdog's error on the calling thread, if it recorded one."""
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the watchdog (at shutdown, after the last collective)."""
+        self._watchdog.close(timeout)
+        return True
 
     def _launch(self, what: str, tensors: list[torch.Tensor], call: Any) -> Handle:
+        self.raise_if_failed()
         # The comm stream waits for work already queued on torch's stream (the buffers' producers).
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream())
@@ -72,6 +105,7 @@ class CupyNcclCommunicator(Communicator):
             t.record_stream(self._torch_stream)
         done = torch.cuda.Event()
         done.record(self._torch_stream)
+        self._watchdog.watch(done.query, time.monotonic() + self.timeout.total_seconds(), what)
         return _TorchEventHandle(self, done, what)
 
     def _dtype(self, t: torch.Tensor) -> int:
@@ -107,11 +141,7 @@ class _TorchEventHandle(Handle):
         self._comm, self._event, self._what = comm, event, what
 
     def wait(self) -> None:
-        """Order torch's current stream after the op, raising ``CommTimeoutError`` if it never finishes."""
-        deadline = time.monotonic() + self._comm.timeout.total_seconds()
-        # A bounded host-side poll turns a hung collective into an error instead of a silent stall.
-        while not self._event.query():
-            if time.monotonic() > deadline:
-                raise self._comm.timeout_error(self._what)
-            time.sleep(0.0001)
+        """Order torch's current stream after the op without blocking the host; raises the watchdog's
+        error if this communicator already failed (a timeout or an NCCL error)."""
+        self._comm.raise_if_failed()
         torch.cuda.current_stream().wait_event(self._event)
