@@ -91,10 +91,10 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
         for slot in b.slots:
             p = by_name[slot.fqn].param
             if isinstance(p, DistributedParameter):
-                if p._bmt_buffer.group not in handed_over:
+                if p.shard_group not in handed_over:
                     _check_not_sharded_elsewhere(p, spec.name, slot.fqn)
-                if p._bmt_buffer.group not in adopted:
-                    adopted.append(p._bmt_buffer.group)
+                if p.shard_group not in adopted:
+                    adopted.append(p.shard_group)
     inits = {slot.fqn: getattr(by_name[slot.fqn].param, "_init_method", None)
              for b in spec.buffers for slot in b.slots}
     engine = get_engine()
@@ -128,9 +128,9 @@ def _wrapped_roots_inside(module: nn.Module) -> list[ShardGroup]:
 
 
 def _check_not_sharded_elsewhere(p: nn.Parameter, block: str, fqn: str) -> None:
-    if isinstance(p, DistributedParameter) and not p._bmt_buffer.group.standalone:
+    if isinstance(p, DistributedParameter) and not p.shard_group.standalone:
         raise WrapError(f"parameter {fqn!r} of block {block!r} already belongs to group "
-                        f"{p._bmt_buffer.group.name!r}: a parameter can live in one block only. Share it "
+                        f"{p.shard_group.name!r}: a parameter can live in one block only. Share it "
                         "through the root (a DistributedParameter outside any block) instead.")
 
 

@@ -17,7 +17,7 @@ def sharded_groups(model: nn.Module) -> list[ShardGroup]:
     seen: dict[int, ShardGroup] = {}
     for p in model.parameters():
         if isinstance(p, DistributedParameter):
-            g = p._bmt_buffer.group
+            g = p.shard_group
             seen.setdefault(id(g), g)
     return list(seen.values())
 
@@ -53,7 +53,7 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         if writeback:
             with torch.no_grad():
                 for p, whole in full:
-                    p._bmt_buffer.load_slot(p._bmt_slot, whole)
+                    p.load_full(whole)
     finally:
         for p, _ in full:
             for module, attr in sites.get(id(p), []):

@@ -92,7 +92,7 @@ class _Replay:
                 if p is not None and id(p) not in self.canonical:
                     self.canonical[id(p)] = (id(m), attr)
                     self.params[id(p)] = (f"{mod_name}.{attr}" if mod_name else attr, p)
-        buffers = {id(p._bmt_buffer): p._bmt_buffer for _, p in self.params.values()
+        buffers = {id(p.flat_buffer): p.flat_buffer for _, p in self.params.values()
                    if isinstance(p, DistributedParameter)}
         self.buffers: list[FlatBuffer] = list(buffers.values())
         self.done: set[int] = set()
@@ -259,7 +259,7 @@ def _written(t: torch.Tensor, version: int) -> bool:
 def _adopt(p: nn.Parameter, full: torch.Tensor) -> None:
     """Give ``p`` (sharded: its slice of) the value ``full``, keeping the Parameter object."""
     if isinstance(p, DistributedParameter):
-        p._bmt_buffer.load_slot(p._bmt_slot, full)
+        p.load_full(full)
     elif p.is_meta:
         torch.utils.swap_tensors(p, type(p)(full.detach(), requires_grad=p.requires_grad))
     else:

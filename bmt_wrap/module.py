@@ -22,7 +22,7 @@ class DistributedModule(ShardedModuleMixin, nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         value = super().__getattr__(name)
-        if isinstance(value, DistributedParameter) and value._bmt_buffer.group.standalone:
+        if isinstance(value, DistributedParameter) and value.shard_group.standalone:
             engine = get_engine()
             if engine.in_forward:
                 return engine.gathered_standalone(value)
@@ -49,7 +49,7 @@ def _check_parameters(root: nn.Module, world_size: int) -> None:
         for attr, p in module._parameters.items():
             name = f"{mod_name}.{attr}" if mod_name else attr
             if isinstance(p, DistributedParameter):
-                group = p._bmt_buffer.group
+                group = p.shard_group
                 if not group.standalone and not any(m is module and a == attr
                                                     for locs in group.locations for slot in locs
                                                     for m, a in slot):

@@ -29,13 +29,13 @@ class _GatherCache:
 
     @classmethod
     def value(cls, p: DistributedParameter) -> torch.Tensor:
-        group = p._bmt_buffer.group
+        group = p.shard_group
         if cls.group is not group:
             cls.clear()
             cls.group = group
             cls.views = [b.slot_views(f) for b, f in zip(group.buffers, group.gather_values(), strict=True)]
         assert cls.views is not None
-        return cls.views[group.buffers.index(p._bmt_buffer)][p._bmt_slot]
+        return cls.views[group.buffers.index(p.flat_buffer)][p.slot_index]
 
     @classmethod
     def clear(cls) -> None:
@@ -61,7 +61,7 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
                               f"from checkpoint, the shape in current model is {tuple(p.full_shape)}.")
             state_dict[key] = p.detach()
             continue
-        p._bmt_buffer.load_slot(p._bmt_slot, full.detach().to(p.device, p.dtype))
+        p.load_full(full.detach().to(p.device, p.dtype))
         state_dict[key] = p.detach()  # what torch then copies is this rank's slice onto itself
 
 

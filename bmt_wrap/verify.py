@@ -65,7 +65,7 @@ class VerifyReport:
 
 
 def _local(full: torch.Tensor, p: DistributedParameter) -> torch.Tensor:
-    s, e = p._bmt_buffer.slot_source_range(p._bmt_slot)
+    s, e = p.source_range()
     return full.detach().reshape(-1)[s:e].to(p.dtype)
 
 

@@ -32,7 +32,7 @@ NOISE_GRAD = 1e-6  # a reference gradient never above this is fp32 rounding nois
 
 def local_slice(full: torch.Tensor, p: DistributedParameter) -> torch.Tensor:
     """The part of the unsharded tensor ``full`` that this rank's sharded ``p`` holds."""
-    s, e = p._bmt_buffer.slot_source_range(p._bmt_slot)
+    s, e = p.source_range()
     return full.reshape(-1)[s:e]
 
 

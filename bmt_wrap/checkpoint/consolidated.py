@@ -18,7 +18,6 @@ from torch import nn
 from ..distributed import get_state
 from ..errors import CheckpointError
 from ..init import rebuild_lost_buffers
-from ..runtime.flat_buffer import FlatBuffer
 from .agree import agree
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
 from .formats import SafetensorsWriter, Source, TorchWriter, file_format, open_source
@@ -48,9 +47,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     ordered = [e for _, members in groups for e in members] + replicated
     out = _RankZeroWriter(path, kind, ordered, entries) if get_state().rank == 0 else None
     for buffer, members in groups:
-        full = _gather(buffer)
+        full = buffer.group.gather_values(only=buffer)[0]
         for e in members:
-            slot = buffer.spec.slots[e.param._bmt_slot]  # type: ignore[union-attr]
+            slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]
             if out is not None:
                 out.put(e.names, full[slot.offset:slot.offset + slot.numel].view(e.shape))
         del full
@@ -100,13 +99,6 @@ class _RankZeroWriter:
             except CheckpointError as exc:
                 self.fail(exc)
         return self.error
-
-
-def _gather(buffer: FlatBuffer) -> torch.Tensor:
-    """The full (padded) flat buffer on every rank; the group's own gather state is left alone."""
-    full = torch.empty(buffer.full_numel, dtype=buffer.dtype, device=buffer.device)
-    get_state().comm.all_gather_into(full, buffer.shard, label=f"save {buffer.group_name}")
-    return full
 
 
 def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:

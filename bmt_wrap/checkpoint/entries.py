@@ -36,7 +36,7 @@ class Entry:
     @property
     def buffer(self) -> FlatBuffer | None:
         """The flat buffer of a sharded entry."""
-        return self.param._bmt_buffer if self.param is not None else None
+        return self.param.flat_buffer if self.param is not None else None
 
     def specs(self) -> list[TensorSpec]:
         """One file tensor per name: aliases are written as plain torch writes them, each in full."""
@@ -52,7 +52,7 @@ class Entry:
     def local_range(self) -> tuple[int, int]:
         """``[start, end)`` of the flattened full tensor that ``local()`` holds."""
         if self.param is not None:
-            return self.param._bmt_buffer.slot_source_range(self.param._bmt_slot)
+            return self.param.source_range()
         return 0, self.numel
 
     @property
@@ -104,7 +104,7 @@ def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]
         else:
             groups.setdefault(id(e.buffer), (e.buffer, []))[1].append(e)
     for _, members in groups.values():
-        members.sort(key=lambda e: e.param._bmt_slot)  # type: ignore[union-attr]
+        members.sort(key=lambda e: e.param.slot_index)  # type: ignore[union-attr]
     return list(groups.values()), replicated
 
 

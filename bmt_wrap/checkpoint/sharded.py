@@ -60,8 +60,8 @@ def _ranges(e: Entry, world: int) -> list[list[int]]:
     """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0)."""
     if e.param is None:
         return [[0, e.numel]] + [[0, 0]] * (world - 1)
-    spec = e.param._bmt_buffer.spec
-    slot = spec.slots[e.param._bmt_slot]
+    spec = e.param.flat_buffer.spec
+    slot = e.param.slot_spec
     out = []
     for r in range(world):
         a, b = spec.local_range(slot, r, world)

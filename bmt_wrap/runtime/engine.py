@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import WrapError
 from ..plan import ShardGroupSpec
 from .block_function import BlockCall, _Tree
 from .buffer_pool import BufferPool
@@ -187,7 +186,7 @@ class Engine:
         """A bare ``DistributedParameter`` read during forward: gathered once per forward and grad mode."""
         key = id(p) * 2 + int(torch.is_grad_enabled())
         if key not in self._standalone_cache:
-            self._standalone_cache[key] = self.gather_for_root(p._bmt_buffer.group)[0][0]
+            self._standalone_cache[key] = self.gather_for_root(p.shard_group)[0][0]
         return self._standalone_cache[key]
 
     def acquire_for_forward(self, group: ShardGroup) -> None:

@@ -138,13 +138,15 @@ class ShardGroup:
         send = self.pool.acquire(b.shard_numel, b.gather_dtype, b.device)
         return send.copy_(b.shard)
 
-    def gather_values(self) -> list[torch.Tensor]:
-        """Full buffers in the shard dtype, for reading or saving values (state_dict, ``bmt.gathered``):
-        a collective of its own, so mixed precision never hands out (or writes back) param_dtype copies."""
+    def gather_values(self, only: FlatBuffer | None = None) -> list[torch.Tensor]:
+        """Full buffers (every one, or ``only`` that one) in the shard dtype, for reading or saving values
+        (``state_dict``, ``bmt.gathered``, ``bmt.save``): a collective of its own that leaves the group's
+        gather state alone, so mixed precision never hands out (or writes back) param_dtype copies."""
         self._check_materialised()
-        full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in self.buffers]
+        buffers = self.buffers if only is None else [only]
+        full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in buffers]
         handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=f"{self.name} values")
-                   for f, b in zip(full, self.buffers, strict=True)]
+                   for f, b in zip(full, buffers, strict=True)]
         for h in handles:
             h.wait()
         return full

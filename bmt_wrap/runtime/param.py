@@ -17,7 +17,9 @@ from .._compat import make_tensor_subclass
 from .process_engine import get_engine
 
 if TYPE_CHECKING:
+    from ..plan import ParamSlot
     from .flat_buffer import FlatBuffer
+    from .group import ShardGroup
 
 
 class DistributedParameter(nn.Parameter):
@@ -48,6 +50,40 @@ class DistributedParameter(nn.Parameter):
         p._bmt_slot = slot_index
         p._init_method = None
         return p
+
+    # ---- the interface every layer above the runtime uses (never _bmt_buffer / _bmt_slot) -------------
+    @property
+    def shard_group(self) -> ShardGroup:
+        """The shard group this parameter lives in (gathered and reduced together)."""
+        return self._bmt_buffer.group
+
+    @property
+    def flat_buffer(self) -> FlatBuffer:
+        """The flat buffer (one dtype, one requires_grad) of its group that holds this parameter."""
+        return self._bmt_buffer
+
+    @property
+    def slot_index(self) -> int:
+        """Its position in ``flat_buffer`` (the plan's slot order)."""
+        return self._bmt_slot
+
+    @property
+    def slot_spec(self) -> ParamSlot:
+        """Its slot in the plan: name, aliases, shape, offset."""
+        return self._bmt_buffer.spec.slots[self._bmt_slot]
+
+    def source_range(self) -> tuple[int, int]:
+        """``[start, end)`` of the flattened full tensor that this rank's slice holds."""
+        return self._bmt_buffer.slot_source_range(self._bmt_slot)
+
+    def load_full(self, full: torch.Tensor) -> None:
+        """Keep this rank's part of ``full`` (the whole parameter, identical on every rank); no communication."""
+        self._bmt_buffer.load_slot(self._bmt_slot, full)
+
+    def gathered_view(self, full_buffers: list[torch.Tensor]) -> torch.Tensor:
+        """This parameter's full value inside its group's gathered buffers (one per flat buffer)."""
+        group = self._bmt_buffer.group
+        return self._bmt_buffer.slot_views(full_buffers[group.buffers.index(self._bmt_buffer)])[self._bmt_slot]
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         """This rank's slice as a plain parameter (BMTrain scripts snapshot parameters so); never in a model.

@@ -44,8 +44,7 @@ def full_value(p: nn.Parameter) -> torch.Tensor:
     """The full value of a parameter: gathered (collective) for a sharded one, detached otherwise."""
     if not isinstance(p, DistributedParameter):
         return p.detach()
-    group = p._bmt_buffer.group
+    group = p.shard_group
     if group.buffers[0].shard.is_meta:
         return torch.empty(p.full_shape, dtype=p.dtype, device="meta")
-    i = group.buffers.index(p._bmt_buffer)
-    return p._bmt_buffer.slot_views(group.gather_values()[i])[p._bmt_slot].clone()  # frees the rest
+    return p.gathered_view(group.gather_values()).clone()  # frees the rest
