@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/comm.py [--mib 64] [--repeats 9]
 
 Both run in the same processes on the same buffers, interleaved, so machine noise hits them alike;
-the table shows medians, min-max and our time as a fraction of torch's.
+it prints and writes (``--out``) a Markdown table of medians, min-max and our time as a fraction of
+torch's. This compares gloo implementations on CPU only; it says nothing about NCCL.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import bmt_wrap as bmt
+from report import publish
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -34,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=64, help="size of the full (unsharded) fp32 buffer")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "comm.md")
     args = parser.parse_args()
     state = bmt.init_distributed()
     comm, n = state.comm, state.world_size
@@ -56,12 +60,17 @@ def main() -> None:
         rows.append((name, t_ours, t_theirs))
     if state.rank == 0:
         gb = numel * 4 / 1e9
-        print(f"{args.mib} MiB fp32 buffer, {n} ranks, backend {state.backend}, {args.repeats} repeats (median, min-max)")
-        print(f"{'op':<15} {'bmt_wrap ms':>22} {'torch.distributed ms':>24} {'ratio':>6} {'bmt GB/s':>9}")
+        lines = [f"{args.mib} MiB fp32 buffer, {n} ranks, backend {state.backend}, {args.repeats} repeats, "
+                 "interleaved", "",
+                 "| op | bmt_wrap ms: median (min-max) | torch.distributed ms: median (min-max) | ratio | bmt GB/s |",
+                 "|---|---|---|---|---|"]
         for name, a, b in rows:
             ma, mb = statistics.median(a), statistics.median(b)
-            print(f"{name:<15} {ma * 1e3:8.1f} ({min(a) * 1e3:5.1f}-{max(a) * 1e3:5.1f}) "
-                  f"{mb * 1e3:10.1f} ({min(b) * 1e3:5.1f}-{max(b) * 1e3:5.1f}) {ma / mb:6.2f} {gb / ma:9.2f}")
+            lines.append(f"| {name} | {ma * 1e3:.1f} ({min(a) * 1e3:.1f}-{max(a) * 1e3:.1f}) | "
+                         f"{mb * 1e3:.1f} ({min(b) * 1e3:.1f}-{max(b) * 1e3:.1f}) | {ma / mb:.2f}x | {gb / ma:.2f} |")
+        lines += ["", f"command: torchrun --nproc_per_node={n} benchmarks/comm.py --mib {args.mib} "
+                  f"--repeats {args.repeats}"]
+        publish(lines, args.out)
     bmt.synchronize()
 
 

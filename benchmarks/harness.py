@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import plot, print_table
+from report import format_table, plot, publish
 from systems import SYSTEMS
 from workloads import WORKLOADS
 
@@ -100,6 +100,8 @@ def parse_args(description: str, default_systems: list[str], argv: list[str] | N
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     p.add_argument("--json", dest="json_path", help="write the rows (and the set-up) here")
     p.add_argument("--plot", help="draw step time, peak RSS and communication into this PNG")
+    p.add_argument("--out", type=Path, help="write the Markdown table here (default: "
+                   "benchmarks/results/compare_<model>.md, which RESULTS.md quotes)")
     args = p.parse_args(argv)
     unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
@@ -126,7 +128,8 @@ def main(description: str, default_systems: list[str], argv: list[str] | None = 
              "warmup": args.warmup, "rounds": args.rounds, "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
              "MALLOC_MMAP_THRESHOLD_": env.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)"),
              "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])])}
-    print_table(rows, setup)
+    out = args.out or Path(__file__).parent / "results" / f"compare_{args.model}.md"
+    publish(format_table(rows, setup).splitlines(), out)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
     if args.plot:

@@ -39,11 +39,6 @@ def format_table(rows: list[dict], setup: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def print_table(rows: list[dict], setup: dict[str, Any]) -> None:
-    """Print ``format_table``."""
-    print(format_table(rows, setup))
-
-
 def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:
     """Step time (median, min-max whiskers), peak RSS per rank, and communication against the bounds."""
     import matplotlib
