@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernels import harness
-from kernels.reference import ReferenceAdamW, assert_within_one_rounding
+from kernel_checks import harness
+from kernel_checks.reference import ReferenceAdamW, assert_within_one_rounding
 
 from bmt_wrap.kernels import cupy_usable, source_define
 from bmt_wrap.optim.adam_math import AdamHyper, adam_scalars

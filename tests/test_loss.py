@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels.reference import assert_within_one_rounding
+from kernel_checks.reference import assert_within_one_rounding
 
 from bmt_wrap.errors import BMTError
 from bmt_wrap.loss import FusedCrossEntropy, torch_rows

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels.reference import ReferenceAdamW, assert_within_one_rounding
+from kernel_checks.reference import ReferenceAdamW, assert_within_one_rounding
 
 from bmt_wrap.errors import OptimizerError
 from bmt_wrap.optim import AdamOptimizer

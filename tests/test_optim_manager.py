@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from dist_harness import run_distributed
-from kernels.reference import ReferenceAdamW, assert_within_one_rounding
+from kernel_checks.reference import ReferenceAdamW, assert_within_one_rounding
 
 import bmt_wrap as bmt
 from bmt_wrap.dtypes import align_elems
