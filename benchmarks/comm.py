@@ -68,8 +68,6 @@ def main() -> None:
             ma, mb = statistics.median(a), statistics.median(b)
             lines.append(f"| {name} | {ma * 1e3:.1f} ({min(a) * 1e3:.1f}-{max(a) * 1e3:.1f}) | "
                          f"{mb * 1e3:.1f} ({min(b) * 1e3:.1f}-{max(b) * 1e3:.1f}) | {ma / mb:.2f}x | {gb / ma:.2f} |")
-        lines += ["", f"command: torchrun --nproc_per_node={n} benchmarks/comm.py --mib {args.mib} "
-                  f"--repeats {args.repeats}"]
         publish(lines, args.out)
     bmt.synchronize()
 

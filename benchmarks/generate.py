@@ -81,8 +81,6 @@ def main() -> None:
         r = rates[key]
         lines.append(f"| {label} | {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f}) | "
                      f"{statistics.median(r) / base:.2f}x |")
-    lines += ["", f"command: torchrun --nproc_per_node={state.world_size} benchmarks/generate.py --tokens "
-              f"{args.tokens} --repeats {args.repeats} --d-model {args.d_model} --layers {args.layers}"]
     publish(lines, args.out)
 
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import format_table, plot, publish
+from report import command_line, format_table, plot, publish
 from systems import SYSTEMS
 from workloads import WORKLOADS
 
@@ -127,9 +127,9 @@ def main(description: str, default_systems: list[str], argv: list[str] | None = 
              "world_size": args.world_size, "batch_per_rank": args.batch, "seq": args.seq, "steps": args.steps,
              "warmup": args.warmup, "rounds": args.rounds, "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
              "MALLOC_MMAP_THRESHOLD_": env.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)"),
-             "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])])}
+             "command": command_line(argv)}
     out = args.out or Path(__file__).parent / "results" / f"compare_{args.model}.md"
-    publish(format_table(rows, setup).splitlines(), out)
+    publish(format_table(rows, setup).splitlines(), out, setup["command"])
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
     if args.plot:

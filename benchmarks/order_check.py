@@ -85,9 +85,6 @@ def main() -> None:
         "|---|---|---|---|",
         f"| on (default) | {on:.3f} ({min(times[True]):.3f}-{max(times[True]):.3f}) | {on / off:.3f}x | {paired:.3f}x |",
         f"| off (BMT_WRAP_CHECK_COLLECTIVES=0) | {off:.3f} ({min(times[False]):.3f}-{max(times[False]):.3f}) | 1.000x | 1.000x |",
-        "",
-        "command: torchrun --nproc_per_node=2 benchmarks/order_check.py "
-        f"--steps {args.steps} --d-model {args.d_model} --layers {args.layers} --batch {args.batch}",
     ]
     publish(lines, args.out)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,6 @@ def format_table(rows: list[dict], setup: dict[str, Any]) -> str:
                  _mb(r["zero3_bound"]) if ours else "-", _ratio(r["comm_vs_bound"]), _mb(r["plan_comm_bytes"]),
                  _ratio(r["comm_vs_plan"]), f"{r['loss']:.4f}", "-" if diff is None else f"{diff:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"command: {setup['command']}"]
     return "\n".join(lines)
 
 
@@ -70,9 +72,23 @@ def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def publish(lines: list[str], out: Path) -> None:
-    """Print a benchmark's Markdown table and write it to ``out`` (RESULTS.md quotes these files)."""
-    text = "\n".join(lines)
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that reproduces this run from the repository root: the script's real arguments, under
+    ``torchrun`` when it runs in a torchrun job."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        shown = script.relative_to(Path(__file__).resolve().parent.parent).as_posix()
+    except ValueError:
+        shown = script.as_posix()
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")
+    launcher = f"torchrun --nproc_per_node={ranks}" if ranks else "python"
+    return " ".join([launcher, shown, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
+def publish(lines: list[str], out: Path, command: str | None = None) -> None:
+    """Print a benchmark's Markdown table followed by the command that made it (default: this process's,
+    ``command_line()``), and write both to ``out`` (RESULTS.md quotes these files)."""
+    text = "\n".join([*lines, "", f"command: {command or command_line()}"])
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")

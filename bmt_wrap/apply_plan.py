@@ -80,8 +80,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
         bind_block(module, spec, sites, ext_locations=ext[spec.name], runtime=runtime)
     engine.sync_buffers(model, 0)
     _turn_off_self_checkpointing(model, plan)
-    groups = {name: module._bmt_group for name, module in blocks.items()}
-    runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
+    _install_schedule(runtime, plan, {name: module._bmt_group for name, module in blocks.items()})
 
     model.__class__ = _root_class(type(model))
     model.plan = plan
@@ -133,7 +132,7 @@ def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
         group.spec = spec
         group.mode = storage_mode(spec)
         groups[spec.name] = group
-    model._bmt_runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
+    _install_schedule(model._bmt_runtime, plan, groups)
     model.plan = plan
 
 
@@ -162,6 +161,11 @@ def _check_plan_precision(plan: WrapPlan, mp: MixedPrecision | None) -> None:
                     f"reduced in {b.grad_dtype}, which is not what mixed_precision={mp} implies. Pass the "
                     "mixed_precision= the plan was made with, or rebuild the plan with this one "
                     "(wrap without plan=).")
+
+
+def _install_schedule(runtime: ModelRuntime, plan: WrapPlan, groups: dict[str, ShardGroup]) -> None:
+    """The plan's block order and prefetch depth become what ``runtime`` executes."""
+    runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
 
 
 def _turn_off_self_checkpointing(model: nn.Module, plan: WrapPlan) -> None:

@@ -56,24 +56,25 @@ class CompletionWatchdog:
                 if self._stopped:
                     return
                 done, deadline, what = self._pending[0]
-            why = self._check(done, deadline)
+            why = self._probe_error()
+            if why is None and done():
+                with self._cond:
+                    self._pending.popleft()  # only this thread removes entries
+                continue
+            if why is None and time.monotonic() > deadline:
+                why = "timeout"
             if why is not None:
                 self.failed = True
                 self._on_failure(what, why)
                 return
             with self._cond:
-                if self._pending and self._pending[0][0] is done and done():
-                    self._pending.popleft()
-                    continue
                 self._cond.wait(self._poll_s)
 
-    def _check(self, done: Callable[[], bool], deadline: float) -> str | None:
-        """Why the oldest op failed, or None while it is finished or still within its deadline."""
+    def _probe_error(self) -> str | None:
+        """The backend's asynchronous error, if the probe reports one."""
         if self._probe is not None:
             try:
                 self._probe()
-            except Exception as exc:  # the backend's asynchronous error, whatever its type
+            except Exception as exc:  # whatever type the backend raises
                 return f"asynchronous error: {exc}"
-        if not done() and time.monotonic() > deadline:
-            return "timeout"
         return None
