@@ -7,6 +7,7 @@ reaches a private name directly). Leaf module: it imports nothing from bmt_wrap.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,10 +19,12 @@ import torch.utils._pytree as pytree  # re-exported: tree_flatten, tree_unflatte
 from torch import nn
 
 __all__ = [
-    "caller_frame", "default_store", "foreach_copy_", "foreach_div_", "foreach_mul_", "fused_adamw_",
-    "grad_scaler_step_codes", "hf_initialize_weights", "hf_initialize_weights_replaced", "make_tensor_subclass",
+    "caller_frame", "dcp_state_dict_request", "default_store", "disabled_torch_function", "foreach_copy_",
+    "foreach_div_", "foreach_mul_", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights", "hf_initialize_weights_replaced", "make_tensor_subclass",
     "pytree", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
     "tensor_version",
+    # torch.compile
+    "compile_context", "compiled_inner", "drop_compiled_call",
 ]
 
 
@@ -39,6 +42,10 @@ def set_version_counters(tensors: Sequence[torch.Tensor], versions: Sequence[int
 def queue_autograd_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass has finished (from inside a backward hook or node)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+#: A tensor subclass's ``__torch_function__`` that makes ops see a plain tensor (what ``nn.Parameter`` uses).
+disabled_torch_function = torch._C._disabled_torch_function_impl
 
 
 def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -94,11 +101,74 @@ def caller_frame(depth: int = 1) -> FrameType | None:
     return sys._getframe(depth + 1)
 
 
+def dcp_state_dict_request(max_depth: int = 16) -> Any | None:
+    """The options of the ``torch.distributed.checkpoint.state_dict`` call (``get_state_dict`` and friends)
+    that the caller runs inside of, or None: read from that call's frame (its ``info``: ``full_state_dict``,
+    ``cpu_offload``), because DCP gives a module no other way to know it is being checkpointed."""
+    dsd = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if dsd is None:  # not loaded: nothing of it can be running
+        return None
+    codes = {inspect.unwrap(fn).__code__ for fn in (dsd._get_model_state_dict, dsd._get_optim_state_dict)}
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code in codes:
+            return frame.f_locals.get("info")
+        frame = frame.f_back
+    return None
+
+
 def grad_scaler_step_codes() -> frozenset[Any]:
     """Code objects through which ``GradScaler`` calls ``optimizer.step()`` (subclasses inherit them)."""
     from torch.amp import GradScaler
 
     return frozenset({GradScaler.step.__code__, GradScaler._maybe_opt_step.__code__})
+
+
+# ---- torch.compile ----------------------------------------------------------------------------------------
+def _dynamo_eval_frame() -> Any:
+    """torch's dynamo front end if something loaded it, else None: nothing was compiled before it loads, and
+    importing it takes over a second, so code that never compiles never pays for it."""
+    return sys.modules.get("torch._dynamo.eval_frame")
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module that ``torch.compile(m)`` wrapped, when ``module`` is that wrapper (an ``OptimizedModule``,
+    whose parameters plain torch names ``_orig_mod.*``); None for any other module."""
+    eval_frame = _dynamo_eval_frame()
+    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
+        return None
+    return module._orig_mod
+
+
+def compile_context(module: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+    """How ``module`` was compiled, by ``torch.compile(m)`` or ``m.compile(...)``: a function that compiles
+    another callable with the same options. None when ``module`` is not compiled.
+
+    Raises ``LookupError`` when ``module`` is compiled but this torch keeps the options where this shim does
+    not look (the closure of ``m.compile()``'s compiled ``_call_impl``).
+    """
+    if compiled_inner(module) is not None:
+        return module.dynamo_ctx
+    call = module.__dict__.get("_compiled_call_impl")
+    if call is None:
+        return None
+    eval_frame = _dynamo_eval_frame()
+    for cell in getattr(call, "__closure__", None) or ():
+        if eval_frame is not None and isinstance(cell.cell_contents, eval_frame._TorchDynamoContext):
+            return cell.cell_contents
+    raise LookupError(f"{type(module).__name__}.compile() left no compile context where torch 2.13 keeps it")
+
+
+def drop_compiled_call(module: nn.Module) -> None:
+    """Call ``module`` eagerly again: drop ``m.compile()``'s compiled ``__call__``; a ``torch.compile(m)``
+    wrapper calls its inner module directly (its ``forward`` was the compiled call)."""
+    inner = compiled_inner(module)
+    if inner is not None:
+        module.forward = inner.__call__  # an attribute OptimizedModule keeps on itself, not on _orig_mod
+    else:
+        module.__dict__.pop("_compiled_call_impl", None)
 
 
 # ---- transformers -----------------------------------------------------------------------------------------

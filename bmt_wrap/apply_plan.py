@@ -13,6 +13,7 @@ from torch import nn
 
 from ._compat import pytree
 from .block import CheckpointBlock, bind_block
+from .compiled import compiled_wrapper, never_traced
 from .dtypes import to_dtype
 from .errors import PlanError, WrapError
 from .mixed_precision import MixedPrecision
@@ -77,7 +78,8 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
             root_group = _build_root(engine, runtime, spec, by_name, device)
             continue
         module = blocks[spec.name]
-        bind_block(module, spec, sites, ext_locations=ext[spec.name], runtime=runtime)
+        bind_block(module, spec, sites, ext_locations=ext[spec.name], runtime=runtime,
+                   compiled_by=compiled_wrapper(model, spec.name))
     engine.sync_buffers(model, 0)
     _turn_off_self_checkpointing(model, plan)
     _install_schedule(runtime, plan, {name: module._bmt_group for name, module in blocks.items()})
@@ -87,8 +89,9 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     model._bmt_root = root_group
     model._bmt_runtime = runtime
     model._bmt_mp = mixed_precision
-    model.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
-    model.register_forward_hook(_root_post_hook, always_call=True)
+    # Dynamo never traces the hooks (gathers, the first forward's capture): see compiled.py.
+    model.register_forward_pre_hook(never_traced(_root_pre_hook), with_kwargs=True)
+    model.register_forward_hook(never_traced(_root_post_hook), always_call=True)
     if engine.world_size > 1:
         install_grad_scaler_guard()  # GradScaler would check inf/nan on this rank's slice only
     return model
@@ -104,7 +107,8 @@ def hand_over_to_block(model: WrappedModule) -> ShardGroup | None:
         raise WrapError(f"a CheckpointBlock cannot take over the wrapped {type(model).__name__}: it has blocks "
                         "or mixed precision of its own. Put the block around the plain module and wrap the "
                         "whole model once, or wrap only the parts outside the block.")
-    for hooks, fn in ((model._forward_pre_hooks, _root_pre_hook), (model._forward_hooks, _root_post_hook)):
+    for hooks, fn in ((model._forward_pre_hooks, never_traced(_root_pre_hook)),
+                      (model._forward_hooks, never_traced(_root_post_hook))):
         for key in [k for k, h in hooks.items() if h is fn]:
             del hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)

@@ -3,6 +3,7 @@
 A block stays the same object: its class is swapped for a generated subclass of both ``CheckpointBlock``
 and its own class (as FSDP2's ``fully_shard`` does), so attribute access, ``state_dict`` keys (no extra
 infix), ``isinstance`` checks and the forward signature are unchanged, while calls go through the engine.
+``block.compile(...)`` compiles the block's own code, never the engine around it (``compiled.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compiled import adopt_compile, never_traced
 from .errors import BlockListError, WrapError
 from .plan import ShardGroupSpec, layout_buffers
 from .runtime.process_engine import get_engine
@@ -39,7 +41,8 @@ class CheckpointBlock(ShardedModuleMixin, nn.Module):
 
     _bmt_group: ShardGroup
     _bmt_ext: list[list[Location]]
-    _bmt_forward: Any
+    _bmt_forward: Any  # what the executor runs: the block's own forward, compiled when the user compiled it
+    _bmt_eager_forward: Any  # the same, never compiled
     _bmt_mode: str | None = None  # "BLOCK"/"PIPE" when made by this constructor; None when the wrapper bound it
 
     def __new__(cls, module: nn.Module, use_checkpoint: bool = True, zero_level: int = 3,
@@ -69,19 +72,26 @@ class CheckpointBlock(ShardedModuleMixin, nn.Module):
         # BMTrain's blocks return lists as tuples; blocks the wrapper bound keep the model's own types.
         return tuple(out) if self._bmt_mode is not None and isinstance(out, list) else out
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile the block's own code with ``torch.compile(*args, **kwargs)`` (``nn.Module.compile``'s
+        arguments); the engine around it stays eager, and a recompute runs the same compiled code."""
+        self._bmt_forward = torch.compile(self._bmt_eager_forward, *args, **kwargs)
+
 
 Block = CheckpointBlock
 
 
 def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
                ext_locations: list[list[Location]], sync_from: int | None = 0,
-               runtime: ModelRuntime | None = None) -> CheckpointBlock:
+               runtime: ModelRuntime | None = None, compiled_by: nn.Module | None = None) -> CheckpointBlock:
     """Shard ``module``'s parameters per ``spec`` and make ``module`` a ``CheckpointBlock`` in place, in
-    ``runtime``'s schedule (default: the explicit API's)."""
+    ``runtime``'s schedule (default: the explicit API's). ``compiled_by``: the ``torch.compile(module)``
+    wrapper the model calls it through, if any."""
     if isinstance(module, CheckpointBlock):
         raise WrapError(f"module {type(module).__name__} ({spec.name!r}) is already a CheckpointBlock; "
                         "wrap each module once")
     device = check_single_device(sites, f"block {spec.name!r}")
+    compile_fn = adopt_compile(module, spec.name, compiled_by)  # before any collective: it may raise
     by_name = {n: s for s in sites for n in s.names}
     locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
     handed_over = _wrapped_roots_inside(module)
@@ -114,7 +124,9 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
     module.__class__ = _block_class(original)
     module._bmt_group = group
     module._bmt_ext = ext_locations
-    module._bmt_forward = (lambda m, *a, **k: forward(*a, **k)) if forward is not None else original.forward
+    eager = (lambda m, *a, **k: forward(*a, **k)) if forward is not None else original.forward
+    module._bmt_eager_forward = eager
+    module._bmt_forward = eager if compile_fn is None else compile_fn(eager)
     module._bmt_name = spec.name
     return module  # type: ignore[return-value]
 
@@ -141,9 +153,11 @@ def _block_class(cls: type) -> type:
             return CheckpointBlock.forward(self, *args, **kwargs)
 
         # The generated forward carries the original's signature (__wrapped__), which transformers
-        # inspects to route keyword arguments.
+        # inspects to route keyword arguments. Dynamo never traces it: tracing the engine (gathers,
+        # autograd nodes, saved-tensor hooks) broke the graph dozens of times per step and made a
+        # checkpointed block's recompute differ from its forward (docs/compile.md).
         _CLASSES[cls] = type(f"Block{cls.__name__}", (CheckpointBlock, cls),
-                             {"__module__": cls.__module__, "forward": forward})
+                             {"__module__": cls.__module__, "forward": never_traced(forward)})
     return _CLASSES[cls]
 
 

@@ -4,6 +4,7 @@ first forward when the model could not be captured without inputs."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 from torch import nn
@@ -82,6 +83,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                 failure = exc
         agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
         plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
+        _warn_if_no_blocks(model, plan, discovery)
     else:
         if not isinstance(plan, WrapPlan):
             raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
@@ -107,6 +109,22 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
 
 
 wrap = BMTrainModelWrapper
+
+
+def _warn_if_no_blocks(model: nn.Module, plan: WrapPlan, discovery: passes.Discovery) -> None:
+    """Warn when discovery left a model that has children as one root group (nothing checkpointed or
+    prefetched); a single layer (BMTrain code wraps ``nn.Linear``s) has nothing to find."""
+    if plan.blocks() or next(model.children(), None) is None:
+        return
+    why = "; ".join(n for n in discovery.notes if "no repeated blocks" not in n)
+    warnings.warn(
+        f"BMTrainModelWrapper found no repeated blocks in {type(model).__name__}: all its parameters form one "
+        "root group that every forward gathers whole, so nothing is checkpointed or prefetched and each rank's "
+        "peak memory holds every parameter."
+        f"{f' Discovery: {why}.' if why else ''} Blocks are sibling modules of one structure, each with its own "
+        "forward and at least 0.5% of the parameters. To compile layers, wrap first and then call "
+        "`layer.compile()` on each (docs/compile.md); to choose blocks yourself, pass plan= (bmt-wrap dump "
+        "--format json writes one to edit).", UserWarning, stacklevel=3)
 
 
 def _refuse_sharded_parts(model: nn.Module) -> None:

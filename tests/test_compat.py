@@ -161,3 +161,90 @@ def test_transformers_initialize_weights_is_replaced_and_restored() -> None:
         model.initialize_weights()
     assert calls and all(isinstance(m, nn.Module) for m in calls)
     assert _compat.hf_initialize_weights(model) == original
+
+
+def test_disabled_torch_function_makes_ops_return_plain_tensors() -> None:
+    class Sub(torch.Tensor):
+        __torch_function__ = _compat.disabled_torch_function
+
+    sub = _compat.make_tensor_subclass(Sub, torch.ones(2), False)
+    assert type(sub * 2) is torch.Tensor and type(sub) is Sub
+
+
+def test_dcp_state_dict_request_sees_get_state_dict_and_its_options() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    seen = []
+
+    class Probe(nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            seen.append(_compat.dcp_state_dict_request())
+            return super().state_dict(*args, **kwargs)
+
+    probe = Probe(2, 2)
+    probe.state_dict()
+    get_model_state_dict(probe)
+    get_model_state_dict(probe, options=StateDictOptions(full_state_dict=True))
+    assert seen[0] is None, "a plain state_dict() call is not DCP's"
+    assert seen[1] is not None and not seen[1].full_state_dict
+    assert seen[2] is not None and seen[2].full_state_dict
+
+
+# ---- torch.compile shims (bmt_wrap/compiled.py adopts a block's compile) ------------------------------------
+def _recording_backend(calls: list):
+    def backend(gm, example_inputs):
+        calls.append(len(list(gm.graph.nodes)))
+        return gm.forward
+    return backend
+
+
+def test_compiled_inner_sees_through_torch_compile_only() -> None:
+    lin = nn.Linear(2, 2)
+    assert _compat.compiled_inner(lin) is None
+    assert _compat.compiled_inner(torch.compile(lin, backend="eager")) is lin
+    lin.compile(backend="eager")  # in place: no wrapper to see through
+    assert _compat.compiled_inner(lin) is None
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_compile_context_compiles_another_callable_with_the_same_options(how: str) -> None:
+    torch._dynamo.reset()
+    calls: list = []
+    lin = nn.Linear(2, 2)
+    compiled = torch.compile(lin, backend=_recording_backend(calls)) if how == "torch.compile" else lin
+    if how == "module.compile":
+        lin.compile(backend=_recording_backend(calls))
+    assert _compat.compile_context(nn.Linear(2, 2)) is None
+    ctx = _compat.compile_context(compiled)
+    assert ctx is not None
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert torch.equal(ctx(double)(torch.ones(3)), torch.full((3,), 2.0))
+    assert calls, "the recording backend compiled the new callable: the options were kept"
+
+
+def test_compile_context_says_when_it_cannot_read_the_options() -> None:
+    lin = nn.Linear(2, 2)
+    lin._compiled_call_impl = lambda *a, **k: None  # compiled by something this shim does not know
+    with pytest.raises(LookupError):
+        _compat.compile_context(lin)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_drop_compiled_call_makes_the_call_eager_and_keeps_names(how: str) -> None:
+    torch._dynamo.reset()
+    calls: list = []
+    lin = nn.Linear(2, 2)
+    if how == "torch.compile":
+        module = torch.compile(lin, backend=_recording_backend(calls))
+    else:
+        module = lin
+        lin.compile(backend=_recording_backend(calls))
+    keys = list(module.state_dict())
+    _compat.drop_compiled_call(module)
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(module(x), lin.forward(x), rtol=0, atol=0)
+    assert calls == [], "nothing was compiled after the compiled call was dropped"
+    assert list(module.state_dict()) == keys

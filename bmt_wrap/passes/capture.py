@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .._compat import pytree
+from .._compat import drop_compiled_call, pytree
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
@@ -79,8 +79,10 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     skeleton = copy.deepcopy(model, memo)
-    # Plain tensor attributes (caches, constants) would meet meta inputs on another device.
+    # Plain tensor attributes (caches, constants) would meet meta inputs on another device. A copied
+    # torch.compile(m) wrapper compiles again, and export then records no call of m: call m eagerly.
     for module in skeleton.modules():
+        drop_compiled_call(module)
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and not value.is_meta:
                 setattr(module, name, torch.empty_like(value, device="meta"))

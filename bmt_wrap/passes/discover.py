@@ -5,6 +5,9 @@ wins; a same-container sibling that is near-identical to one of them (T5's block
 first block) is a block of its own; a block must hold >= 0.5% of all parameters; blocks never nest.
 A module without a forward of its own (``ModuleList``, ``ModuleDict``) is never called, so it is never a
 block: it is read as the container it is (Funnel's encoder keeps its layers in a list of lists).
+A layer compiled with ``torch.compile(layer)`` is read as the layer it wraps: it is the same block as its
+uncompiled siblings, and the block is the inner module (``layers.0._orig_mod``, the names plain torch
+gives its parameters), whose compiled code the executor then runs (``bmt_wrap/compiled.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from functools import cached_property
 
 from torch import nn
 
-from .signature import SignatureCache, near_identical
+from .signature import SignatureCache, near_identical, uncompiled
 
 #: A candidate block smaller than this fraction of all parameters stays in its parent's group: gathering
 #: it separately would cost a collective launch for almost no memory saved.
@@ -87,7 +90,7 @@ def _join(prefix: str, name: str) -> str:
 
 def _runs_itself(m: nn.Module) -> bool:
     """True if ``m`` has a forward: only a module that is called can be gathered around its call."""
-    return type(m).forward is not nn.Module.forward
+    return type(uncompiled(m)).forward is not nn.Module.forward
 
 
 def discover_blocks(model: nn.Module) -> Discovery:
@@ -110,6 +113,7 @@ def discover_blocks(model: nn.Module) -> Discovery:
         return 0 < numel(m) >= threshold
 
     def add_block(container: str, m: nn.Module) -> None:
+        m = uncompiled(m)  # the module that owns the parameters and runs in the executor
         if id(m) not in seen:
             seen.add(id(m))
             fqn, *aliases = names[id(m)]

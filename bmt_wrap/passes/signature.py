@@ -1,7 +1,8 @@
 """Structural signatures of modules: what makes two modules "the same block".
 
 A signature hashes the class, the child structure, and the names, shapes and dtypes of parameters and
-buffers. It reads metadata only, so it works on meta-device models.
+buffers. It reads metadata only, so it works on meta-device models. A module compiled with
+``torch.compile(m)`` has the signature of ``m``: compiling some layers of a stack leaves it one stack.
 """
 
 from __future__ import annotations
@@ -10,9 +11,17 @@ import hashlib
 
 from torch import nn
 
+from .._compat import compiled_inner
+
 #: Two same-class modules whose parameter-name sets overlap at least this much (Jaccard) are
 #: "near-identical": T5's block 0 adds one relative-bias table, a ResNet stage's first block a downsample.
 NEAR_IDENTICAL_JACCARD = 0.5
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module itself, or the module a ``torch.compile(m)`` wrapper holds."""
+    inner = compiled_inner(module)
+    return module if inner is None else inner
 
 
 def _class_name(module: nn.Module) -> str:
@@ -29,6 +38,7 @@ class SignatureCache:
 
     def __call__(self, module: nn.Module) -> str:
         """Hex digest of ``module``'s class, children, parameter and buffer metadata."""
+        module = uncompiled(module)
         key = id(module)
         if key not in self._sig:
             parts = [_class_name(module)]
@@ -49,6 +59,7 @@ def param_names(module: nn.Module) -> frozenset[str]:
 
 def near_identical(a: nn.Module, b: nn.Module) -> bool:
     """True when ``a`` and ``b`` share a class and most parameter names (shapes may differ)."""
+    a, b = uncompiled(a), uncompiled(b)
     if type(a) is not type(b):
         return False
     na, nb = param_names(a), param_names(b)
