@@ -101,6 +101,14 @@ class FlatBufferSpec:
             return 0, 0
         return start - lo, end - lo
 
+    def source_range(self, slot: ParamSlot, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` of the flattened original parameter that rank ``rank``'s slice of ``slot`` holds."""
+        a, b = self.local_range(slot, rank, world_size)
+        if a == b:
+            return 0, 0
+        lo = self.shard_range(rank, world_size)[0]
+        return lo + a - slot.offset, lo + b - slot.offset
+
     def nbytes(self) -> int:
         """Bytes of the parameters themselves in the shard dtype (no padding)."""
         return self.param_numel * itemsize(self.dtype)

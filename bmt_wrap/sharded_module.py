@@ -1,7 +1,9 @@
 """What every module with sharded parameters does differently from plain torch, and nothing else:
 
 - ``state_dict()`` is a collective returning full CPU tensors under the original names (one group
-  gathered at a time), and ``load_state_dict`` takes full tensors and keeps this rank's slices;
+  gathered at a time), and ``load_state_dict`` takes full tensors and keeps this rank's slices. Inside
+  ``torch.distributed.checkpoint``'s ``get_state_dict`` (sharded, its default) each sharded parameter is
+  instead this rank's ``LocalShard`` (no communication), which DCP saves and loads at any world size;
 - ``.to()/.half()/.cuda()`` that would change a sharded parameter raise ``WrapError`` (cast before
   wrapping, or use ``mixed_precision=``).
 """
@@ -14,39 +16,63 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import register_state_dict_hooks
+from ._compat import dcp_state_dict_request, register_state_dict_hooks
+from .checkpoint.local_shard import LocalShard
+from .checkpoint.optim_shards import install_step_hook
 from .errors import WrapError
 from .runtime.group import ShardGroup
 from .runtime.param import DistributedParameter
+from .runtime.process_engine import get_engine
 
 
-class _GatherCache:
-    """The one group gathered while a state_dict is being written (groups are visited in order)."""
+class _StateDictScope:
+    """What the ``state_dict()`` being written asks for, and the one group gathered for it (groups are
+    visited in order, so one gathered group at a time suffices)."""
 
+    depth = 0
+    sharded = False  # DCP's sharded state dict: this rank's elements only, nothing gathered
+    to_cpu = False
+    rank0_only = False  # full values are copied out on rank 0 only (the others just join the gathers)
     group: ShardGroup | None = None
     views: list[list[torch.Tensor]] | None = None
-    depth = 0
+
+    @classmethod
+    def enter(cls, rank0_only: bool = False) -> None:
+        if cls.depth == 0:
+            request = dcp_state_dict_request()
+            cls.sharded = request is not None and not request.full_state_dict
+            cls.to_cpu = request is not None and bool(request.cpu_offload)
+            cls.rank0_only = rank0_only and get_engine().rank != 0
+        cls.depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.depth -= 1
+        if cls.depth == 0:
+            cls.group, cls.views, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
 
     @classmethod
     def value(cls, p: DistributedParameter) -> torch.Tensor:
+        """What the state dict holds for ``p``: its full value on CPU, or this rank's ``LocalShard`` of it."""
+        if cls.sharded:
+            local = p.detach().to("cpu") if cls.to_cpu else p.detach()
+            return LocalShard.of(local, p.full_shape, p.source_range()[0])
         group = p.shard_group
         if cls.group is not group:
-            cls.clear()
+            cls.group, cls.views = None, None
             cls.group = group
             cls.views = [b.slot_views(f) for b, f in zip(group.buffers, group.gather_values(), strict=True)]
         assert cls.views is not None
-        return cls.views[group.buffers.index(p.flat_buffer)][p.slot_index]
-
-    @classmethod
-    def clear(cls) -> None:
-        cls.group, cls.views = None, None
+        if cls.rank0_only:
+            return p.detach()[:0]
+        return cls.views[group.buffers.index(p.flat_buffer)][p.slot_index].detach().to("cpu", copy=True)
 
 
 def _save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     for attr, p in module._parameters.items():
         key = prefix + attr
         if isinstance(p, DistributedParameter) and key in state_dict and state_dict[key] is not p:
-            state_dict[key] = _GatherCache.value(p).detach().to("cpu", copy=True)
+            state_dict[key] = _StateDictScope.value(p)
 
 
 def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -55,14 +81,32 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
         key = prefix + attr
         if not isinstance(p, DistributedParameter) or key not in state_dict:
             continue
-        full = state_dict[key]
-        if tuple(full.shape) != tuple(p.full_shape):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(full.shape)} "
-                              f"from checkpoint, the shape in current model is {tuple(p.full_shape)}.")
-            state_dict[key] = p.detach()
-            continue
-        p.load_full(full.detach().to(p.device, p.dtype))
+        value = state_dict[key]
+        why = _load_into(p, value)
+        if why:
+            error_msgs.append(f"{why} for {key}")
         state_dict[key] = p.detach()  # what torch then copies is this rank's slice onto itself
+
+
+def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
+    """Set ``p``'s slice from a full tensor or from a ``LocalShard`` of the same range; why not, or None."""
+    if isinstance(value, LocalShard):
+        start, end = p.source_range()
+        if tuple(value.full_shape) != tuple(p.full_shape) or (value.start, value.end) != (start, end):
+            return (f"cannot load a LocalShard of elements [{value.start}, {value.end}) of shape "
+                    f"{tuple(value.full_shape)} into this rank's elements [{start}, {end}) of shape "
+                    f"{tuple(p.full_shape)}: load the checkpoint with torch.distributed.checkpoint into this "
+                    "model's own state dict (get_state_dict, dcp.load, set_state_dict)")
+        local = value.local()
+        if local.data_ptr() != p.data_ptr() or local.device != p.device:
+            with torch.no_grad():
+                p.detach().copy_(local)
+        return None
+    if tuple(value.shape) != tuple(p.full_shape):
+        return (f"size mismatch: copying a param with shape {tuple(value.shape)} from checkpoint, the shape in "
+                f"current model is {tuple(p.full_shape)}.")
+    p.load_full(value.detach().to(p.device, p.dtype))
+    return None
 
 
 def install_state_hooks(module: nn.Module) -> None:
@@ -71,6 +115,7 @@ def install_state_hooks(module: nn.Module) -> None:
         return
     register_state_dict_hooks(module, _save_hook, _load_pre_hook)
     module._bmt_state_hooks = True
+    install_step_hook()  # optimizers over these parameters then save their state per rank (LocalShard)
 
 
 def _install_below(root: nn.Module) -> None:
@@ -81,19 +126,28 @@ def _install_below(root: nn.Module) -> None:
             install_state_hooks(m)
 
 
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with full CPU tensors on rank 0 only (``{}`` elsewhere, no copies made there),
+    or on every rank; a collective gathering one group at a time (FSDP's ``rank0_only`` full state dict)."""
+    _StateDictScope.enter(rank0_only=rank0_only)
+    try:
+        state = model.state_dict()
+    finally:
+        _StateDictScope.exit()
+    return {} if rank0_only and get_engine().rank != 0 else state
+
+
 class ShardedModuleMixin:
     """Mixed into blocks, ``DistributedModule`` and wrapped roots (see the module docstring)."""
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors on CPU under the original names; a collective (every rank must call it)."""
         _install_below(self)  # type: ignore[arg-type]
-        _GatherCache.depth += 1
+        _StateDictScope.enter()
         try:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
         finally:
-            _GatherCache.depth -= 1
-            if _GatherCache.depth == 0:
-                _GatherCache.clear()
+            _StateDictScope.exit()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         """Load full tensors; each rank keeps its slices of sharded parameters."""

@@ -60,14 +60,7 @@ def _ranges(e: Entry, world: int) -> list[list[int]]:
     """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0)."""
     if e.param is None:
         return [[0, e.numel]] + [[0, 0]] * (world - 1)
-    spec = e.param.flat_buffer.spec
-    slot = e.param.slot_spec
-    out = []
-    for r in range(world):
-        a, b = spec.local_range(slot, r, world)
-        lo = spec.shard_range(r, world)[0]
-        out.append([lo + a - slot.offset, lo + b - slot.offset] if a < b else [0, 0])
-    return out
+    return [list(e.param.source_range(r)) for r in range(world)]
 
 
 def _param_names(entries: list[Entry]) -> dict[int, str]:

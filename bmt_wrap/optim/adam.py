@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..checkpoint.optim_shards import attach_state_hooks, local_state_dict
 from ..dtypes import FLOATING, LOW_PRECISION
 from ..errors import OptimizerError
 from ..kernels import cupy_usable
@@ -64,6 +65,7 @@ class AdamOptimizer(torch.optim.Optimizer):
                 raise OptimizerError(f"{type(self).__name__} updates floating-point parameters only; got one of "
                                      f"dtype {p.dtype}: leave it out of the optimizer's params")
         self.hold_steps = hold_steps
+        attach_state_hooks(self)  # state_dict(): sharded parameters' state as LocalShards (DCP saves per rank)
         self._views: dict[torch.Tensor, _StateViews] = {}
         self._plans = PlanCache()
         self._scratch: dict[torch.device, torch.Tensor] = {}
@@ -207,7 +209,10 @@ class AdamOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict()`` (ours, or torch's Adam/AdamW one: a missing master is taken from the parameter)."""
+        """Load a ``state_dict()`` (ours, or torch's Adam/AdamW one: a missing master is taken from the parameter).
+
+        State of a sharded parameter may be this rank's slice, a ``LocalShard`` of it, or the full tensor."""
+        state_dict = local_state_dict(self, state_dict)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)):

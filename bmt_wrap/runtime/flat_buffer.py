@@ -73,14 +73,9 @@ class FlatBuffer:
         self.shard = shard
 
     # ---- moving data between full tensors and this rank's shard ----------------------------------
-    def slot_source_range(self, i: int) -> tuple[int, int]:
-        """``[start, end)`` inside the flattened original parameter that this rank's slice covers."""
-        slot = self.spec.slots[i]
-        lo = self.rank * self.shard_numel
-        a, b = self.local_ranges[i]
-        if a == b:
-            return 0, 0
-        return a + lo - slot.offset, b + lo - slot.offset
+    def slot_source_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` inside the flattened original parameter that this rank's (or ``rank``'s) slice covers."""
+        return self.spec.source_range(self.spec.slots[i], self.rank if rank is None else rank, self.world_size)
 
     @torch.no_grad()
     def load_slot(self, i: int, full: torch.Tensor) -> None:

@@ -72,9 +72,9 @@ class DistributedParameter(nn.Parameter):
         """Its slot in the plan: name, aliases, shape, offset."""
         return self._bmt_buffer.spec.slots[self._bmt_slot]
 
-    def source_range(self) -> tuple[int, int]:
-        """``[start, end)`` of the flattened full tensor that this rank's slice holds."""
-        return self._bmt_buffer.slot_source_range(self._bmt_slot)
+    def source_range(self, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` of the flattened full tensor that this rank's (or rank ``rank``'s) slice holds."""
+        return self._bmt_buffer.slot_source_range(self._bmt_slot, rank)
 
     def load_full(self, full: torch.Tensor) -> None:
         """Keep this rank's part of ``full`` (the whole parameter, identical on every rank); no communication."""
