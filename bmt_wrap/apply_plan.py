@@ -39,7 +39,8 @@ class WrappedModule(ShardedModuleMixin, nn.Module):
     _bmt_runtime: ModelRuntime  # this model's groups and schedule
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
-        """Clip to the norm of the full gradient over every rank (what transformers' Trainer calls)."""
+        """Clip to the norm of the full gradient over every rank, as FSDP's ``clip_grad_norm_`` does (tools that
+        clip with ``torch.nn.utils.clip_grad_norm_`` clip each rank's shard alone: see docs/integrations.md)."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
 

@@ -28,3 +28,20 @@ def batch_for_step(corpus: torch.Tensor, step: int, seed: int, global_batch: int
     mine = starts.chunk(world)[rank]
     windows = torch.stack([corpus[s:s + seq + 1] for s in mine.tolist()])
     return windows[:, :-1], windows[:, 1:]
+
+
+def byte_windows(corpus: torch.Tensor, count: int, seq: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``count`` training rows of ``seq`` bytes (``input_ids`` and ``labels``, as transformers' causal LMs
+    take them: the model shifts the labels itself), at fixed random offsets."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, corpus.numel() - seq, (count,), generator=g)
+    return [{"input_ids": corpus[s:s + seq], "labels": corpus[s:s + seq]} for s in starts.tolist()]
+
+
+def byte_llama(layers: int, dim: int) -> torch.nn.Module:
+    """A transformers Llama over bytes (vocab 256) from its default config with the sizes shrunk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=dim, intermediate_size=4 * dim,
+                                        num_hidden_layers=layers, num_attention_heads=max(1, dim // 32),
+                                        num_key_value_heads=max(1, dim // 64), max_position_embeddings=1024))
