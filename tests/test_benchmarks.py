@@ -52,3 +52,15 @@ def test_gpu_benchmark_exits_with_a_message_without_cuda() -> None:
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
+
+
+def test_sharded_formats_benchmark_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "formats.md"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(BENCHMARKS / "sharded_formats.py"), "--gb", "0.03", "--repeats", "1", "--dir",
+                           str(tmp_path / "ckpt"), "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "format" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["bmt.save_checkpoint (ours)", "torch.distributed.checkpoint"]
+    assert "command: torchrun --nproc_per_node=2 benchmarks/sharded_formats.py" in out.read_text()
