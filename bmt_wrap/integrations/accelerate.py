@@ -6,6 +6,7 @@ its own norm, and saves rank 0's optimizer shard as the whole optimizer. This su
 those three things for models and optimizers holding sharded parameters, and nothing for others:
 
 - ``prepare`` leaves a wrapped model unwrapped (it reduces its own gradients) and places nothing;
+- ``get_state_dict`` (and so ``save_model``) gathers full tensors into the main process only;
 - ``clip_grad_norm_`` clips to the norm of the full gradient over every rank, and returns it;
 - ``save_state``/``load_state`` write each sharded optimizer with ``torch.distributed.checkpoint`` into
   ``optimizer_sharded`` (``optimizer_sharded_<i>`` for more), every rank its own part, and leave a
@@ -27,6 +28,7 @@ from ..checkpoint.dcp import holds_sharded_parameters, load_sharded, owner_of, s
 from ..errors import CheckpointError, WrapError
 from ..optim import clip_grad_norm_ as sharded_clip_grad_norm_
 from ..runtime.param import DistributedParameter
+from ..sharded_module import full_state_dict
 
 #: The key of the placeholder written where accelerate expects an optimizer state dict.
 PLACEHOLDER_KEY = "bmt_wrap.sharded_optimizer_state"
@@ -85,6 +87,13 @@ class Accelerator(accelerate.Accelerator):
             prepared.__class__ = ShardedAcceleratedOptimizer  # adds behaviour only, no state of its own
             _sharded_optimizers(self).append(prepared)
         return prepared
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Full tensors of a wrapped model on the main process only (``{}`` elsewhere), gathered one group
+        at a time, as accelerate's FSDP full state dict is; every rank must call it (``save_model`` does)."""
+        if holds_sharded_parameters(model):
+            return full_state_dict(self.unwrap_model(model) if unwrap else model, rank0_only=True)
+        return super().get_state_dict(model, unwrap=unwrap)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float | str = 2) -> torch.Tensor:
         """Clip to the norm of the full gradient over every rank (sharded parameters), and return it."""
