@@ -151,6 +151,7 @@ class Engine:
     def begin_forward(self, runtime: ModelRuntime, lead: ShardGroup | None = None) -> None:
         """A root forward of ``runtime``'s model starts: drop stray gathers, gather ``lead`` (the root),
         prefetch the model's first blocks."""
+        self._recover_from_aborted_backward(new_step=True)
         self.in_forward = True
         self._release_strays()
         if lead is not None:
@@ -267,6 +268,7 @@ class Engine:
     # ---- backward --------------------------------------------------------------------------------------------
     def acquire_for_backward(self, call: BlockCall) -> None:
         """Gather this call's group, prefetching the calls backward reaches next."""
+        self._recover_from_aborted_backward(new_step=False)
         self.reducer.ensure_callback()
         self._on_backward_start()
         self._acquired_calls.append(call)
@@ -274,6 +276,7 @@ class Engine:
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
+        self._recover_from_aborted_backward(new_step=False)
         self.reducer.ensure_callback()
         self._on_backward_start()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
@@ -312,15 +315,32 @@ class Engine:
             for runtime in list(self._runtimes):
                 runtime.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
 
-    def _end_backward(self) -> None:
+    def _recover_from_aborted_backward(self, new_step: bool) -> None:
+        """Undo what a backward that raised midway left (its end-of-backward callback never ran): its
+        half-done reductions, its calls still gathered, the phase. Without this the next backward queues no
+        callback, so no ``.grad`` is ever set, and stale gathered groups serve old parameter values.
+
+        Waits only on collectives the aborted backward already posted and posts none: ranks that failed at
+        the same point stay in step. A rank that failed alone diverges from its peers, and the order check
+        (or the timeout) raises on every rank at the next collective.
+        """
+        if not self.reducer.aborted:
+            return
+        self.reducer.abandon()
+        # A new forward starts a new step: the aborted step's calls must not feed backward prefetch. A
+        # backward entering here may belong to a graph built before the failure, whose call indices stand.
+        self._end_backward(clear_calls=new_step)
+
+    def _end_backward(self, clear_calls: bool = True) -> None:
         self._backward_started = False
         # Calls whose saved tensors autograd never asked for (outputs the loss did not use) hold their
         # storage until here.
         calls, self._acquired_calls = self._acquired_calls, []
         for call in calls:
             call.try_release(end_of_backward=True)
-        for runtime in list(self._runtimes):
-            runtime.prefetcher.end_backward()
+        if clear_calls:
+            for runtime in list(self._runtimes):
+                runtime.prefetcher.end_backward()
         for g in self.groups:
             if g.in_use == 0:
                 g.release()

@@ -5,10 +5,15 @@ semantics) into the group's gradient shard, overlapping the next block's backwar
 returns, an autograd callback has waited for all of them, agreed across ranks which parameters got a
 gradient (one small all-reduce), and set each parameter's ``.grad`` to its view of the gradient shard;
 a parameter no rank used keeps ``.grad is None``, as in torch.
+
+A backward that raises midway never runs that callback: autograd drops it unrun with the graph task. The
+reducer keeps only a weak reference to it, so the next backward or forward sees it is gone (``aborted``)
+and the engine abandons what that backward left (``abandon``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +43,18 @@ class _Touched:
 @dataclass
 class _Pending:
     handle: Handle
-    done: Callable[[], None]
+    done: Callable[[], None]  # apply the reduced gradient and give the buffers back
+    discard: Callable[[], None]  # only give the buffers back (the backward was aborted)
+
+
+class _EndOfBackward:
+    """The queued end-of-backward callback; autograd drops it unrun when the backward raises."""
+
+    def __init__(self, reducer: GradReducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self) -> None:
+        self.reducer.finalize()
 
 
 @dataclass
@@ -52,12 +68,35 @@ class GradReducer:
     _pending: deque = field(default_factory=deque)
     _touched: dict[int, _Touched] = field(default_factory=dict)
     callback_queued: bool = False
+    _queued: weakref.ref[_EndOfBackward] | None = None  # alive while its backward's graph task is
 
     def ensure_callback(self) -> None:
         """Queue the end-of-backward callback once per backward (call from inside backward)."""
         if not self.callback_queued:
-            queue_autograd_callback(self.finalize)
+            callback = _EndOfBackward(self)
+            queue_autograd_callback(callback)
+            self._queued = weakref.ref(callback)
             self.callback_queued = True
+
+    @property
+    def aborted(self) -> bool:
+        """True when the backward that queued the callback ended without running it (it raised)."""
+        return self.callback_queued and (self._queued is None or self._queued() is None)
+
+    def abandon(self) -> None:
+        """Drop an aborted backward's reductions: finish those in flight (every rank posted them) and give
+        their buffers back without applying them. A parameter whose ``.grad`` was None keeps None; one that
+        held a gradient (accumulation) may already hold part of the failed step's, as in torch."""
+        try:
+            while self._pending:
+                pending = self._pending.popleft()
+                pending.handle.wait()
+                pending.discard()
+        finally:
+            self._pending.clear()  # only left after a failed wait: the process group is unusable then
+            self._touched.clear()
+            self.callback_queued = False
+            self._queued = None
 
     def reduce(self, buffer: FlatBuffer, full_grad: torch.Tensor, used: list[bool],
                release: Callable[[], None]) -> None:
@@ -67,8 +106,10 @@ class GradReducer:
         touched.used = [a or b for a, b in zip(touched.used, used, strict=True)]
         grad_shard = touched.grad_shard
         if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
+            # A fresh shard no .grad views yet: an aborted backward's write into it is never seen.
             out = grad_shard
             done: Callable[[], None] = release
+            discard: Callable[[], None] = release
         else:
             out = self.pool.acquire(buffer.shard_numel, full_grad.dtype, full_grad.device)
             accumulate = touched.accumulate
@@ -78,11 +119,14 @@ class GradReducer:
                     grad_shard.add_(out)
                 else:
                     grad_shard.copy_(out)
+                discard()
+
+            def discard() -> None:
                 self.pool.release(out)
                 release()
         touched.accumulate = True  # a second call of the same block in this step adds to the first
         handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
-        self._pending.append(_Pending(handle, done))
+        self._pending.append(_Pending(handle, done, discard))
 
     def make_room(self) -> None:
         """Before taking another full-gradient buffer: at most ``MAX_IN_FLIGHT`` exist at once."""
@@ -135,6 +179,7 @@ class GradReducer:
         finally:
             self._touched.clear()
             self.callback_queued = False
+            self._queued = None
             for fn in self.on_finalize:
                 fn()
 

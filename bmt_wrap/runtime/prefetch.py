@@ -71,7 +71,9 @@ class Prefetcher(Generic[G]):
     def backward_call(self, index: int) -> list[G]:
         """Backward of call ``index`` starts: returns the groups of the calls backward reaches next."""
         schedule = PrefetchSchedule(len(self.calls), self.depth)
-        return [self.calls[j] for j in schedule.backward(index)[1:]]
+        # A graph built before an aborted backward may outlive the calls it indexed (cleared when the next
+        # forward began): past the end there is nothing to prefetch.
+        return [self.calls[j] for j in schedule.backward(index)[1:] if j < len(self.calls)]
 
     def end_backward(self) -> None:
         """The step's backward finished."""
