@@ -42,10 +42,10 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         for g in groups:
             # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
             # precision on writeback.
-            for f, b in zip(g.gather_values(), g.buffers, strict=True):
-                views = b.slot_views(f)
-                for v, p in zip(views, b.params, strict=True):
-                    whole = nn.Parameter(v, requires_grad=p.requires_grad)
+            values = g.param_values()
+            for b in g.buffers:
+                for p in b.params:
+                    whole = nn.Parameter(values[id(p)], requires_grad=p.requires_grad)
                     full.append((p, whole))
                     for module, attr in sites.get(id(p), []):
                         module._parameters[attr] = whole

@@ -34,7 +34,7 @@ class _StateDictScope:
     to_cpu = False
     rank0_only = False  # full values are copied out on rank 0 only (the others just join the gathers)
     group: ShardGroup | None = None
-    views: list[list[torch.Tensor]] | None = None
+    values: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def enter(cls, rank0_only: bool = False) -> None:
@@ -49,7 +49,7 @@ class _StateDictScope:
     def exit(cls) -> None:
         cls.depth -= 1
         if cls.depth == 0:
-            cls.group, cls.views, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
+            cls.group, cls.values, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
 
     @classmethod
     def value(cls, p: DistributedParameter) -> torch.Tensor:
@@ -59,13 +59,12 @@ class _StateDictScope:
             return LocalShard.of(local, p.full_shape, p.source_range()[0])
         group = p.shard_group
         if cls.group is not group:
-            cls.group, cls.views = None, None
-            cls.group = group
-            cls.views = [b.slot_views(f) for b, f in zip(group.buffers, group.gather_values(), strict=True)]
-        assert cls.views is not None
+            cls.group, cls.values = None, None  # the previous group's values go before the next gather
+            cls.group, cls.values = group, group.param_values()
+        assert cls.values is not None
         if cls.rank0_only:
             return p.detach()[:0]
-        return cls.views[group.buffers.index(p.flat_buffer)][p.slot_index].detach().to("cpu", copy=True)
+        return cls.values[id(p)].detach().to("cpu", copy=True)
 
 
 def _save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

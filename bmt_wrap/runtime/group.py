@@ -151,6 +151,15 @@ class ShardGroup:
             h.wait()
         return full
 
+    def param_values(self) -> dict[int, torch.Tensor]:
+        """Every parameter's full value (shard dtype), keyed by ``id`` of its ``DistributedParameter``: views
+        of one ``gather_values()``; the one way layers above read whole parameters (a collective)."""
+        values = {}
+        for b, full in zip(self.buffers, self.gather_values(), strict=True):
+            for p, view in zip(b.params, b.slot_views(full), strict=True):
+                values[id(p)] = view
+        return values
+
     def _check_materialised(self) -> None:
         meta = [f for b in self.buffers if b.shard.is_meta for f in b.fqns()]
         if meta:
