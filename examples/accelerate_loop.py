@@ -12,12 +12,11 @@ state; ``--resume`` continues from it, exactly where it stopped.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
-from corpus import byte_llama, byte_windows, load_corpus
+from corpus import byte_llama, byte_windows, lm_arguments, load_corpus
 from torch.utils.data import DataLoader
 
 import bmt_wrap as bmt
@@ -25,15 +24,9 @@ from bmt_wrap.integrations.accelerate import Accelerator
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4, help="rows per rank and step")
+    parser = lm_arguments(__doc__.splitlines()[0], "out/accelerate_loop")
     parser.add_argument("--stop-at", type=int, default=None, help="save the state after this step and stop")
     parser.add_argument("--resume", action="store_true", help="continue from the state in --out-dir")
-    parser.add_argument("--out-dir", default="out/accelerate_loop")
     args = parser.parse_args()
 
     bmt.init_distributed(seed=0)

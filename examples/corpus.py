@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -45,3 +46,15 @@ def byte_llama(layers: int, dim: int) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=dim, intermediate_size=4 * dim,
                                         num_hidden_layers=layers, num_attention_heads=max(1, dim // 32),
                                         num_key_value_heads=max(1, dim // 64), max_position_embeddings=1024))
+
+
+def lm_arguments(description: str, out_dir: str) -> argparse.ArgumentParser:
+    """The options the byte-level Llama examples share: length of the run, model and batch sizes, output."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="rows per rank and step")
+    parser.add_argument("--out-dir", default=out_dir)
+    return parser

@@ -12,13 +12,12 @@ sizes shrunk; the data are windows of the bytes of the installed torch package's
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from corpus import byte_llama, byte_windows, load_corpus
+from corpus import byte_llama, byte_windows, lm_arguments, load_corpus
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -50,15 +49,9 @@ class ByteLM(pl.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4, help="rows per rank and step")
+    parser = lm_arguments(__doc__.splitlines()[0], "out/lightning_module")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
-    parser.add_argument("--out-dir", default="out/lightning_module")
     args = parser.parse_args()
 
     bmt.init_distributed(seed=0)  # before the module wraps its network

@@ -12,13 +12,12 @@ transformers reads: rank 0 reloads it with ``from_pretrained`` and scores it aga
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
 import torch
-from corpus import byte_llama, byte_windows, load_corpus
+from corpus import byte_llama, byte_windows, lm_arguments, load_corpus
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 import bmt_wrap as bmt
@@ -26,15 +25,9 @@ from bmt_wrap.integrations.transformers import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4, help="rows per rank and step")
+    parser = lm_arguments(__doc__.splitlines()[0], "out/trainer_finetune")
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
-    parser.add_argument("--out-dir", default="out/trainer_finetune")
     args = parser.parse_args()
 
     bmt.init_distributed(seed=0)

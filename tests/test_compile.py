@@ -16,8 +16,8 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from parity import lm_batches, train_side_by_side
-from toy import ToyGPT
 from torch import nn
+from toy import ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.passes import discover_blocks

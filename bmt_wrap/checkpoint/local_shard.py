@@ -113,7 +113,11 @@ class LocalShard(torch.Tensor):
     # ---- DCP's checkpointable protocol (DCP is imported only by whoever checkpoints with it: it costs ~2 s)
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         """One write item per box this rank holds."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         props = TensorProperties.create_from_tensor(self.local())
