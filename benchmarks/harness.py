@@ -101,7 +101,7 @@ def parse_args(description: str, default_systems: list[str], argv: list[str] | N
     p.add_argument("--json", dest="json_path", help="write the rows (and the set-up) here")
     p.add_argument("--plot", help="draw step time, peak RSS and communication into this PNG")
     p.add_argument("--out", type=Path, help="write the Markdown table here (default: "
-                   "benchmarks/results/compare_<model>.md, which RESULTS.md quotes)")
+                   "benchmarks/results/<script>_<model>.md, which RESULTS.md quotes)")
     args = p.parse_args(argv)
     unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
@@ -128,7 +128,8 @@ def main(description: str, default_systems: list[str], argv: list[str] | None = 
              "warmup": args.warmup, "rounds": args.rounds, "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
              "MALLOC_MMAP_THRESHOLD_": env.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)"),
              "command": command_line(argv)}
-    out = args.out or Path(__file__).parent / "results" / f"compare_{args.model}.md"
+    # compare.py and engine.py share this harness: each script's table gets a file of its own.
+    out = args.out or Path(__file__).parent / "results" / f"{Path(sys.argv[0]).stem}_{args.model}.md"
     publish(format_table(rows, setup).splitlines(), out, setup["command"])
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
