@@ -1,11 +1,11 @@
 """Put the tables the benchmark scripts wrote into RESULTS.md, so its figures are regenerated, never edited.
 
-    python benchmarks/assemble_results.py [--results benchmarks/results] [--doc benchmarks/RESULTS.md] [--check]
+    python benchmarks/assemble_results.py [--results benchmarks/results] [--doc DOC ...] [--check]
 
-RESULTS.md holds each table between ``<!-- table: NAME.md -->`` and ``<!-- end table -->``; this replaces
+RESULTS.md (and README.md's benchmark section) hold each table between ``<!-- table: NAME.md -->`` and ``<!-- end table -->``; this replaces
 what is between them with ``results/NAME.md`` (the table and the command that made it, as the script
 wrote it). Tables whose file is absent stay as they are and are listed. ``--check`` changes nothing and
-exits 1 if a table differs from its file or a Markdown table sits outside the markers.
+exits 1 if a table differs from its file or (in RESULTS.md) a Markdown table sits outside the markers.
 """
 
 from __future__ import annotations
@@ -43,21 +43,24 @@ def tables_outside_markers(doc: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--doc", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--doc", type=Path, nargs="+", default=[HERE / "RESULTS.md", HERE.parent / "README.md"])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    doc = args.doc.read_text()
-    new, replaced, missing = assemble(doc, args.results)
-    loose = tables_outside_markers(doc)
-    if args.check:
-        stale = new != doc
-        print(f"{'stale' if stale else 'up to date'}: {len(replaced)} table(s) compared, missing files: {missing}")
-        for line in loose:
-            print(f"table row outside the markers: {line[:100]}")
-        return 1 if stale or loose else 0
-    args.doc.write_text(new)
-    print(f"{args.doc}: {len(replaced)} table(s) from {args.results}; left as they were (no file): {missing}")
-    return 0
+    failed = False
+    for path in args.doc:
+        doc = path.read_text()
+        new, replaced, missing = assemble(doc, args.results)
+        loose = tables_outside_markers(doc) if path.name == "RESULTS.md" else []
+        if args.check:
+            stale = new != doc
+            print(f"{path}: {'stale' if stale else 'up to date'}, {len(replaced)} table(s) compared, missing: {missing}")
+            for line in loose:
+                print(f"{path}: table row outside the markers: {line[:100]}")
+            failed |= stale or bool(loose)
+        else:
+            path.write_text(new)
+            print(f"{path}: {len(replaced)} table(s) from {args.results}; left as they were (no file): {missing}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -64,3 +64,17 @@ def test_sharded_formats_benchmark_writes_its_table(tmp_path: Path) -> None:
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "format" not in line]
     assert [r.split("|")[1].strip() for r in rows] == ["bmt.save_checkpoint (ours)", "torch.distributed.checkpoint"]
     assert "command: torchrun --nproc_per_node=2 benchmarks/sharded_formats.py" in out.read_text()
+
+
+def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:
+    from assemble_results import assemble, tables_outside_markers
+
+    doc = (BENCHMARKS / "RESULTS.md").read_text()
+    assert tables_outside_markers(doc) == [], "every table in RESULTS.md comes from a script's file"
+    for block in doc.split("<!-- table: ")[1:]:
+        body = block.split("<!-- end table -->")[0].strip().splitlines()[1:]
+        assert not body or body[-1].startswith("command: "), f"a table without the command that made it: {block[:60]}"
+    (tmp_path / "comm.md").write_text("| op | x |\n|---|---|\n| a | 1 |\n\ncommand: torchrun bench\n")
+    new, replaced, _ = assemble("x\n<!-- table: comm.md -->\nold\n<!-- end table -->\ny\n", tmp_path)
+    assert replaced == ["comm.md"]
+    assert new == "x\n<!-- table: comm.md -->\n| op | x |\n|---|---|\n| a | 1 |\n\ncommand: torchrun bench\n<!-- end table -->\ny\n"
