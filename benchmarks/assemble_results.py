@@ -2,7 +2,7 @@
 
     python benchmarks/assemble_results.py [--results benchmarks/results] [--doc DOC ...] [--check]
 
-RESULTS.md (and README.md's benchmark section) hold each table between ``<!-- table: NAME.md -->`` and ``<!-- end table -->``; this replaces
+RESULTS.md (and README.md's benchmark section, docs/compile.md) hold each table between ``<!-- table: NAME.md -->`` and ``<!-- end table -->``; this replaces
 what is between them with ``results/NAME.md`` (the table and the command that made it, as the script
 wrote it). Tables whose file is absent stay as they are and are listed. ``--check`` changes nothing and
 exits 1 if a table differs from its file or (in RESULTS.md) a Markdown table sits outside the markers.
@@ -43,7 +43,8 @@ def tables_outside_markers(doc: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--doc", type=Path, nargs="+", default=[HERE / "RESULTS.md", HERE.parent / "README.md"])
+    parser.add_argument("--doc", type=Path, nargs="+", default=[HERE / "RESULTS.md", HERE.parent / "README.md",
+                                                                   HERE.parent / "docs" / "compile.md"])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     failed = False
