@@ -20,8 +20,8 @@ from torch import nn
 
 __all__ = [
     "caller_frame", "dcp_state_dict_request", "default_store", "disabled_torch_function", "foreach_copy_",
-    "foreach_div_", "foreach_mul_", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights", "hf_initialize_weights_replaced", "make_tensor_subclass",
-    "pytree", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
+    "foreach_div_", "foreach_mul_", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
+    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",

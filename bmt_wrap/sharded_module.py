@@ -90,12 +90,9 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
 def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
     """Set ``p``'s slice from a full tensor or from a ``LocalShard`` of the same range; why not, or None."""
     if isinstance(value, LocalShard):
-        start, end = p.source_range()
-        if tuple(value.full_shape) != tuple(p.full_shape) or (value.start, value.end) != (start, end):
-            return (f"cannot load a LocalShard of elements [{value.start}, {value.end}) of shape "
-                    f"{tuple(value.full_shape)} into this rank's elements [{start}, {end}) of shape "
-                    f"{tuple(p.full_shape)}: load the checkpoint with torch.distributed.checkpoint into this "
-                    "model's own state dict (get_state_dict, dcp.load, set_state_dict)")
+        why = value.range_mismatch(p.full_shape, *p.source_range())
+        if why:
+            return f"cannot load this LocalShard: {why}"
         local = value.local()
         if local.data_ptr() != p.data_ptr() or local.device != p.device:
             with torch.no_grad():

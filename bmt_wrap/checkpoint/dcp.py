@@ -78,6 +78,16 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
     agree(error, what=f"save {target}")
 
 
+def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Read a complete ``save_directory`` save into ``state``'s tensors, in place (at any world size); a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (Path(directory) / ".metadata").is_file():
+        raise CheckpointError(f"{directory} holds no torch.distributed.checkpoint metadata (.metadata): it is not a "
+                              "sharded checkpoint, or its save did not finish; resume from an earlier checkpoint")
+    dcp.load(state, checkpoint_id=str(directory))
+
+
 def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to ``directory`` with DCP; a collective."""
@@ -94,7 +104,6 @@ def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
 def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Read what ``save_sharded`` wrote (at any world size) into ``model`` and ``optimizer``; a collective."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -102,15 +111,12 @@ def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
         set_optimizer_state_dict,
     )
 
-    if not (Path(directory) / ".metadata").is_file():
-        raise CheckpointError(f"{directory} holds no torch.distributed.checkpoint metadata (.metadata): it is not a "
-                              "sharded checkpoint, or its save did not finish; resume from an earlier checkpoint")
     state: dict[str, Any] = {}
     if with_model:
         state["model"] = get_model_state_dict(model)
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
+    load_directory(directory, state)
     if with_model:
         set_model_state_dict(model, state["model"])
     if optimizer is not None:

@@ -88,6 +88,14 @@ class LocalShard(torch.Tensor):
         """This rank's elements as a plain 1-D tensor (shares storage)."""
         return self.as_subclass(torch.Tensor)
 
+    def range_mismatch(self, full_shape: tuple[int, ...] | torch.Size, start: int, end: int) -> str | None:
+        """Why this shard is not elements ``[start, end)`` of a tensor of ``full_shape``, or None."""
+        if tuple(self.full_shape) == tuple(full_shape) and (self.start, self.end) == (start, end):
+            return None
+        return (f"it holds elements [{self.start}, {self.end}) of {tuple(self.full_shape)}, this rank's are "
+                f"[{start}, {end}) of {tuple(full_shape)}: load the checkpoint through torch.distributed.checkpoint "
+                "into this model's and optimizer's own state dicts (get_state_dict, dcp.load, set_state_dict)")
+
     @property
     def end(self) -> int:
         """One past the last flat element held."""

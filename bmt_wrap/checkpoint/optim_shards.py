@@ -107,11 +107,9 @@ def _local_value(p: DistributedParameter, key: str, v: Any) -> Any:
         return v
     start, end = p.source_range()
     if isinstance(v, LocalShard):
-        if tuple(v.full_shape) != tuple(p.full_shape) or (v.start, v.end) != (start, end):
-            raise CheckpointError(
-                f"optimizer state {key!r} of {p.fqn!r} holds elements [{v.start}, {v.end}) of "
-                f"{tuple(v.full_shape)}, this rank's slice is [{start}, {end}) of {tuple(p.full_shape)}: load "
-                "the checkpoint through torch.distributed.checkpoint into this optimizer's own state dict")
+        why = v.range_mismatch(p.full_shape, start, end)
+        if why:
+            raise CheckpointError(f"optimizer state {key!r} of {p.fqn!r}: {why}")
         return v.local()
     if v.numel() == p.full_shape.numel() and tuple(v.shape) in (tuple(p.full_shape), (p.full_shape.numel(),)) \
             and v.numel() != p.numel():

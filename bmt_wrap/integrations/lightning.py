@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..checkpoint.dcp import holds_sharded_parameters, save_directory
+from ..checkpoint.dcp import holds_sharded_parameters, load_directory, save_directory
 from ..distributed import is_initialized
 from ..errors import CheckpointError, WrapError
 from ..optim import clip_grad_norm_ as sharded_clip_grad_norm_
@@ -126,7 +126,6 @@ class ShardedStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint directory into the module and optimizers; return the rest for Lightning."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = Path(checkpoint_path)
@@ -141,7 +140,7 @@ class ShardedStrategy(DDPStrategy):
         module = self.lightning_module
         state = {"state_dict": self.lightning_module_state_dict(),
                  "optimizer_states": [self.optimizer_state(o) for o in self.optimizers] if saved_optimizers else []}
-        dcp.load(state, checkpoint_id=str(path))
+        load_directory(path, state)
         set_model_state_dict(module, state["state_dict"])
         for optimizer, saved in zip(self.optimizers if saved_optimizers else [], state["optimizer_states"],
                                     strict=True):
