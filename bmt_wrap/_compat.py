@@ -21,7 +21,7 @@ from torch import nn
 __all__ = [
     "caller_frame", "dcp_state_dict_request", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
-    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
+    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
@@ -46,6 +46,17 @@ def queue_autograd_callback(fn: Callable[[], None]) -> None:
 
 #: A tensor subclass's ``__torch_function__`` that makes ops see a plain tensor (what ``nn.Parameter`` uses).
 disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def register_foreach_type(cls: type) -> None:
+    """Let torch's optimizers and ``clip_grad_norm_`` take their multi-tensor paths for tensors of ``cls``
+    (the lists they check by exact type; DTensor registers itself the same way)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if cls not in types:
+            types.append(cls)
 
 
 def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -35,6 +35,10 @@ class WrapError(BMTError):
     """A model cannot be wrapped as asked, or a wrapped model was used in an unsupported way."""
 
 
+class ShardedTensorError(WrapError):
+    """An operation a sharded parameter (one rank's range of the full tensor) cannot answer locally."""
+
+
 class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 

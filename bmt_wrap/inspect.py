@@ -23,17 +23,18 @@ from .errors import BMTError
 from .log import get_logger
 from .optim.sharding import is_sharded
 from .runtime.process_engine import get_engine
+from .runtime.sharded_tensor import local_view
 
 STAT_KEYS = ("mean", "std", "min", "max")
 
 
 def _local_slices(p: torch.Tensor, mine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's contribution (values, gradient) to ``p``'s statistics, flattened, fp32 or wider."""
-    empty = p.detach().new_empty(0, dtype=torch.float32)
+    values = local_view(p).detach().reshape(-1)
+    empty = values.new_empty(0, dtype=torch.float32)
     if not mine:  # a replicated parameter counts once: rank 0 contributes it
         return empty, None if p.grad is None else empty
-    values = p.detach().reshape(-1)
-    grad = None if p.grad is None else p.grad.detach().reshape(-1)
+    grad = None if p.grad is None else local_view(p.grad).detach().reshape(-1)
     return values, grad
 
 
@@ -88,7 +89,7 @@ def inspect_model(model: nn.Module, pattern: str = "*") -> list[dict[str, Any]]:
             continue
         sharded = is_sharded(p)
         names.append(name)
-        shapes.append(tuple(p.full_shape) if sharded else tuple(p.shape))
+        shapes.append(tuple(p.shape))
         slices.extend(_local_slices(p, sharded or rank0))
     return [{"name": name, "shape": shape, **stats} for name, shape, stats in zip(names, shapes, _rows(slices), strict=True)]
 

@@ -19,6 +19,7 @@ from torch import nn
 from ._compat import dcp_state_dict_request, register_state_dict_hooks
 from .checkpoint.local_shard import LocalShard
 from .checkpoint.optim_shards import install_step_hook
+from .optim.rebind import install_rebind_hook
 from .errors import WrapError
 from .runtime.group import ShardGroup
 from .runtime.param import DistributedParameter
@@ -55,7 +56,8 @@ class _StateDictScope:
     def value(cls, p: DistributedParameter) -> torch.Tensor:
         """What the state dict holds for ``p``: its full value on CPU, or this rank's ``LocalShard`` of it."""
         if cls.sharded:
-            local = p.detach().to("cpu") if cls.to_cpu else p.detach()
+            local = p.to_local().detach()
+            local = local.to("cpu") if cls.to_cpu else local
             return LocalShard.of(local, p.full_shape, p.source_range()[0])
         group = p.shard_group
         if cls.group is not group:
@@ -63,7 +65,7 @@ class _StateDictScope:
             cls.group, cls.values = group, group.param_values()
         assert cls.values is not None
         if cls.rank0_only:
-            return p.detach()[:0]
+            return p.to_local().detach()[:0]
         return cls.values[id(p)].detach().to("cpu", copy=True)
 
 
@@ -94,9 +96,10 @@ def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
         if why:
             return f"cannot load this LocalShard: {why}"
         local = value.local()
-        if local.data_ptr() != p.data_ptr() or local.device != p.device:
+        mine = p.to_local()
+        if local.data_ptr() != mine.data_ptr() or local.device != mine.device:
             with torch.no_grad():
-                p.detach().copy_(local)
+                mine.copy_(local)
         return None
     if tuple(value.shape) != tuple(p.full_shape):
         return (f"size mismatch: copying a param with shape {tuple(value.shape)} from checkpoint, the shape in "
@@ -111,6 +114,7 @@ def install_state_hooks(module: nn.Module) -> None:
         return
     register_state_dict_hooks(module, _save_hook, _load_pre_hook)
     module._bmt_state_hooks = True
+    install_rebind_hook()  # first: optimizers built before wrapping move onto these parameters
     install_step_hook()  # optimizers over these parameters then save their state per rank (LocalShard)
 
 

@@ -14,6 +14,7 @@ from ._compat import pytree
 from .distributed import get_state
 from .errors import ParityError
 from .runtime.param import DistributedParameter
+from .runtime.sharded_tensor import local_view
 
 
 # docs/design.md's tolerances, measured on a perfect data-parallel reference in fp32.
@@ -78,10 +79,10 @@ def _max_diff(model: nn.Module, reference: nn.Module, grads: bool) -> tuple[floa
             continue
         mine = p.grad if grads else p
         theirs = ref[name].grad if grads else ref[name]
-        if mine is None or theirs is None or p.numel() == 0:
+        if mine is None or theirs is None or p.to_local().numel() == 0:
             continue
         expected = _local(theirs, p).float()
-        diff = (mine.detach().float() - expected).abs()
+        diff = (local_view(mine).detach().float() - expected).abs()
         worst = max(worst, float(diff.max()))
         excess = max(excess, float((diff - GRAD_TOL["atol"] - GRAD_TOL["rtol"] * expected.abs()).max()))
     return worst, excess

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import bmt_wrap as bmt
-from bmt_wrap.runtime.param import DistributedParameter
+from bmt_wrap.runtime.sharded_tensor import ShardedTensor
 
 LOSS_RTOL = 1e-5
 SGD_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -30,24 +30,32 @@ ADAMW_REL = 5e-3
 NOISE_GRAD = 1e-6  # a reference gradient never above this is fp32 rounding noise around an exact zero
 
 
-def local_slice(full: torch.Tensor, p: DistributedParameter) -> torch.Tensor:
-    """The part of the unsharded tensor ``full`` that this rank's sharded ``p`` holds."""
-    s, e = p.source_range()
-    return full.reshape(-1)[s:e]
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as a user script reads it whole: ``full_tensor()`` (a collective) when sharded."""
+    return t.full_tensor() if isinstance(t, ShardedTensor) else t.detach()
 
 
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD(0.1), AdamW, or AdamW with no decay on biases and norms (name-based groups)."""
+    """SGD(0.1); AdamW; or AdamW with the weight-decay groups of a well-known training script: "adamw_groups"
+    and "nanogpt" (nanoGPT's configure_optimizers: decay where ``p.dim() >= 2``), "timm" (timm's
+    param_groups_weight_decay: no decay where ``p.ndim <= 1`` or the name ends in ``.bias``)."""
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1)
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    # By name only: sharded parameters are all 1-D, so the usual `p.dim() > 1` test cannot be used.
-    decay = [p for n, p in model.named_parameters() if not n.endswith("bias") and "ln" not in n]
-    decay_ids = {id(p) for p in decay}
-    no_decay = [p for p in model.parameters() if id(p) not in decay_ids]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=1e-3)
+    return torch.optim.AdamW(decay_groups(kind, model, 0.1), lr=1e-3)
+
+
+def decay_groups(style: str, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Param groups as the script named by ``style`` builds them (written from their published rules)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if style == "timm":
+        no_decay = [p for n, p in named if p.ndim <= 1 or n.endswith(".bias")]
+        decay = [p for n, p in named if not (p.ndim <= 1 or n.endswith(".bias"))]
+        return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _check(failures: list[str] | None, check: Callable[[], None]) -> None:
@@ -70,7 +78,7 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
                    noise_only: frozenset[str] = frozenset(), failures: list[str] | None = None) -> float:
-    """Assert the sharded parameters equal the reference's slices; returns the largest difference.
+    """Assert the wrapped model's parameters, read whole, equal the reference's; returns the largest difference.
 
     ``noise_only``: parameters whose exact gradient is zero (an attention key bias: softmax ignores it),
     so the reference's gradient is rounding noise that Adam turns into lr-sized steps; under AdamW they
@@ -82,23 +90,23 @@ def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
     for name, p in model.named_parameters():
         if optimizer != "sgd" and name in noise_only:
             continue
-        full = ref_params[name].detach()
-        mine = local_slice(full, p)
+        want = ref_params[name].detach()
+        value = whole(p)
         if optimizer == "sgd":
-            _check(failures, lambda p=p, mine=mine, name=name: torch.testing.assert_close(
-                p.detach(), mine, **SGD_TOL, msg=lambda m: f"{what} {name}: {m}"))
-        elif mine.numel():
-            rel = float((p.detach() - mine).norm() / mine.norm().clamp_min(1e-12))
+            _check(failures, lambda value=value, want=want, name=name: torch.testing.assert_close(
+                value, want, **SGD_TOL, msg=lambda m: f"{what} {name}: {m}"))
+        elif want.numel():
+            rel = float((value - want).norm() / want.norm().clamp_min(1e-12))
 
             def within(rel: float = rel, name: str = name) -> None:
                 assert rel <= ADAMW_REL, f"{what} {name}: relative difference {rel:.2e} > {ADAMW_REL}"
             _check(failures, within)
-        worst = max(worst, _max_abs(p.detach(), mine))
+        worst = max(worst, _max_abs(value, want))
     return worst
 
 
 def compare_grads(ref: nn.Module, model: nn.Module, what: str, failures: list[str] | None = None) -> float:
-    """Assert every sharded ``.grad`` is the reference gradient's slice (None where the reference's is).
+    """Assert every ``.grad``, read whole, is the reference gradient (None where the reference's is).
 
     ``failures``: record violations there instead of raising.
     """
@@ -115,10 +123,10 @@ def compare_grads(ref: nn.Module, model: nn.Module, what: str, failures: list[st
                 failures.append(msg)
                 worst = float("inf")
             continue
-        mine = local_slice(rp.grad, p)
-        _check(failures, lambda p=p, mine=mine, name=name: torch.testing.assert_close(
-            p.grad, mine, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}"))
-        worst = max(worst, _max_abs(p.grad, mine))
+        grad = whole(p.grad)
+        _check(failures, lambda grad=grad, want=rp.grad, name=name: torch.testing.assert_close(
+            grad, want, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}"))
+        worst = max(worst, _max_abs(grad, rp.grad))
     return worst
 
 

@@ -15,7 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 from dist_harness import run_distributed
-from parity import local_slice
+from parity import whole
 from toy import ToyGPT
 
 import bmt_wrap as bmt
@@ -33,13 +33,9 @@ def _wrapped(seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def _assert_holds(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> None:
-    """Every local shard (and replicated tensor) of ``model`` equals the reference's values."""
+    """Every parameter and buffer of ``model``, read whole, equals the reference's values (a collective)."""
     for name, t in model.state_dict(keep_vars=True).items():
-        want = ref[name]
-        got = t.detach()
-        if isinstance(t, DistributedParameter):
-            want = local_slice(want, t)
-        assert torch.equal(got, want), name
+        assert torch.equal(whole(t), ref[name]), name
 
 
 def _roundtrip_body(tmp: str, suffix: str) -> None:

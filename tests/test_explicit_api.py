@@ -104,13 +104,12 @@ def _api_shape_body() -> dict:
     model = BmtGPT()
     n = bmt.world_size()
     emb = model.emb
-    assert isinstance(emb, DistributedParameter) and emb.dim() == 1
-    assert emb.full_shape == (VOCAB, D)
+    assert isinstance(emb, DistributedParameter) and emb.shape == (VOCAB, D) and emb.dim() == 2
     assert isinstance(model.transformers[0], CheckpointBlock) and isinstance(model.transformers[0], Layer)
     assert len(model.transformers) == LAYERS and isinstance(model.transformers[-1], Layer)
-    # parameters() yields 1/N of the model (up to padding)
-    local = sum(p.numel() for p in model.parameters())
-    full = sum(math.prod(p.full_shape) for p in model.parameters())
+    # each rank holds 1/N of the model (up to padding); parameters() count the whole model, as in torch
+    local = sum(p.to_local().numel() for p in model.parameters())
+    full = sum(math.prod(p.shape) for p in model.parameters())
     assert local <= full // n + 64 * len(list(model.parameters())), (local, full)
     # init_parameters: every rank's slice of identical full tensors
     torch.manual_seed(5)

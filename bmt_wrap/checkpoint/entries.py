@@ -45,7 +45,7 @@ class Entry:
     def local(self) -> torch.Tensor:
         """This rank's part, flattened: the slice of a sharded entry, the whole of a replicated one."""
         if self.param is not None:
-            return self.param.detach()
+            return self.param.to_local().detach()
         assert self.value is not None
         return self.value.detach().reshape(-1)
 
@@ -64,7 +64,7 @@ class Entry:
     def assign(self, flat: torch.Tensor) -> None:
         """Set this rank's part from ``flat`` (``local_range()``'s elements), materialising a meta tensor."""
         if self.param is not None:
-            self.param.detach().copy_(flat)
+            self.param.to_local().copy_(flat)
             return
         assert self.value is not None
         if self.value.is_meta:

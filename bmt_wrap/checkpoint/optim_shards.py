@@ -27,6 +27,7 @@ from .._compat import dcp_state_dict_request
 from ..distributed import current_state
 from ..errors import CheckpointError
 from ..runtime.param import DistributedParameter
+from ..runtime.sharded_tensor import ShardedTensor, local_view
 from .local_shard import LocalShard
 
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -61,10 +62,12 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     return chain.from_iterable(g["params"] for g in optimizer.param_groups)
 
 
-def _is_slice(p: torch.Tensor, v: Any) -> bool:
-    """``v`` is a state tensor shaped like this rank's slice of sharded parameter ``p``."""
-    return (isinstance(p, DistributedParameter) and isinstance(v, torch.Tensor) and not isinstance(v, LocalShard)
-            and v.dim() == 1 and v.numel() == p.numel())
+def is_state_slice(p: torch.Tensor, v: Any) -> bool:
+    """``v`` is a state tensor laid out like sharded parameter ``p``: a ``ShardedTensor`` (torch's optimizers
+    make their state with ``zeros_like(p)``) or this rank's 1-D range (``AdamOptimizer``'s fused state)."""
+    if not isinstance(p, DistributedParameter) or not isinstance(v, torch.Tensor) or isinstance(v, LocalShard):
+        return False
+    return isinstance(v, ShardedTensor) or (v.dim() == 1 and v.numel() == p.to_local().numel())
 
 
 def _state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +76,7 @@ def _state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str
     full = request is not None and bool(request.full_state_dict)
     to_cpu = request is not None and bool(request.cpu_offload)
     slices = [(pid, key, params[pid], v) for pid, st in state_dict["state"].items() for key, v in st.items()
-              if isinstance(pid, int) and pid < len(params) and _is_slice(params[pid], v)]
+              if isinstance(pid, int) and pid < len(params) and is_state_slice(params[pid], v)]
     # Torch hands out the optimizer's own per-parameter dicts: replace them, never write into them.
     state = {pid: dict(st) for pid, st in state_dict["state"].items()}
     values = gather_full([(p, v) for _, _, p, v in slices]) if full else None
@@ -81,7 +84,8 @@ def _state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str
         if values is not None:
             state[pid][key] = values[i].to("cpu") if to_cpu else values[i]
         else:
-            state[pid][key] = LocalShard.of(v.to("cpu") if to_cpu else v, p.full_shape, p.source_range()[0])
+            local = local_view(v)
+            state[pid][key] = LocalShard.of(local.to("cpu") if to_cpu else local, p.full_shape, p.source_range()[0])
     return {**state_dict, "state": state}
 
 
@@ -103,17 +107,23 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
 
 
 def _local_value(p: DistributedParameter, key: str, v: Any) -> Any:
+    """One saved state value as ``p``'s optimizer keeps it: element-wise state as a ``ShardedTensor`` of
+    ``p``'s layout (from this rank's range, a ``LocalShard`` of it, or the full tensor); others as saved."""
     if not isinstance(v, torch.Tensor):
         return v
+    if isinstance(v, ShardedTensor):
+        v = v.to_local()
     start, end = p.source_range()
     if isinstance(v, LocalShard):
         why = v.range_mismatch(p.full_shape, start, end)
         if why:
             raise CheckpointError(f"optimizer state {key!r} of {p.fqn!r}: {why}")
-        return v.local()
-    if v.numel() == p.full_shape.numel() and tuple(v.shape) in (tuple(p.full_shape), (p.full_shape.numel(),)) \
-            and v.numel() != p.numel():
-        return v.reshape(-1)[start:end]
+        return ShardedTensor.wrap(v.local(), p.shard_layout)
+    full = p.full_shape.numel()
+    if v.numel() == full and tuple(v.shape) in (tuple(p.full_shape), (full,)) and v.numel() != end - start:
+        return ShardedTensor.wrap(v.reshape(-1)[start:end], p.shard_layout)
+    if v.dim() == 1 and v.numel() == end - start and v.numel() > 0:
+        return ShardedTensor.wrap(v, p.shard_layout)
     return v
 
 
@@ -133,7 +143,7 @@ def gather_full(items: list[tuple[DistributedParameter, torch.Tensor]]) -> list[
         width = max(per_rank + [1])
         device = items[idx[0]][1].device if state is None else state.device
         mine = torch.zeros(width, dtype=dtype, device=device)
-        local = torch.cat([items[i][1].reshape(-1).to(device) for i in idx])
+        local = torch.cat([local_view(items[i][1]).reshape(-1).to(device) for i in idx])
         mine[:local.numel()] = local
         gathered = mine if world == 1 else torch.empty(width * world, dtype=dtype, device=device)
         if world > 1:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..runtime.param import DistributedParameter
+from ..runtime.sharded_tensor import local_view
+from .optim_shards import is_state_slice, local_state_dict
 
 SHARDED, REPLICATED, VALUE = "sharded", "replicated", "value"
 
@@ -49,9 +50,9 @@ def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
         name = names[id(p)]
         for key, v in st.items():
             if isinstance(v, torch.Tensor):
-                sharded = isinstance(p, DistributedParameter) and v.shape == p.shape
+                sharded = is_state_slice(p, v)
                 kinds.setdefault(name, {})[key] = SHARDED if sharded else REPLICATED
-                tensors.append((tensor_key(k, name, key), v.detach()))
+                tensors.append((tensor_key(k, name, key), local_view(v).detach()))
             else:
                 kinds.setdefault(name, {})[key] = VALUE
                 values.setdefault(name, {})[key] = v
@@ -92,4 +93,5 @@ def restore(opt: torch.optim.Optimizer, names: dict[int, str], saved_groups: lis
             ids.append(index)
             index += 1
         groups.append({**{key: v for key, v in saved.items() if key != "params"}, "params": ids})
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    # Each rank's slice becomes state laid out like its parameter, whether or not ``opt`` has stepped.
+    opt.load_state_dict(local_state_dict(opt, {"state": state, "param_groups": groups}))

@@ -12,6 +12,7 @@ from ..checkpoint.optim_shards import attach_state_hooks, local_state_dict
 from ..dtypes import FLOATING, LOW_PRECISION
 from ..errors import OptimizerError
 from ..kernels import cupy_usable
+from ..runtime.sharded_tensor import local_view
 from . import torch_adam
 from .adam_math import AdamHyper
 from .cupy_adam import KERNEL_DTYPES, cupy_step
@@ -88,25 +89,26 @@ class AdamOptimizer(torch.optim.Optimizer):
         """Allocate state for every trainable parameter not yet covered, mirroring the parameters' layout:
         state of adjacent views of one flat buffer is adjacent too, so runs fuse over it as well."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p not in self._views]
-        items = [(p.detach(),) for p in params]
+        items = [(local_view(p).detach(),) for p in params]
         for run in plan_runs(items, [0] * len(items)):
             (cover,) = run.views(items)
             buffers = [self._zeros(cover.shape, cover) for _ in range(3 if self._keeps_master(cover) else 2)]
             for i in run.members:
-                p = params[i]
+                (local,) = items[i]
                 if len(run.members) == 1:
                     views = buffers
                 else:
-                    start = p.storage_offset() - cover.storage_offset()
-                    views = [b[start:start + p.numel()].view(p.shape) for b in buffers]
-                self._views[p] = _StateViews(views[0], views[1], views[2] if len(views) == 3 else None)
+                    start = local.storage_offset() - cover.storage_offset()
+                    views = [b[start:start + local.numel()].view(local.shape) for b in buffers]
+                self._views[params[i]] = _StateViews(views[0], views[1], views[2] if len(views) == 3 else None)
 
     def _views_for(self, p: torch.Tensor) -> _StateViews:
         if p not in self._views:
             self._reserve()
         if p not in self._views:  # empty or frozen: nothing to share a buffer with
-            self._views[p] = _StateViews(self._zeros(p.shape, p), self._zeros(p.shape, p),
-                                         self._zeros(p.shape, p) if self._keeps_master(p) else None)
+            local = local_view(p)
+            self._views[p] = _StateViews(self._zeros(local.shape, p), self._zeros(local.shape, p),
+                                         self._zeros(local.shape, p) if self._keeps_master(p) else None)
         return self._views[p]
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], saved: dict[str, Any] | None = None) -> None:
@@ -114,18 +116,20 @@ class AdamOptimizer(torch.optim.Optimizer):
         tensors may be these very views (loading our own state_dict), so each is copied, never zeroed first."""
         saved = saved or {}
         views = self._views_for(p)
+        local = local_view(p).detach()
         fields = {"exp_avg": views.exp_avg, "exp_avg_sq": views.exp_avg_sq}
         if views.master is not None:
             fields["master"] = views.master
         for name, view in fields.items():
             source = saved.get(name)
             if source is not None:
-                if source.numel() != p.numel():
-                    raise OptimizerError(f"saved {name} has {source.numel()} elements, the parameter {p.numel()}: "
-                                         "the checkpoint was saved with another layout")
+                source = local_view(source)
+                if source.numel() != local.numel():
+                    raise OptimizerError(f"saved {name} has {source.numel()} elements, the parameter's range "
+                                         f"{local.numel()}: the checkpoint was saved with another layout")
                 view.copy_(source.reshape(view.shape))
             elif name == "master":
-                view.copy_(p.detach())
+                view.copy_(local)
             else:
                 view.zero_()
         state.clear()
@@ -157,8 +161,9 @@ class AdamOptimizer(torch.optim.Optimizer):
 
     def _item(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
         g = p.grad
+        local = local_view(p).detach()
         if g is None:
-            return (p.detach(),)
+            return (local,)
         if g.is_sparse:
             raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
                                  "nn.Embedding(sparse=True)): build that layer with sparse=False")
@@ -166,7 +171,7 @@ class AdamOptimizer(torch.optim.Optimizer):
         if not state:
             self._init_state(p, state)
         master = (state["master"],) if "master" in state else ()
-        return (p.detach(), g, state["exp_avg"], state["exp_avg_sq"]) + master
+        return (local, local_view(g), state["exp_avg"], state["exp_avg_sq"]) + master
 
     def _advance(self, p: torch.Tensor, group: dict[str, Any]) -> AdamHyper:
         state = self.state[p]

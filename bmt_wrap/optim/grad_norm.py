@@ -17,6 +17,7 @@ from .._compat import foreach_mul_
 from ..distributed import current_state
 from ..dtypes import LOW_PRECISION
 from ..errors import OptimizerError
+from ..runtime.sharded_tensor import local_view
 from .fusion import PlanCache
 from .sharding import is_replicated
 from .torch_adam import SCRATCH_ELEMS
@@ -33,8 +34,9 @@ class GradRanges:
         sharded: list[torch.Tensor] = []
         replicated: list[torch.Tensor] = []
         for p in params:
-            if p.grad is not None and p.grad.numel() > 0:
-                (replicated if is_replicated(p) else sharded).append(p.grad)
+            grad = None if p.grad is None else local_view(p.grad)
+            if grad is not None and grad.numel() > 0:
+                (replicated if is_replicated(p) else sharded).append(grad)
         return self._cover(sharded), self._cover(replicated)
 
     def _cover(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
 from .group import Location, ShardGroup, StorageMode
 from .model_runtime import ModelRuntime
-from .param import DistributedParameter
+from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
 from .standalone import shard_standalone
 
@@ -104,7 +104,13 @@ class Engine:
             buffers.append(buf)
         mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
+        originals = [[locs[0][0]._parameters.get(locs[0][1]) if locs else None for locs in per_buffer]
+                     for per_buffer in locations]
         group.restore()
+        for olds, buf in zip(originals, buffers, strict=True):
+            for old, new in zip(olds, buf.params, strict=True):
+                if old is not None and old is not new:
+                    mark_replaced(old, new)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
         group.runtime = runtime

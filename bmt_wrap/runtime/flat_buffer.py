@@ -10,6 +10,7 @@ import torch
 from ..dtypes import to_dtype
 from ..plan import FlatBufferSpec
 from .param import DistributedParameter
+from .sharded_tensor import ShardedTensor
 
 if TYPE_CHECKING:
     from .group import ShardGroup
@@ -41,9 +42,8 @@ class FlatBuffer:
         self._grad_shard: weakref.ref[torch.Tensor] | None = None
         self.group: ShardGroup  # set by the owning group
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
-        self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad, s.fqn,
-                                                     torch.Size(s.shape))
-                       for i, (s, (a, b)) in enumerate(zip(spec.slots, self.local_ranges, strict=True))]
+        self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad)
+                       for i, (a, b) in enumerate(self.local_ranges)]
 
     @property
     def device(self) -> torch.device:
@@ -65,7 +65,7 @@ class FlatBuffer:
             return
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges, strict=True)):
-            fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad, p.fqn, p.full_shape)
+            fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad)
             # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them.
             fresh.__dict__.update(p.__dict__)
             # Optimizers, modules and tied aliases hold p itself: swap its storage, not the object.
@@ -137,9 +137,13 @@ class FlatBuffer:
         return grad
 
     def grad_view(self, i: int) -> torch.Tensor:
-        """Slot ``i``'s slice of the gradient shard."""
+        """Slot ``i``'s range of the gradient shard (1-D, local)."""
         a, b = self.local_ranges[i]
         return self.ensure_grad_shard()[a:b]
+
+    def grad_tensor(self, i: int) -> ShardedTensor:
+        """Slot ``i``'s gradient as its parameter's ``.grad``: the full shape over ``grad_view(i)``."""
+        return ShardedTensor.wrap(self.grad_view(i), self.params[i].shard_layout)
 
     def fqns(self) -> list[str]:
         """Canonical names of the parameters in this buffer."""

@@ -25,6 +25,7 @@ from ..plan import GRADS_IN_FLIGHT
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
+from .sharded_tensor import local_view
 
 # One reduce-scatter in flight overlaps the next block's whole recompute and backward, which is enough to
 # hide it; gloo runs them one at a time anyway, and each one more in flight holds a block of memory.
@@ -174,7 +175,7 @@ class GradReducer:
                         if used[pos] or t.had_grad[i]:
                             view = t.buffer.grad_view(i)
                             if p.grad is None or not _is_view_of(p.grad, view):
-                                p.grad = view
+                                p.grad = t.buffer.grad_tensor(i)
                         pos += 1
         finally:
             self._touched.clear()
@@ -192,9 +193,10 @@ def _adopt_existing_grads(buffer: FlatBuffer) -> None:
         if p.grad is None:
             view.zero_()
         elif not _is_view_of(p.grad, view):
-            view.copy_(p.grad)
-            p.grad = view
+            view.copy_(local_view(p.grad))
+            p.grad = buffer.grad_tensor(i)
 
 
 def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    grad = local_view(grad)
     return grad.numel() == view.numel() and (view.numel() == 0 or grad.data_ptr() == view.data_ptr())

@@ -1,8 +1,9 @@
-"""``DistributedParameter``: the 1-D view of this rank's slice of one original parameter.
+"""``DistributedParameter``: a parameter of the original's shape whose elements are spread over the ranks.
 
 Every sharded parameter, whether made by the wrapper, a ``CheckpointBlock`` or by hand, is one of these:
-a real ``nn.Parameter`` (so any optimizer and name-based param groups work) viewing this rank's piece
-of a flat shard, with ``.fqn`` and ``.full_shape`` describing the original.
+an ``nn.Parameter`` and a ``ShardedTensor`` (global ``shape``, this rank's range as ``to_local()``, a
+view into its group's flat shard), so optimizers, ``clip_grad_norm_`` and name- or shape-based param
+groups behave as on the unwrapped model.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._compat import make_tensor_subclass
+from .._compat import register_foreach_type
 from .process_engine import get_engine
+from .sharded_tensor import ShardedTensor, ShardLayout
 
 if TYPE_CHECKING:
     from ..plan import ParamSlot
@@ -22,17 +24,14 @@ if TYPE_CHECKING:
     from .group import ShardGroup
 
 
-class DistributedParameter(nn.Parameter):
-    """A parameter sharded across ranks: holds this rank's 1-D slice of the full tensor.
+class DistributedParameter(ShardedTensor, nn.Parameter):
+    """A parameter sharded across ranks: the full tensor's shape, this rank's range of its elements.
 
     ``DistributedParameter(data, requires_grad=True, init_method=None, group=None)`` (BMTrain's
-    signature) takes the full tensor, which every rank passes identically, and keeps this rank's slice.
+    signature) takes the full tensor, which every rank passes identically, and keeps this rank's range.
     """
 
     fqn: str
-    full_shape: torch.Size
-    _bmt_buffer: FlatBuffer
-    _bmt_slot: int
     _init_method: Callable[[torch.Tensor], Any] | None
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
@@ -41,67 +40,93 @@ class DistributedParameter(nn.Parameter):
         return get_engine().standalone_parameter(data, requires_grad, init_method, group)
 
     @classmethod
-    def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool,
-                 fqn: str, full_shape: torch.Size) -> DistributedParameter:
-        p = make_tensor_subclass(cls, view, requires_grad)
-        p.fqn = fqn
-        p.full_shape = torch.Size(full_shape)
-        p._bmt_buffer = buffer
-        p._bmt_slot = slot_index
+    def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool
+                 ) -> DistributedParameter:
+        layout = ShardLayout(buffer, slot_index)
+        p = ShardedTensor._wrap(cls, view, layout, requires_grad)
+        p.fqn = layout.name
         p._init_method = None
         return p
 
-    # ---- the interface every layer above the runtime uses (never _bmt_buffer / _bmt_slot) -------------
+    # ---- the interface every layer above the runtime uses ---------------------------------------------
+    @property
+    def full_shape(self) -> torch.Size:
+        """The original parameter's shape (``self.shape``; kept for code written for flat parameters)."""
+        return self._layout.full_shape
+
     @property
     def shard_group(self) -> ShardGroup:
         """The shard group this parameter lives in (gathered and reduced together)."""
-        return self._bmt_buffer.group
+        return self._layout.buffer.group
 
     @property
     def flat_buffer(self) -> FlatBuffer:
         """The flat buffer (one dtype, one requires_grad) of its group that holds this parameter."""
-        return self._bmt_buffer
+        return self._layout.buffer
 
     @property
     def slot_index(self) -> int:
         """Its position in ``flat_buffer`` (the plan's slot order)."""
-        return self._bmt_slot
+        return self._layout.slot
 
     @property
     def slot_spec(self) -> ParamSlot:
         """Its slot in the plan: name, aliases, shape, offset."""
-        return self._bmt_buffer.spec.slots[self._bmt_slot]
+        return self._layout.buffer.spec.slots[self._layout.slot]
 
     def source_range(self, rank: int | None = None) -> tuple[int, int]:
-        """``[start, end)`` of the flattened full tensor that this rank's (or rank ``rank``'s) slice holds."""
-        return self._bmt_buffer.slot_source_range(self._bmt_slot, rank)
+        """``[start, end)`` of the flattened full tensor that this rank's (or rank ``rank``'s) range holds."""
+        return self._layout.buffer.slot_source_range(self._layout.slot, rank)
 
     def load_full(self, full: torch.Tensor) -> None:
         """Keep this rank's part of ``full`` (the whole parameter, identical on every rank); no communication."""
-        self._bmt_buffer.load_slot(self._bmt_slot, full)
+        self._layout.buffer.load_slot(self._layout.slot, full)
 
     def gathered_view(self, full_buffers: list[torch.Tensor]) -> torch.Tensor:
         """This parameter's full value inside its group's gathered buffers (one per flat buffer)."""
-        group = self._bmt_buffer.group
-        return self._bmt_buffer.slot_views(full_buffers[group.buffers.index(self._bmt_buffer)])[self._bmt_slot]
+        buffer = self._layout.buffer
+        return buffer.slot_views(full_buffers[buffer.group.buffers.index(buffer)])[self._layout.slot]
 
-    def __deepcopy__(self, memo: dict) -> nn.Parameter:
-        """This rank's slice as a plain parameter (BMTrain scripts snapshot parameters so); never in a model.
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter, gathered from every rank (a collective: call it on every rank)."""
+        from .standalone import full_value
+
+        return full_value(self)
+
+    def __deepcopy__(self, memo: dict) -> ShardedTensor:
+        """A copy of this rank's range with the same layout (BMTrain scripts snapshot parameters so); never
+        in a model.
 
         A module being deep-copied is already in ``memo`` (copy registers each object before its state):
-        a copy of a sharded model would hold slices its engine does not know, so that raises.
+        a copy of a sharded model would hold ranges its engine does not know, so that raises.
         """
         if any(isinstance(v, nn.Module) for v in memo.values()):
             raise TypeError(f"cannot deepcopy a model holding sharded parameter {self.fqn!r}: copy the model "
                             "before wrapping, or use `with bmt.gathered(model):` to read full values")
-        copied = nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)
+        copied = ShardedTensor.wrap(self._local.detach().clone(), self._layout)
         memo[id(self)] = copied
         return copied
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        raise TypeError(f"cannot pickle sharded parameter {self.fqn!r} (it is one rank's slice); save "
+        raise TypeError(f"cannot pickle sharded parameter {self.fqn!r} (it is one rank's range); save "
                         "with bmt.save(model, path) or bmt.save_checkpoint(dir, model)")
 
-    def __repr__(self) -> str:
-        return (f"DistributedParameter({self.fqn!r}, full_shape={tuple(self.full_shape)}, "
-                f"local={self.numel()} of {self.full_shape.numel()}, dtype={self.dtype})")
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        start, end = self._layout.start, self._layout.end
+        return (f"DistributedParameter({self.fqn!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"local elements [{start}, {end}) of {self.numel()})")
+
+
+register_foreach_type(DistributedParameter)
+
+_REPLACED_BY = "_bmt_replaced_by"
+
+
+def mark_replaced(original: torch.Tensor, successor: DistributedParameter) -> None:
+    """Record that wrapping put ``successor`` where ``original`` was (optimizers built before follow it)."""
+    setattr(original, _REPLACED_BY, successor)
+
+
+def replaced_by(p: torch.Tensor) -> DistributedParameter | None:
+    """The sharded parameter that replaced ``p`` when its model was wrapped, or None."""
+    return getattr(p, _REPLACED_BY, None)

@@ -1,0 +1,391 @@
+"""``ShardedTensor``: a tensor of the original's global shape whose elements are spread over the ranks.
+
+A sharded parameter, its ``.grad`` and optimizer state made from it (``torch.zeros_like(p)``) are all
+``ShardedTensor``s. ``shape``, ``ndim``, ``numel()``, ``dtype`` are the full tensor's, so scripts that
+look at parameters (weight-decay groups by ``p.dim()``, size counts, ``clip_grad_norm_``) see what they
+see on the unwrapped model. Each rank holds one contiguous range of the flattened full tensor: a 1-D
+view into its group's flat shard (``to_local()``), so the flat, chunk-major layout needs no copy-in or
+copy-out around the collectives (docs/design.md, "Parameters").
+
+Operations run on the local range where that gives the full tensor's answer, and nowhere else:
+
+- elementwise ops (torch's ``pointwise`` tag, ``copy_``/``fill_``/``*_like``, every ``_foreach_`` and
+  fused optimizer op) between sharded tensors of one layout, scalars and plain tensors of the full shape
+  (read at this rank's range) — what torch's optimizers and ``clip_grad_norm_`` do;
+- random in-place fills (``nn.init.*``) draw the full tensor, as the unwrapped model would, and keep
+  this rank's range, so identically seeded ranks hold the same values as plain PyTorch;
+- full reductions (``linalg.vector_norm``, ``_foreach_norm``, ``sum``, ``mean``, ``max``, ``min``,
+  ``any``, ``all``, ``torch.equal``) are
+  collectives: every rank reduces its range and one all-reduce combines them, so every rank gets the
+  plain answer. Call them on every rank, like any collective.
+
+Anything else (views, matmuls, indexing) raises ``ShardedTensorError`` naming the op: read full values
+with ``p.full_tensor()`` or ``with bmt.gathered(model):``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._compat import disabled_torch_function, register_foreach_type
+from ..errors import ShardedTensorError
+
+if TYPE_CHECKING:
+    from .flat_buffer import FlatBuffer
+
+aten = torch.ops.aten
+
+
+class ShardLayout:
+    """Which elements of a full tensor this rank holds: slot ``slot`` of ``buffer``, fixed at wrap time."""
+
+    __slots__ = ("buffer", "slot", "full_shape", "start", "end", "name")
+
+    def __init__(self, buffer: FlatBuffer, slot: int) -> None:
+        self.buffer = buffer
+        self.slot = slot
+        spec = buffer.spec.slots[slot]
+        self.full_shape = torch.Size(spec.shape)
+        self.start, self.end = buffer.slot_source_range(slot)
+        self.name = spec.fqn
+
+    def same_as(self, other: ShardLayout) -> bool:
+        """Whether two tensors of these layouts hold the same elements on this rank."""
+        return other is self or (other.full_shape == self.full_shape
+                                 and (other.start, other.end) == (self.start, self.end))
+
+    def local_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's range of a full tensor (a view when ``full`` is contiguous)."""
+        return full.reshape(-1)[self.start:self.end]
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's ``local`` range (a collective)."""
+        b = self.buffer
+        send = local.new_zeros(b.shard_numel)
+        a, e = b.local_ranges[self.slot]
+        send[a:e].copy_(local)
+        full = local.new_empty(b.full_numel)
+        b.group.comm.all_gather_into(full, send, label=f"{self.name} full_tensor")
+        spec = b.spec.slots[self.slot]
+        return full[spec.offset:spec.offset + spec.numel].view(self.full_shape)
+
+    def all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
+        """Combine every rank's partial result ``t`` in place."""
+        comm = self.buffer.group.comm
+        if comm.world_size > 1:
+            comm.all_reduce(t, op, label=f"{what} of sharded {self.name}")
+
+
+class ShardedTensor(torch.Tensor):
+    """A tensor of global shape ``layout.full_shape`` holding this rank's range as ``to_local()``."""
+
+    _local: torch.Tensor
+    _layout: ShardLayout
+    __torch_function__ = disabled_torch_function  # ops reach __torch_dispatch__ with plain semantics
+
+    @staticmethod
+    def _wrap(cls: type, local: torch.Tensor, layout: ShardLayout, requires_grad: bool = False) -> Any:
+        t = torch.Tensor._make_wrapper_subclass(cls, layout.full_shape, dtype=local.dtype, device=local.device,
+                                                requires_grad=requires_grad)
+        t._local = local
+        t._layout = layout
+        return t
+
+    @classmethod
+    def wrap(cls, local: torch.Tensor, layout: ShardLayout) -> ShardedTensor:
+        """``local`` (this rank's range, 1-D) as a tensor of the layout's full shape."""
+        if local.dim() != 1 or local.numel() != layout.end - layout.start:
+            raise ShardedTensorError(f"a local range of {layout.name!r} has {layout.end - layout.start} elements; "
+                                     f"got a tensor of shape {tuple(local.shape)}")
+        return ShardedTensor._wrap(ShardedTensor, local, layout)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's elements: a 1-D view of the flattened full tensor's range ``[start, end)``."""
+        return self._local
+
+    @property
+    def shard_layout(self) -> ShardLayout:
+        """Which elements this rank holds."""
+        return self._layout
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, gathered from every rank (a collective: call it on every rank)."""
+        return self._layout.gather(self._local.detach())
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        lay = self._layout
+        return (f"ShardedTensor({lay.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"local elements [{lay.start}, {lay.end}))")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise ShardedTensorError(
+            f"cannot pickle sharded tensor {self._layout.name!r} (one rank's range): save with "
+            "p.full_tensor() or p.to_local(), bmt.save(model, path) or torch.distributed.checkpoint")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        name = func._schema.name
+        if name.startswith(("aten::_foreach_", "aten::_fused_")):
+            return _foreach(func, args, kwargs)
+        if func in _RANDOM_FILLS:
+            return _random_fill(func, args, kwargs)
+        if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE:
+            return _elementwise(func, args, kwargs)
+        raise _unsupported(func, args, kwargs)
+
+
+# ---- the rules ------------------------------------------------------------------------------------------
+_ELEMENTWISE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
+                aten._to_copy.default, aten.clone.default, aten.zeros_like.default, aten.ones_like.default,
+                aten.empty_like.default, aten.full_like.default, aten.masked_fill_.Scalar,
+                aten.masked_fill_.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+_RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
+                 aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.cauchy_.default,
+                 aten.log_normal_.default, aten.geometric_.default}
+
+
+def _first_sharded(leaves: list[Any]) -> ShardedTensor | None:
+    return next((x for x in leaves if isinstance(x, ShardedTensor)), None)
+
+
+def _unsupported(func: Any, args: tuple, kwargs: dict, why: str = "") -> ShardedTensorError:
+    leaves, _ = tree_flatten((args, kwargs))
+    ref = _first_sharded(leaves)
+    name = ref._layout.name if ref is not None else "?"
+    return ShardedTensorError(
+        f"{func} is not supported on sharded parameter {name!r} (each rank holds only a range of it{why}). "
+        "Parameters of a wrapped model support elementwise ops, norms and full reductions (what optimizers "
+        "and clip_grad_norm_ use); for anything else read full values with p.full_tensor() (a collective) "
+        "or `with bmt.gathered(model):`")
+
+
+def _local_arg(x: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
+    """One argument of an elementwise op, as the local op needs it."""
+    if isinstance(x, ShardedTensor):
+        if not x._layout.same_as(layout):
+            raise _unsupported(func, args, kwargs, f"; it is combined with {x._layout.name!r}, whose range "
+                                                   "differs")
+        return x._local
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() != 1:
+        if x.shape != layout.full_shape:
+            raise _unsupported(func, args, kwargs, f"; a plain tensor of shape {tuple(x.shape)} is neither a "
+                                                   "scalar nor of the full shape")
+        return layout.local_of_full(x)
+    return x
+
+
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    leaves, spec = tree_flatten((args, kwargs))
+    ref = _first_sharded(leaves)
+    assert ref is not None
+    layout = ref._layout
+    mutated = args[0] if func._schema.is_mutable else None
+    if mutated is not None and not isinstance(mutated, ShardedTensor):
+        raise _unsupported(func, args, kwargs, "; writing it into a plain tensor needs the full value")
+    local_args, local_kwargs = tree_unflatten([_local_arg(x, layout, func, args, kwargs) for x in leaves], spec)
+    out = func(*local_args, **local_kwargs)
+    if mutated is not None:
+        return mutated
+    return _wrap_like(out, layout, func, args, kwargs)
+
+
+def _wrap_like(out: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
+    if not isinstance(out, torch.Tensor):
+        raise _unsupported(func, args, kwargs)
+    if out.shape != (layout.end - layout.start,):
+        raise _unsupported(func, args, kwargs, "; the op changes the shape")
+    return ShardedTensor.wrap(out, layout)
+
+
+def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A multi-tensor op: lists are matched index by index; each index keeps its own layout."""
+    if func in (aten._foreach_norm.Scalar,):
+        return _foreach_norm(args, kwargs)
+    if func._schema.name in ("aten::_foreach_max",):
+        raise _unsupported(func, args, kwargs)
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    n = len(lists[0])
+    layouts: list[ShardLayout | None] = []
+    for i in range(n):
+        ref = _first_sharded([lst[i] for lst in lists])
+        layouts.append(ref._layout if ref is not None else None)
+
+    def local_list(lst: Any) -> Any:
+        if not (isinstance(lst, (list, tuple)) and lst and isinstance(lst[0], torch.Tensor)):
+            return lst if not isinstance(lst, ShardedTensor) else _unsupported(func, args, kwargs)
+        return [x if lay is None else _local_arg(x, lay, func, args, kwargs) for x, lay in zip(lst, layouts)]
+
+    local_args = [local_list(a) for a in args]
+    local_kwargs = {k: local_list(v) for k, v in kwargs.items()}
+    for a in local_args:
+        if isinstance(a, ShardedTensorError):
+            raise a
+    out = func(*local_args, **local_kwargs)
+    if func._schema.is_mutable:
+        return None if out is None else args[0]
+    return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts)]
+
+
+def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Draw the whole tensor, as the unwrapped model would, and keep this rank's range."""
+    target = args[0]
+    if not isinstance(target, ShardedTensor):
+        raise _unsupported(func, args, kwargs)
+    lay = target._layout
+    full = torch.empty(lay.full_shape, dtype=target.dtype, device=target._local.device)
+    func(full, *args[1:], **kwargs)
+    target._local.copy_(lay.local_of_full(full))
+    return target
+
+
+def _alias(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
+    t = args[0]
+    return ShardedTensor.wrap(func(t._local), t._layout)
+
+
+def _same_shape_view(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
+    t, size = args[0], args[1]
+    if list(size) != list(t.shape):
+        raise _unsupported(func, args, kwargs, "; a view to another shape needs the full value")
+    return ShardedTensor.wrap(t._local.view(-1), t._layout)
+
+
+def _powers(local: torch.Tensor, p: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """This rank's part of a p-norm before the root: ``sum |x|^p`` (``max |x|`` for inf), float64."""
+    x = local if dtype is None else local.to(dtype)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=local.device)
+    if math.isinf(p):
+        return x.abs().max().double()
+    if p == 0:
+        return (x != 0).sum().double()
+    return torch.linalg.vector_norm(x, p).double() ** p
+
+
+def _finish_norms(parts: torch.Tensor, p: float) -> torch.Tensor:
+    return parts if math.isinf(p) or p == 0 else parts ** (1.0 / p)
+
+
+def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    t = args[0]
+    p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    dtype = kwargs.get("dtype")
+    if (dim is not None and sorted(d % t.dim() for d in dim) != list(range(t.dim()))) or keepdim or p < 0:
+        raise _unsupported(func, args, kwargs, "; only the norm over all elements is a sharded reduction")
+    part = _powers(t._local, p, dtype).reshape(1)
+    t._layout.all_reduce(part, "max" if math.isinf(p) else "sum", "norm")
+    out_dtype = dtype or t.dtype
+    return _finish_norms(part, p)[0].to(out_dtype)
+
+
+def _foreach_norm(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    tensors = args[0]
+    p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    plain = [i for i in range(len(tensors)) if i not in set(sharded)]
+    if plain:
+        for i, v in zip(plain, torch._foreach_norm([tensors[i] for i in plain], p, dtype=dtype)):
+            out[i] = v
+    if sharded:
+        # One all-reduce for the whole list: the norm of every sharded tensor at once.
+        parts = torch.stack([_powers(tensors[i]._local, p, dtype) for i in sharded])
+        tensors[sharded[0]]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        for i, v in zip(sharded, _finish_norms(parts, p)):
+            out[i] = v.to(dtype or tensors[i].dtype)
+    return out  # type: ignore[return-value]
+
+
+def _full_reduction(op: str) -> Callable[[Any, tuple, dict], torch.Tensor]:
+    def reduce(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        t = args[0]
+        if len(args) > 1 or any(k != "dtype" for k in kwargs):
+            raise _unsupported(func, args, kwargs, "; only reductions over all elements are sharded reductions")
+        local = t._local if "dtype" not in kwargs else t._local.to(kwargs["dtype"])
+        if op == "sum" or op == "mean":
+            part = local.sum().reshape(1).double()
+        elif local.numel() == 0:
+            part = torch.full((1,), -math.inf if op == "max" else math.inf, dtype=torch.float64, device=local.device)
+        else:
+            part = (local.max() if op == "max" else local.min()).reshape(1).double()
+        t._layout.all_reduce(part, "sum" if op == "mean" else op, op)
+        if op == "mean":
+            part = part / t.numel()
+        return part[0].to(local.dtype if op != "mean" else local.dtype)
+    return reduce
+
+
+def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.equal``: same shape and every rank's range equal (one all-reduce)."""
+    a, b = args
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ref = a if isinstance(a, ShardedTensor) else b
+    lay = ref._layout
+    same = torch.tensor([1.0 if torch.equal(_local_arg(a, lay, func, args, kwargs),
+                                            _local_arg(b, lay, func, args, kwargs)) else 0.0],
+                        device=ref._local.device)
+    lay.all_reduce(same, "min", "equal")
+    return bool(same.item() == 1.0)
+
+
+def _any_all(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``t.any()`` / ``t.all()`` over every rank's range (one all-reduce; an empty range is neutral)."""
+    t = args[0]
+    if len(args) > 1 or kwargs:
+        raise _unsupported(func, args, kwargs, "; only reductions over all elements are sharded reductions")
+    local = bool(func(t._local)) if t._local.numel() else func is aten.all.default
+    flag = torch.tensor([1.0 if local else 0.0], device=t._local.device)
+    t._layout.all_reduce(flag, "max" if func is aten.any.default else "min", "any/all")
+    return torch.tensor(bool(flag.item() == 1.0), device=t._local.device)
+
+
+def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
+    return args[0].shape == args[1].shape
+
+
+def _new_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``t.new_zeros(size)`` and kin: a plain tensor of the given size, like ``t``'s dtype and device."""
+    return func(args[0]._local, *args[1:], **kwargs)
+
+
+_SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.view.default: _same_shape_view,
+    aten._unsafe_view.default: _same_shape_view,
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten.sum.default: _full_reduction("sum"),
+    aten.mean.default: _full_reduction("mean"),
+    aten.max.default: _full_reduction("max"),
+    aten.min.default: _full_reduction("min"),
+    aten.any.default: _any_all,
+    aten.all.default: _any_all,
+    aten.is_same_size.default: _is_same_size,
+    aten.equal.default: _equal,
+    aten.new_zeros.default: _new_factory,
+    aten.new_ones.default: _new_factory,
+    aten.new_empty.default: _new_factory,
+    aten.new_full.default: _new_factory,
+}
+
+# torch's optimizers and clip_grad_norm_ take their multi-tensor paths only for listed types (DTensor
+# registers itself the same way): one _foreach_norm is one all-reduce instead of one per parameter.
+register_foreach_type(ShardedTensor)
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a sharded tensor; any other tensor as it is."""
+    return t._local if isinstance(t, ShardedTensor) else t
