@@ -34,9 +34,10 @@ from .mixed_precision import MixedPrecision
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.planner import build_plan
-from .passes.render import fmt_bytes, render_dot, render_estimates, render_json, render_text, summary
+from .passes.render import render_dot, render_json, render_text
 from .passes.rewrite import rewrite
 from .passes.util import describe
+from .plan_text import fmt_bytes, render_estimates, summary_line
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
 _BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)
@@ -176,7 +177,7 @@ def _run(opts: argparse.Namespace) -> str:
                          for g in plans[0].groups for b in g.buffers})
         lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
                  f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
-                 *(f"N={n}: {summary(p)}" for n, p in zip(sizes, plans, strict=True)),
+                 *(f"N={n}: {summary_line(p)}" for n, p in zip(sizes, plans, strict=True)),
                  render_estimates(plans), *(f"note: {n}" for n in plans[0].notes)]
         return "\n".join(lines)
     graph = rewrite(captured, plans[0])

@@ -85,6 +85,15 @@ def test_plan_table_has_a_column_per_world_size(capsys: pytest.CaptureFixture[st
     assert next(line for line in lines if "activations" in line).split()[-1] != "n/a"
 
 
+def test_a_plan_prints_the_tables_dump_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["dump", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]"]
+    _, printed, _ = run(capsys, *argv)
+    _, doc, _ = run(capsys, *argv, "--format", "json")
+    shown = str(WrapPlan.from_json(json.dumps(json.loads(doc)["plan"]))).splitlines()
+    tables = shown[shown.index("groups:"):]
+    assert shown[0] == printed.splitlines()[0] and printed.splitlines()[-len(tables):] == tables
+
+
 def test_dotted_module_names_import_from_the_current_directory(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
@@ -117,6 +126,15 @@ def test_errors_are_one_line_without_traceback(capsys: pytest.CaptureFixture[str
     assert len(err.strip().splitlines()) == 1 and err.startswith("bmt-wrap: error: ")
     assert message in err
     assert "Traceback" not in err
+
+
+def test_a_total_without_activations_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "2")
+    assert code == 0
+    assert [line.split("  ")[1] for line in out.splitlines() if "= total" in line] == \
+        ["= total per rank without activations"]
+    code, out, _ = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]")
+    assert [line.split("  ")[1] for line in out.splitlines() if "= total" in line] == ["= total per rank"]
 
 
 def test_factory_raising_is_reported_and_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str],
