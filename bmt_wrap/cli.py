@@ -1,8 +1,8 @@
 """bmt-wrap: show how bmt_wrap would shard a model, without running it or allocating its weights.
 
-    bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...]
+    bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
-                  [--memory-budget 40GiB] [--input SPEC ...]
+                  [--memory-budget 40GiB] [--input SPEC ...] [-v]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -10,6 +10,7 @@ FACTORY is called with no arguments under ``with torch.device("meta")``. An inpu
 ``torch.export`` and the activation estimate need. ``--dtype`` estimates BMTrain's design (the model cast
 before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-precision`` estimates
 ``mixed_precision=bmt.MixedPrecision(param_dtype=...)`` (fp32 shards, gathers and compute in that dtype).
+An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import argparse
 import copy
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,9 +37,11 @@ from .mixed_precision import MixedPrecision
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.planner import build_plan
-from .passes.render import fmt_bytes, render_dot, render_estimates, render_json, render_text, summary
+from .passes.render import render_dot, render_json, render_text
 from .passes.rewrite import rewrite
 from .passes.util import describe
+from .plan import WrapPlan
+from .plan_text import fmt_bytes, render_estimates, shown_notes, summary_line
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
 _BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)
@@ -72,6 +77,59 @@ def parse_inputs(specs: list[str]) -> Call | None:
         else:
             kwargs[name] = tensor
     return tuple(args), kwargs
+
+
+# PEP 692: ``**kwargs: Unpack[TD]`` takes only TD's keys (transformers' forwards); typing has Unpack from 3.11.
+_UNPACK = getattr(typing, "Unpack", None)
+
+
+def check_inputs(model: nn.Module, call: Call) -> None:
+    """Raise ``CLIError``, showing the forward's signature, unless ``model.forward`` takes these inputs."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to check against: the capture reports what fails
+        return
+    args, kwargs = call
+    # Unknown names first: bind() would report a missing argument instead, hiding the misspelt one.
+    reason = _unknown_names(sig, kwargs)
+    if reason is None:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            reason = str(exc)
+    if reason is not None:
+        shown = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                            return_annotation=sig.empty)
+        raise CLIError(f"--input does not fit {type(model).__name__}.forward{shown}: {reason}; name each --input "
+                       "after an argument there (unnamed ones fill the positional arguments in order)")
+
+
+def _unknown_names(sig: inspect.Signature, kwargs: dict[str, object]) -> str | None:
+    named = {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var = next((p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    only = ""
+    if var is not None:
+        unpacked = _UNPACK is not None and typing.get_origin(var.annotation) is _UNPACK
+        typed = typing.get_args(var.annotation)[0] if unpacked else None
+        if not typing.is_typeddict(typed):
+            return None  # a plain **kwargs takes any name
+        named |= typed.__required_keys__ | typed.__optional_keys__
+        only = f" (its **{var.name} take only {typed.__name__}' keys)"
+    unknown = [k for k in kwargs if k not in named]
+    return f"it has no argument {', '.join(map(repr, unknown))}{only}" if unknown else None
+
+
+def check_budget(budget: int, plans: list[WrapPlan]) -> None:
+    """Raise ``CLIError`` if some world size cannot meet ``budget``, naming the smallest budget each needs."""
+    # The planner checkpoints every block before it gives up, so an estimate over budget is the minimum.
+    over = [(p, e) for p in plans for e in p.estimates.values() if e.total > budget]
+    if not over:
+        return
+    needs = ", ".join(f"N={e.world_size} needs at least {fmt_bytes(e.total)} ({e.total} B)" for _, e in over)
+    unknown = ", plus activations (unknown without --input)" if any(e.activations is None for _, e in over) else ""
+    raise CLIError(f"--memory-budget {fmt_bytes(budget)} per rank cannot be met even with every block checkpointed "
+                   f"(prefetch depth {over[0][0].prefetch_depth}): {needs}{unknown}; raise the budget, add ranks, "
+                   "shrink the batch or lower --prefetch-depth")
 
 
 def parse_bytes(text: str) -> int:
@@ -130,32 +188,44 @@ def build_model(target: str) -> nn.Module:
     return model
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``bmt-wrap`` argument parser: the ``dump`` and ``plan`` subcommands and their options."""
     parser = argparse.ArgumentParser(prog="bmt-wrap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", help="MODULE:FACTORY, e.g. tests/models.py:llama_7b")
     common.add_argument("--input", action="append", default=[], metavar="SPEC",
-                        help="one rank's example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable")
+                        help="one rank's example input, NAME=DTYPE[SHAPE] or DTYPE[SHAPE]; repeatable; needed for "
+                             "activations")
     common.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32); default: the model's")
     common.add_argument("--mixed-precision", default=None, metavar="DTYPE",
                         help="MixedPrecision(param_dtype=DTYPE): fp32 shards, DTYPE gathers and compute, fp32 "
                              "gradient reduction")
-    common.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 40GiB")
-    common.add_argument("--prefetch-depth", type=int, default=1, help="blocks gathered ahead (default 1)")
+    common.add_argument("--memory-budget", default=None, metavar="SIZE",
+                        help="bytes per rank, e.g. 40GiB: checkpoint only the blocks this requires (an error if no "
+                             "schedule fits)")
+    common.add_argument("--prefetch-depth", type=int, default=1, metavar="DEPTH",
+                        help="blocks gathered ahead (default 1)")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="also show expected fallbacks (fx failing on a model torch.export then captures)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     dump = sub.add_parser("dump", parents=[common], help="print the rewritten graph and the plan")
-    dump.add_argument("--world-size", type=int, default=1)
-    dump.add_argument("--format", choices=("text", "json", "dot"), default="text")
+    dump.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks to plan for (default 1)")
+    dump.add_argument("--format", choices=("text", "json", "dot"), default="text",
+                      help="text (default): graph and tables; json: the plan, re-appliable with "
+                           "WrapPlan.from_json, and the graph; dot: Graphviz")
     plan = sub.add_parser("plan", parents=[common], help="print per-rank memory and communication estimates")
-    plan.add_argument("--world-size", type=int, nargs="+", required=True)
+    plan.add_argument("--world-size", type=int, nargs="+", required=True, metavar="N",
+                      help="one or more world sizes, a column each")
     return parser
 
 
 def _run(opts: argparse.Namespace) -> str:
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
+    if inputs is not None:
+        check_inputs(model, inputs)
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
     dtype = _dtype_option(opts.dtype, "--dtype")
     if dtype is not None:
@@ -170,18 +240,21 @@ def _run(opts: argparse.Namespace) -> str:
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     plans = [build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
                         mixed_precision=mp, capture=captured) for n in sizes]
+    if budget is not None:
+        check_budget(budget, plans)
     if opts.command == "plan":
         psi = sum(g.param_numel() for g in plans[0].groups)
         dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"
                          for g in plans[0].groups for b in g.buffers})
         lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
                  f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
-                 *(f"N={n}: {summary(p)}" for n, p in zip(sizes, plans, strict=True)),
-                 render_estimates(plans), *(f"note: {n}" for n in plans[0].notes)]
+                 *(f"N={n}: {summary_line(p)}" for n, p in zip(sizes, plans, strict=True)),
+                 render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
         return "\n".join(lines)
     graph = rewrite(captured, plans[0])
-    render = {"text": render_text, "json": render_json, "dot": render_dot}[opts.format]
-    return render(graph, plans[0])
+    if opts.format == "text":
+        return render_text(graph, plans[0], opts.verbose)
+    return {"json": render_json, "dot": render_dot}[opts.format](graph, plans[0])
 
 
 def _dtype_option(text: str | None, option: str) -> torch.dtype | None:
@@ -195,7 +268,7 @@ def _dtype_option(text: str | None, option: str) -> torch.dtype | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``bmt-wrap``; returns the exit status."""
-    opts = _parser().parse_args(argv)
+    opts = build_parser().parse_args(argv)
     try:
         print(_run(opts))
     except Exception as exc:

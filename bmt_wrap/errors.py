@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+
+def listed(items: Sequence[object], limit: int = 5, fmt: Callable[[object], str] = repr, sep: str = ", ") -> str:
+    """The first ``limit`` items for an error message, ending ``… and N more`` when there are more."""
+    more = f" … and {len(items) - limit} more" if len(items) > limit else ""
+    return sep.join(fmt(x) for x in items[:limit]) + more
+
 
 class BMTError(RuntimeError):
     """Base class of every error bmt_wrap raises on purpose."""

@@ -21,6 +21,10 @@ ROOT = "root"  # name of the group holding parameters outside every block
 GRADS_IN_FLIGHT = 1
 #: Bytes per parameter of the per-step all-reduce that agrees which parameters got a gradient.
 USED_MASK_BYTES = 4
+#: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
+SCHEDULE_NOTE = "schedule: "
+#: Start of capture's note that fx could not trace the model (expected where torch.export then captures it).
+FX_FAILED_NOTE = "fx.symbolic_trace failed"
 
 
 @dataclass
@@ -242,6 +246,20 @@ class WrapPlan:
     def all_fqns(self) -> list[str]:
         """Every parameter name (aliases included) the plan places."""
         return [n for g in self.groups for _, s in g.slots() for n in s.names]
+
+    def summary(self) -> None:
+        """Print what ``bmt-wrap dump`` shows of the plan: groups, checkpointed blocks, bytes per rank."""
+        print(self)
+
+    def __str__(self) -> str:
+        from .plan_text import plan_text  # plan_text imports this module
+
+        return plan_text(self)
+
+    def __repr__(self) -> str:
+        from .plan_text import summary_line
+
+        return f"<WrapPlan {summary_line(self)}>"
 
     def to_json(self, indent: int | None = 1) -> str:
         """Serialise to JSON (diffable, editable, re-appliable)."""

@@ -107,16 +107,21 @@ def test_transformers_loads_a_saved_gpt2(tmp_path: Path) -> None:
 
 
 def _mismatch_body(tmp: str) -> dict:
+    # A layer is 11 tensors: long lists show their first few and how many more there are.
     path = Path(tmp) / "three.safetensors"
     bmt.save(_wrapped(0, n_layers=3), path)
     two = _wrapped(0, n_layers=2)
-    with pytest.raises(CheckpointError, match=r"three\.safetensors.*unexpected keys \['layers\.2\."):
+    with pytest.raises(CheckpointError, match=r"three\.safetensors does not match the model's \d+ tensors: unexpected "
+                                              r"keys 'layers\.2\.[^']+'(, 'layers\.2\.[^']+'){4} … and 6 more \(pass "
+                                              r"strict=False to skip them\)\. Is it"):
         bmt.load(two, path)
     result = bmt.load(two, path, strict=False)
-    with pytest.raises(CheckpointError, match=r"three\.safetensors.*missing keys \['layers\.3\."):
+    with pytest.raises(CheckpointError, match=r"three\.safetensors does not match the model's \d+ tensors: missing "
+                                              r"keys 'layers\.3\.ln1\.weight', .* … and 6 more \(pass strict=False"):
         bmt.load(_wrapped(0, n_layers=4), path)
     with pytest.raises(CheckpointError, match=r"'wte\.weight' is torch\.float32 \[64, 16\] in the file but "
-                                              r"'wte\.weight' is torch\.float32 \[64, 32\]"):
+                                              r"'wte\.weight' is torch\.float32 \[64, 32\] in the model; .* … and \d+ "
+                                              r"more\. Is it"):
         bmt.load(_wrapped(0, n_layers=3, d=32), path)
     return {"unexpected": result.unexpected_keys}
 

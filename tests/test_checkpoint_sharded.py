@@ -4,6 +4,7 @@ sizes within docs/design.md's AdamW tolerances, and refuse broken or foreign dir
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -148,10 +149,10 @@ def _faults_body(tmp: str) -> None:
     refused(root / "truncated", rf"truncated/{shard0.name}.*truncated")
     refused(root / "corrupt_meta", r"corrupt_meta/metadata\.json is not a bmt_wrap checkpoint")
     refused(root / "corrupt_shard", rf"corrupt_shard/{shard0.name} is not a readable safetensors")
-    refused(root / "nowhere", r"nowhere/metadata\.json is missing")
+    refused(root / "nowhere", rf"directory not found: {re.escape(str(root / 'nowhere'))}")
     torch.manual_seed(0)
     bigger = bmt.BMTrainModelWrapper(ToyGPT(n_layers=4))
-    refused(root / "good", r"'layers\.3\.ln1\.weight' is not in the checkpoint",
+    refused(root / "good", r"model tensors not in the checkpoint: 'layers\.3\.ln1\.weight'",
             model=(bigger, bmt.optim.OptimManager()))
     wider = bmt.BMTrainModelWrapper(ToyGPT(d=32))
     refused(root / "good", r"'wte\.weight' is float32 \[64, 16\] in the checkpoint", model=(wider, None))
@@ -167,3 +168,34 @@ def _faults_body(tmp: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_broken_directories_are_refused_on_every_rank(tmp_path: Path, world_size: int) -> None:
     run_distributed(_faults_body, world_size, str(tmp_path))
+
+
+def _long_mismatch_body(tmp: str) -> None:
+    torch.manual_seed(0)
+    bmt.save_checkpoint(Path(tmp) / "three", bmt.BMTrainModelWrapper(ToyGPT()))
+    five = bmt.BMTrainModelWrapper(ToyGPT(n_layers=5))  # 22 tensors more, 11 per layer
+    with pytest.raises(CheckpointError, match=r"three is not a checkpoint of this model: model tensors not in the "
+                                              r"checkpoint: 'layers\.3\.ln1\.weight', .* … and 17 more$"):
+        bmt.load_checkpoint(Path(tmp) / "three", five)
+    one = bmt.BMTrainModelWrapper(ToyGPT(n_layers=1))
+    with pytest.raises(CheckpointError, match=r"the checkpoint has tensors the model lacks: 'layers\.1\.ln1\.weight', "
+                                              r".* … and 17 more$"):
+        bmt.load_checkpoint(Path(tmp) / "three", one)
+    wider = bmt.BMTrainModelWrapper(ToyGPT(d=32))
+    with pytest.raises(CheckpointError, match=r"'wte\.weight' is float32 \[64, 16\] in the checkpoint but torch\.float32 "
+                                              r"\[64, 32\] in the model; .* … and \d+ more$"):
+        bmt.load_checkpoint(Path(tmp) / "three", wider)
+
+
+def test_long_mismatch_lists_end_with_how_many_more(tmp_path: Path) -> None:
+    run_distributed(_long_mismatch_body, 1, str(tmp_path))
+
+
+def test_a_missing_directory_is_named(tmp_path: Path) -> None:
+    from bmt_wrap.checkpoint.dcp import load_directory
+    from bmt_wrap.integrations.lightning import ShardedStrategy
+
+    nowhere = tmp_path / "nowhere"
+    for load in (lambda: load_directory(nowhere, {}), lambda: ShardedStrategy().load_checkpoint(nowhere)):
+        with pytest.raises(CheckpointError, match=rf"^directory not found: {re.escape(str(nowhere))}: check the path"):
+            load()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bmt_wrap.cli import main, parse_bytes, parse_input
+from bmt_wrap.cli import build_parser, main, parse_bytes, parse_input
 from bmt_wrap.errors import CLIError
 from bmt_wrap.plan import WrapPlan
 
@@ -85,6 +86,15 @@ def test_plan_table_has_a_column_per_world_size(capsys: pytest.CaptureFixture[st
     assert next(line for line in lines if "activations" in line).split()[-1] != "n/a"
 
 
+def test_a_plan_prints_the_tables_dump_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["dump", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]"]
+    _, printed, _ = run(capsys, *argv)
+    _, doc, _ = run(capsys, *argv, "--format", "json")
+    shown = str(WrapPlan.from_json(json.dumps(json.loads(doc)["plan"]))).splitlines()
+    tables = shown[shown.index("groups:"):]
+    assert shown[0] == printed.splitlines()[0] and printed.splitlines()[-len(tables):] == tables
+
+
 def test_dotted_module_names_import_from_the_current_directory(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
@@ -109,6 +119,16 @@ def test_dotted_module_names_import_from_the_current_directory(capsys: pytest.Ca
     (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--memory-budget", "lots"], "bad --memory-budget"),
     (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--dtype", "fp8"], "bad --dtype"),
     (["plan", f"{MODELS}:ToyGPT", "--world-size", "0"], "world_size must be >= 1"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "no_such_arg=float32[2,64]"],
+     "--input does not fit ToyGPT.forward(input_ids, targets=None): it has no argument 'no_such_arg'; "),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "targets=int64[2,8]"],
+     "missing a required argument: 'input_ids'"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]", "--input", "int64[2,8]",
+      "--input", "int64[2,8]"], "too many positional arguments"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]", "--memory-budget", "1KiB"],
+     "--memory-budget 1.00 KiB per rank cannot be met"),
+    (["plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--memory-budget", "1KiB"],
+     "N=2 needs at least"),
 ])
 def test_errors_are_one_line_without_traceback(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                message: str) -> None:
@@ -117,6 +137,56 @@ def test_errors_are_one_line_without_traceback(capsys: pytest.CaptureFixture[str
     assert len(err.strip().splitlines()) == 1 and err.startswith("bmt-wrap: error: ")
     assert message in err
     assert "Traceback" not in err
+
+
+def test_an_input_name_outside_a_typed_kwargs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # transformers' forwards end in ``**kwargs: Unpack[TransformersKwargs]``: only that TypedDict's keys.
+    code, _, err = run(capsys, "plan", f"{MODELS}:llama", "--world-size", "2",
+                       "--input", "input_ids=int64[2,8]", "--input", "no_such_arg=float32[2,64]")
+    assert code == 2 and "LlamaForCausalLM.forward(input_ids=None, " in err
+    assert "it has no argument 'no_such_arg' (its **kwargs take only TransformersKwargs' keys)" in err
+    code, _, err = run(capsys, "plan", f"{MODELS}:llama", "--world-size", "2", "--input", "input_ids=int64[2,8]",
+                       "--input", "output_hidden_states=bool[]")
+    assert code == 0, err
+
+
+def test_an_unmeetable_budget_names_the_smallest_feasible_one(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", f"{MODELS}:ToyGPT", "--input", "int64[2,16]", "--world-size", "1", "2", "--memory-budget"]
+    code, out, err = run(capsys, *argv, "1KiB")
+    assert code == 2 and out == ""
+    needs = dict(re.findall(r"N=(\d) needs at least [\d.]+ \w+ \((\d+) B\)", err))
+    assert set(needs) == {"1", "2"} and int(needs["1"]) > int(needs["2"]), err
+    assert err.rstrip().endswith("raise the budget, add ranks, shrink the batch or lower --prefetch-depth")
+    code, out, err = run(capsys, *argv, f"{needs['2']} B")
+    assert code == 2 and "N=1 needs" in err and "N=2" not in err
+    code, out, err = run(capsys, *argv, needs["1"])
+    assert code == 0 and "activations" in out, err
+
+
+def test_a_total_without_activations_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "2")
+    assert code == 0
+    assert [line.split("  ")[1] for line in out.splitlines() if "= total" in line] == \
+        ["= total per rank without activations"]
+    code, out, _ = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "2", "--input", "int64[2,8]")
+    assert [line.split("  ")[1] for line in out.splitlines() if "= total" in line] == ["= total per rank"]
+
+
+def test_expected_fallbacks_show_only_with_verbose(capsys: pytest.CaptureFixture[str]) -> None:
+    # fx cannot trace transformers models; torch.export then does: nothing the user needs to act on.
+    for command in ("plan", "dump"):
+        argv = [command, f"{MODELS}:llama", "--world-size", "2", "--input", "input_ids=int64[1,8]"]
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and "capture: export" in out, err
+        assert "fx.symbolic_trace failed" not in out
+        code, out, err = run(capsys, *argv, "-v")
+        assert code == 0 and "note: schedule: fx.symbolic_trace failed (" in out, err
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = {name: [a.dest for a in sub._actions if not a.help] for name, sub in commands.choices.items()}
+    assert bare == {"dump": [], "plan": []}
 
 
 def test_factory_raising_is_reported_and_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str],

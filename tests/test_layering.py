@@ -28,6 +28,12 @@ def test_plan_and_passes_load_no_runtime(statement: str) -> None:
     assert not [m for m in loaded if m.startswith("bmt_wrap.runtime") or m == "bmt_wrap.wrapper"], loaded
 
 
+def test_printing_a_plan_loads_no_passes() -> None:
+    # The runtime holds plans; showing one must not pull torch.fx's side of the package in.
+    loaded = _loaded_after("from bmt_wrap.plan import WrapPlan\nprint(WrapPlan(groups=[]), repr(WrapPlan(groups=[])))")
+    assert not [m for m in loaded if m.startswith(("bmt_wrap.passes", "bmt_wrap.runtime"))], loaded
+
+
 def test_runtime_never_imports_torch_fx() -> None:
     offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.joinpath("runtime").rglob("*.py")
                  if "torch.fx" in p.read_text() or "import fx" in p.read_text()]

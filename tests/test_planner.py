@@ -229,3 +229,19 @@ def test_blocks_dropped_from_an_edited_plan_are_not_scheduled() -> None:
     plan = build_plan(model, discover_blocks(model), world_size=2)
     plan.groups = [g for g in plan.groups if g.name != "layers.3"]
     assert schedule(plan, c, world_size=2).order == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_a_plan_prints_as_the_clis_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_for("llama", world_size=4)
+    text = str(plan)
+    lines = text.splitlines()
+    assert lines[0] == "capture: export | blocks: 2 | calls: 2 | prefetch depth: 1 | checkpointed: 2/2"
+    groups, estimates = lines.index("groups:"), lines.index("estimates:")
+    assert lines[groups + 1].split() == ["group", "params", "bytes", "buffers", "checkpoint", "zero"]
+    assert [line.split()[0] for line in lines[groups + 2:estimates]] == ["root", "model.layers.0", "model.layers.1"]
+    assert [line.split()[-1] for line in lines[groups + 3:estimates]] == ["3", "3"]
+    assert lines[estimates + 1].split() == ["per", "rank", "N=4"]
+    assert any(line.split()[:4] == ["=", "total", "per", "rank"] for line in lines[estimates:])
+    assert "fx.symbolic_trace failed" not in text, "an expected fallback, not worth a reader's attention"
+    assert plan.summary() is None and capsys.readouterr().out == text + "\n"
+    assert repr(plan) == f"<WrapPlan {lines[0]}>"

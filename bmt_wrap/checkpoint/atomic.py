@@ -30,6 +30,13 @@ def os_error_message(path: Path | str, action: str, exc: OSError) -> str:
     return f"cannot {action} {path}: [Errno {exc.errno}] {exc.strerror or exc} — {fix}"
 
 
+def require_directory(directory: Path) -> None:
+    """Raise ``CheckpointError`` unless ``directory`` exists: a mistyped path reads as one, not as a broken save."""
+    if not directory.is_dir():
+        raise CheckpointError(f"directory not found: {directory}: check the path"
+                              + (" (a file is there)" if directory.exists() else ""))
+
+
 @contextmanager
 def os_errors(path: Path | str, action: str) -> Iterator[None]:
     """Turn an ``OSError`` raised inside into a ``CheckpointError`` naming ``path``."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed import get_state
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listed
 from ..init import rebuild_lost_buffers
 from .agree import agree
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
@@ -41,7 +41,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     kind = file_format(path)
     entries = model_entries(model)
     if meta := meta_names(entries):
-        raise CheckpointError(f"cannot save to {path}: {meta[:5]} are still on the meta device; initialise them "
+        raise CheckpointError(f"cannot save to {path}: {listed(meta)} are still on the meta device; initialise them "
                               "(bmt.init_parameters(model)) or load them (bmt.load(model, path)) first")
     groups, replicated = by_buffer(entries)
     ordered = [e for _, members in groups for e in members] + replicated
@@ -137,7 +137,7 @@ def match_keys(entries: list[Entry], source: Source, strict: bool) -> tuple[list
     present = set(keys)
     plan: list[tuple[Entry, str]] = []
     missing: list[str] = []
-    problems: list[str] = []
+    mismatched: list[str] = []
     for e in entries:
         key = next((n for n in e.names if n in present), None)
         if key is None:
@@ -145,15 +145,17 @@ def match_keys(entries: list[Entry], source: Source, strict: bool) -> tuple[list
             continue
         shape, dtype = source.info(key)
         if shape != e.shape or dtype != e.dtype:
-            problems.append(f"{key!r} is {dtype} {list(shape)} in the file but {e.name!r} is {e.dtype} "
-                            f"{list(e.shape)} in the model")
+            mismatched.append(f"{key!r} is {dtype} {list(shape)} in the file but {e.name!r} is {e.dtype} "
+                              f"{list(e.shape)} in the model")
         plan.append((e, key))
     known = {n for e in entries for n in e.names}
     unexpected = [k for k in keys if k not in known]
+    problems = [listed(mismatched, 3, str, "; ")] if mismatched else []
     if strict and (missing or unexpected):
-        problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
-                        f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} (pass strict=False to skip them)")
+        keys_off = [f"{what} keys {listed(names)}" for what, names in (("missing", missing), ("unexpected", unexpected))
+                    if names]
+        problems.append(", ".join(keys_off) + " (pass strict=False to skip them)")
     if problems:
-        raise CheckpointError(f"{source.path} does not match {len(entries)} model tensors: " + "; ".join(problems[:10])
+        raise CheckpointError(f"{source.path} does not match the model's {len(entries)} tensors: " + "; ".join(problems)
                               + ". Is it a checkpoint of this model?")
     return plan, LoadResult(missing, unexpected)

@@ -20,7 +20,7 @@ from ..distributed import get_state
 from ..errors import CheckpointError
 from ..runtime.param import DistributedParameter
 from .agree import agree
-from .atomic import make_dirs, os_errors
+from .atomic import make_dirs, os_errors, require_directory
 
 
 def holds_sharded_parameters(obj: nn.Module | torch.optim.Optimizer) -> bool:
@@ -82,6 +82,7 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     """Read a complete ``save_directory`` save into ``state``'s tensors, in place (at any world size); a collective."""
     import torch.distributed.checkpoint as dcp
 
+    require_directory(Path(directory))
     if not (Path(directory) / ".metadata").is_file():
         raise CheckpointError(f"{directory} holds no torch.distributed.checkpoint metadata (.metadata): it is not a "
                               "sharded checkpoint, or its save did not finish; resume from an earlier checkpoint")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listed
 from ..runtime.sharded_tensor import local_view
 from .optim_shards import is_state_slice, local_state_dict
 
@@ -44,7 +44,7 @@ def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
         unknown = [tuple(p.shape) for p in g["params"] if id(p) not in names]
         if unknown:
             raise CheckpointError(f"optimizer {k} ({type(opt).__name__}) holds parameters that are not the model's "
-                                  f"(shapes {unknown[:3]}): build it over model.parameters()")
+                                  f"(shapes {listed(unknown, 3)}): build it over model.parameters()")
         groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": [names[id(p)] for p in g["params"]]})
     for p, st in opt.state.items():
         name = names[id(p)]
@@ -71,8 +71,8 @@ def check_groups(k: int, opt: torch.optim.Optimizer, names: dict[int, str], save
     for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         if a != b:
             extra, gone = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-            return (f"optimizer {k} param group {i} differs from the checkpoint's: not saved {extra[:5]}, not "
-                    f"in this optimizer {gone[:5]}: build it with the same param groups as the one that was saved")
+            return (f"optimizer {k} param group {i} differs from the checkpoint's: not saved [{listed(extra)}], not "
+                    f"in this optimizer [{listed(gone)}]: build it with the same param groups as the one that was saved")
     return None
 
 

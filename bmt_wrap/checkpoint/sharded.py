@@ -29,11 +29,11 @@ from torch import nn
 
 from ..distributed import broadcast_bytes, get_state
 from ..dtypes import dtype_name, to_dtype
-from ..errors import CheckpointError
+from ..errors import CheckpointError, listed
 from ..init import rebuild_lost_buffers
 from . import optim_state, rng
 from .agree import agree
-from .atomic import make_dirs, os_errors, write_atomic
+from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .entries import Entry, materialize, meta_names, model_entries
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 
@@ -80,7 +80,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     rank, world = state.rank, state.world_size
     entries = model_entries(model)
     if meta := meta_names(entries):
-        raise CheckpointError(f"cannot save a checkpoint to {directory}: {meta[:5]} are still on the meta device; "
+        raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
                               "initialise them first (bmt.init_parameters(model))")
     names = _param_names(entries)
     optimizers = optim_state.optimizers_of(optim_manager, optimizer)
@@ -163,6 +163,7 @@ class _Reader:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        require_directory(directory)
         path = directory / METADATA
         if not path.is_file():
             hint = (" It holds shard files: a save that did not finish." if directory.is_dir()
@@ -290,25 +291,31 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
 def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str, list[tuple[int, int, int]]]]:
     """For each model tensor, the saved pieces this rank reads; raises naming every mismatch."""
     plan = []
-    problems = []
+    missing: list[str] = []
+    mismatched: list[str] = []
     used: set[str] = set()
     for e in entries:
         saved = next((reader.entries[n] for n in e.names if n in reader.entries), None)
         if saved is None:
-            problems.append(f"{e.name!r} is not in the checkpoint")
+            missing.append(e.name)
             continue
         used.update(saved["names"])
         if tuple(saved["shape"]) != e.shape or to_dtype(saved["dtype"]) != e.dtype:
-            problems.append(f"{e.name!r} is {saved['dtype']} {saved['shape']} in the checkpoint but {e.dtype} "
-                            f"{list(e.shape)} in the model")
+            mismatched.append(f"{e.name!r} is {saved['dtype']} {saved['shape']} in the checkpoint but {e.dtype} "
+                              f"{list(e.shape)} in the model")
             continue
         name = f"model/{saved['names'][0]}"
         plan.append((e, name, reader.pieces(name, *e.local_range(), saved["ranges"])))
     unexpected = [m["names"][0] for m in reader.meta["model"] if m["names"][0] not in used]
+    problems = []
+    if missing:
+        problems.append(f"model tensors not in the checkpoint: {listed(missing)}")
+    if mismatched:
+        problems.append(listed(mismatched, 3, str, "; "))
     if unexpected:
-        problems.append(f"the checkpoint has tensors the model lacks: {unexpected[:10]}")
+        problems.append(f"the checkpoint has tensors the model lacks: {listed(unexpected)}")
     if problems:
-        raise CheckpointError(f"{reader.directory} is not a checkpoint of this model: " + "; ".join(problems[:10]))
+        raise CheckpointError(f"{reader.directory} is not a checkpoint of this model: " + "; ".join(problems))
     return plan
 
 

@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..checkpoint.atomic import require_directory
 from ..checkpoint.dcp import holds_sharded_parameters, load_directory, save_directory
 from ..distributed import is_initialized
 from ..errors import CheckpointError, WrapError
@@ -129,6 +130,7 @@ class ShardedStrategy(DDPStrategy):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = Path(checkpoint_path)
+        require_directory(path)
         if not (path / META).is_file():
             raise CheckpointError(f"{path} is not a ShardedStrategy checkpoint (no {META} in it): resume from a "
                                   "directory that ShardedStrategy saved")

@@ -1,5 +1,6 @@
 """The pure compiler passes: discover -> capture -> plan -> rewrite (no communication, no real storage)."""
 
+from ..plan_text import render_estimates
 from .activations import ActivationProfile, BlockCallActivations
 from .capture import (
     CAPTURE_METHODS,
@@ -15,7 +16,7 @@ from .discover import Block, BlockList, Discovery, discover_blocks
 from .estimate import estimate
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
-from .render import render_dot, render_estimates, render_json, render_text
+from .render import render_dot, render_json, render_text
 from .rewrite import Step, rewrite, steps
 from .util import self_checkpointing_modules
 

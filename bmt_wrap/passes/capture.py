@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from .._compat import drop_compiled_call, pytree
+from ..plan import FX_FAILED_NOTE
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
@@ -141,7 +142,7 @@ def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> 
     try:
         fx_result = _fx_capture(model, discovery)
     except Exception as exc:  # any tracing failure means "try the next method"
-        notes.append(f"fx.symbolic_trace failed ({describe(exc)})")
+        notes.append(f"{FX_FAILED_NOTE} ({describe(exc)})")
 
     call = as_call(example_inputs)
     exported: ExportResult | None = None

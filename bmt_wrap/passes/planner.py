@@ -16,15 +16,13 @@ from torch import nn
 from ..dtypes import dtype_name
 from ..errors import PlanError
 from ..mixed_precision import MixedPrecision
-from ..plan import ROOT, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+from ..plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+from ..plan_text import fmt_bytes
 from .activations import ActivationProfile
 from .capture import Capture
 from .discover import Discovery
 from .estimate import estimate
 from .util import self_checkpointing_modules
-
-#: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
-SCHEDULE_NOTE = "schedule: "
 
 #: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
 #: flight absorbs uneven block times. Deeper only holds more memory: collectives run one at a time.
@@ -94,12 +92,11 @@ def _fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_siz
     def total() -> int:
         return estimate(plan, world_size, activations).total
 
-    gib = 2 ** 30
     if activations is None:
         return ["memory budget: activation bytes unknown, so every block stays checkpointed "
                 "(pass example inputs to let the budget decide)"]
     if total() > budget:
-        return [f"memory budget: {total() / gib:.2f} GiB per rank exceeds the budget of {budget / gib:.2f} GiB "
+        return [f"memory budget: {fmt_bytes(total())} per rank exceeds the budget of {fmt_bytes(budget)} "
                 "even with every block checkpointed; use more ranks or a smaller batch"]
     # Cheapest first: un-checkpointing a block costs what it saves for backward beyond its inputs.
     extra: dict[str, int] = defaultdict(int)
@@ -121,7 +118,7 @@ def _fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_siz
             plan.prefetch_depth -= 1
             break
     notes.append(f"memory budget: prefetch depth {plan.prefetch_depth}, "
-                 f"{total() / gib:.2f} GiB of {budget / gib:.2f} GiB per rank")
+                 f"{fmt_bytes(total())} of {fmt_bytes(budget)} per rank")
     return notes
 
 

@@ -1,27 +1,16 @@
-"""Renderers for ``bmt-wrap``: the rewritten graph as text, JSON or Graphviz dot, and the estimates table."""
+"""Renderers for ``bmt-wrap dump``: the rewritten graph as text, JSON or Graphviz dot (the plan's own tables are
+``plan_text``'s)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from itertools import pairwise
 
 from torch import fx
 
-from ..plan import MemoryEstimate, WrapPlan
+from ..plan import WrapPlan
+from ..plan_text import heading, summary_line, tables
 from .rewrite import step_of
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def fmt_bytes(n: int | None) -> str:
-    """Human-readable bytes (binary units)."""
-    if n is None:
-        return "n/a"
-    value, unit = float(n), 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value, unit = value / 1024, unit + 1
-    return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
 
 
 def _target(node: fx.Node) -> str:
@@ -58,67 +47,9 @@ def node_line(node: fx.Node) -> str:
     return f"    %{node.name} = {_target(node)}({args})"
 
 
-def summary(plan: WrapPlan) -> str:
-    """One line: capture method, blocks, calls, prefetch depth, checkpointed blocks."""
-    blocks = plan.blocks()
-    ckpt = sum(g.checkpoint for g in blocks)
-    return (f"capture: {plan.capture} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
-            f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}")
-
-
-def render_groups(plan: WrapPlan) -> str:
-    """Table of shard groups: parameters, bytes, checkpointing, ZeRO level."""
-    rows = [("group", "params", "bytes", "buffers", "checkpoint", "zero")]
-    for g in plan.groups:
-        rows.append((g.name, f"{g.param_numel():,}", fmt_bytes(g.param_bytes()),
-                     ",".join(f"{b.dtype}{'' if b.gather_dtype == b.dtype else '->' + b.gather_dtype}"
-                              f"{'' if b.requires_grad else '(frozen)'}" for b in g.buffers) or "-",
-                     "-" if g.is_root else str(g.checkpoint).lower(), "-" if g.is_root else str(g.zero_level)))
-    return _table(rows)
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                                      enumerate(zip(r, widths, strict=True))).rstrip() for r in rows)
-
-
-_ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
-    ("parameters (shard)", lambda e: e.params),
-    ("gradients (shard)", lambda e: e.grads),
-    ("optimizer state (shard)", lambda e: e.optimizer),
-    ("= model states", lambda e: e.params + e.grads + e.optimizer),
-    ("gathered parameters", lambda e: e.gathered),
-    ("gradients in flight", lambda e: e.grads_in_flight),
-    ("activations", lambda e: e.activations),
-    ("= total per rank", lambda e: e.total),
-    ("all-gather / step", lambda e: e.comm_all_gather),
-    ("reduce-scatter / step", lambda e: e.comm_reduce_scatter),
-    ("= communicated / step", lambda e: e.comm_total),
-    ("ZeRO-3 bound 3Ψ(N-1)/N", lambda e: e.zero3_bound),
-]
-
-
-def render_estimates(plans: list[WrapPlan]) -> str:
-    """Per-rank estimates table, one column per plan (each plan holds one world size's estimate)."""
-    estimates = [est for p in plans for est in p.estimates.values()]
-    rows = [("per rank", *(f"N={e.world_size}" for e in estimates))]
-    rows += [(label, *(fmt_bytes(get(e)) for e in estimates)) for label, get in _ESTIMATE_ROWS]
-    return _table(rows)
-
-
-def render_text(graph: fx.Graph, plan: WrapPlan) -> str:
-    """The rewritten graph and the plan, for people."""
-    lines = [summary(plan)]
-    lines += [f"  note: {n}" for n in plan.notes]
-    lines.append("graph:")
-    lines += [node_line(n) for n in graph.nodes]
-    lines.append("groups:")
-    lines.append(render_groups(plan))
-    if plan.estimates:
-        lines.append("estimates:")
-        lines.append(render_estimates([plan]))
-    return "\n".join(lines)
+def render_text(graph: fx.Graph, plan: WrapPlan, verbose: bool = False) -> str:
+    """The rewritten graph and the plan, for people; ``verbose`` adds the expected fallbacks' notes."""
+    return "\n".join([*heading(plan, verbose), "graph:", *(node_line(n) for n in graph.nodes), *tables(plan)])
 
 
 def graph_records(graph: fx.Graph) -> list[dict[str, object]]:
@@ -151,7 +82,7 @@ _DOT_STYLE = {
 def render_dot(graph: fx.Graph, plan: WrapPlan) -> str:
     """Graphviz: data flow as solid edges, schedule order (markers and block calls) as a dashed chain."""
     lines = ["digraph bmt_wrap {", "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];',
-             f'  label="{summary(plan)}";']
+             f'  label="{summary_line(plan)}";']
     for n in graph.nodes:
         step = step_of(n)
         if step is None:
