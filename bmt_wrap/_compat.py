@@ -19,8 +19,8 @@ import torch.utils._pytree as pytree  # re-exported: tree_flatten, tree_unflatte
 from torch import nn
 
 __all__ = [
-    "caller_frame", "dcp_state_dict_request", "default_store", "disabled_torch_function", "foreach_copy_",
-    "foreach_div_", "foreach_mul_", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
+    "caller_frame", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
+    "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
     "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
@@ -46,6 +46,18 @@ def queue_autograd_callback(fn: Callable[[], None]) -> None:
 
 #: A tensor subclass's ``__torch_function__`` that makes ops see a plain tensor (what ``nn.Parameter`` uses).
 disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                          requires_grad: bool) -> Any:
+    """A storage-less tensor of ``cls`` with this metadata, whose ops reach ``cls.__torch_dispatch__`` (as
+    DTensor is built)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The norm of each tensor (one multi-tensor kernel; what ``clip_grad_norm_`` calls)."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
 def register_foreach_type(cls: type) -> None:
@@ -110,6 +122,22 @@ def default_store() -> Any:
 def caller_frame(depth: int = 1) -> FrameType | None:
     """The frame ``depth`` levels above the caller of this function."""
     return sys._getframe(depth + 1)
+
+
+def inside_ddp_constructor(max_depth: int = 64) -> bool:
+    """Whether the caller runs inside ``DistributedDataParallel.__init__`` (its parameter broadcast)."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is None:
+        return False
+    code = ddp.DistributedDataParallel.__init__.__code__
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def dcp_state_dict_request(max_depth: int = 16) -> Any | None:

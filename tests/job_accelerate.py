@@ -5,7 +5,8 @@ Usage: ``torchrun --nproc_per_node=2 job_accelerate.py OUT_DIR``. The same loop 
 
 1. plain model, stock ``accelerate.Accelerator`` (DDP on top): the reference;
 2. wrapped model, ``bmt_wrap.integrations.accelerate.Accelerator``; ``save_state`` after step 3;
-3. a fresh wrapped model and optimizer that ``load_state`` that folder and run steps 4 and 5.
+3. a fresh wrapped model and optimizer that ``load_state`` that folder and run steps 4 and 5;
+4. a wrapped model given to the stock ``accelerate.Accelerator``, which puts DDP on it: the error message.
 
 Rank 0 writes ``OUT_DIR/results.pt`` (per run: losses, gradient norms, final full weights).
 """
@@ -20,6 +21,7 @@ from job_trainer import build, dataset
 from torch.utils.data import DataLoader
 
 import bmt_wrap as bmt
+from bmt_wrap.errors import ShardedTensorError
 from bmt_wrap.integrations.accelerate import Accelerator
 
 STEPS, SAVE_AT = 5, 3
@@ -55,6 +57,11 @@ def main(out: str) -> None:
     results["bmt"] = run(Accelerator(cpu=True), bmt.BMTrainModelWrapper(build()), range(STEPS), save=f"{out}/state")
     results["resumed"] = run(Accelerator(cpu=True), bmt.BMTrainModelWrapper(build()), range(SAVE_AT, STEPS),
                              load=f"{out}/state")
+    try:
+        accelerate.Accelerator(cpu=True).prepare(bmt.BMTrainModelWrapper(build()))
+        results["stock"] = "prepared"
+    except ShardedTensorError as exc:
+        results["stock"] = str(exc)
     if bmt.rank() == 0:
         torch.save(results, f"{out}/results.pt")
     bmt.barrier()

@@ -66,6 +66,17 @@ def test_sharded_formats_benchmark_writes_its_table(tmp_path: Path) -> None:
     assert "command: torchrun --nproc_per_node=2 benchmarks/sharded_formats.py" in out.read_text()
 
 
+def test_param_ops_benchmark_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "param_ops.md"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "param_ops.py"), "--layers", "2", "--width", "32",
+                           "--rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "operation" not in line]
+    assert len(rows) == 5 and all(r.rstrip(" |").endswith("x") for r in rows), rows
+    assert "command: python benchmarks/param_ops.py" in out.read_text()
+
+
 def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:
     from assemble_results import assemble, tables_outside_markers
 

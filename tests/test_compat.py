@@ -190,6 +190,28 @@ def test_dcp_state_dict_request_sees_get_state_dict_and_its_options() -> None:
     assert seen[2] is not None and seen[2].full_state_dict
 
 
+def test_inside_ddp_constructor_is_false_elsewhere() -> None:
+    import torch.nn.parallel  # noqa: F401  (loads DistributedDataParallel, whose __init__ the shim looks for)
+
+    # True inside DDP's constructor: tests/test_param_contract.py builds DDP around a wrapped model.
+    assert not _compat.inside_ddp_constructor()
+
+
+def test_register_foreach_type_puts_the_type_on_both_of_torchs_lists() -> None:
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    class Sub(torch.Tensor):
+        pass
+
+    _compat.register_foreach_type(Sub)
+    _compat.register_foreach_type(Sub)
+    assert optimizer._foreach_supported_types.count(Sub) == 1
+    assert _foreach_utils._foreach_supported_types.count(Sub) == 1
+    optimizer._foreach_supported_types.remove(Sub)
+    _foreach_utils._foreach_supported_types.remove(Sub)
+
+
 # ---- torch.compile shims (bmt_wrap/compiled.py adopts a block's compile) ------------------------------------
 def _recording_backend(calls: list):
     def backend(gm, example_inputs):

@@ -72,6 +72,7 @@ def test_accelerate_loop_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None
     placeholder = torch.load(tmp_path / "state" / "optimizer.bin", weights_only=True)
     assert placeholder == {"bmt_wrap.sharded_optimizer_state": "optimizer_sharded"}
     assert len(list((tmp_path / "state" / "optimizer_sharded").glob("*.distcp"))) == 2
+    assert "bmt_wrap.integrations.accelerate.Accelerator" in r["stock"], r["stock"]
 
 
 def test_lightning_matches_ddp_and_resumes_as_ddp_does(tmp_path: Path) -> None:

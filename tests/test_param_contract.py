@@ -202,3 +202,19 @@ def test_elementwise_and_norms_over_any_shape_match_the_full_tensor(shape: list[
                                                                      world_size: int) -> None:
     assert all(run_distributed(_elementwise_body, world_size, shape, dtype))
 
+
+
+# ---- stock DDP (what stock Trainer, accelerate and Lightning's ddp put around a model) ------------------
+def _ddp_body() -> str:
+    model = bmt.BMTrainModelWrapper(ToyGPT(n_layers=2))
+    with pytest.raises(ShardedTensorError) as info:
+        torch.nn.parallel.DistributedDataParallel(model)
+    return str(info.value)
+
+
+def test_stock_ddp_around_a_wrapped_model_names_the_integrations_on_every_rank() -> None:
+    for message in run_distributed(_ddp_body, 2):
+        assert "DistributedDataParallel was put around a wrapped model" in message
+        for name in ("integrations.transformers.Trainer", "integrations.accelerate.Accelerator",
+                     "integrations.lightning.ShardedStrategy"):
+            assert name in message

@@ -30,9 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from .._compat import disabled_torch_function, register_foreach_type
+from .._compat import (disabled_torch_function, foreach_norm, inside_ddp_constructor, make_wrapper_subclass, pytree,
+                       register_foreach_type)
 from ..errors import ShardedTensorError
 
 if TYPE_CHECKING:
@@ -90,8 +89,7 @@ class ShardedTensor(torch.Tensor):
 
     @staticmethod
     def _wrap(cls: type, local: torch.Tensor, layout: ShardLayout, requires_grad: bool = False) -> Any:
-        t = torch.Tensor._make_wrapper_subclass(cls, layout.full_shape, dtype=local.dtype, device=local.device,
-                                                requires_grad=requires_grad)
+        t = make_wrapper_subclass(cls, layout.full_shape, local.dtype, local.device, requires_grad)
         t._local = local
         t._layout = layout
         return t
@@ -129,18 +127,10 @@ class ShardedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(func, args, kwargs)
-        name = func._schema.name
-        if name.startswith(("aten::_foreach_", "aten::_fused_")):
-            return _foreach(func, args, kwargs)
-        if func in _RANDOM_FILLS:
-            return _random_fill(func, args, kwargs)
-        if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE:
-            return _elementwise(func, args, kwargs)
-        raise _unsupported(func, args, kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            handler = _HANDLERS[func] = _handler_for(func)
+        return handler(func, args, kwargs or {})
 
 
 # ---- the rules ------------------------------------------------------------------------------------------
@@ -153,14 +143,44 @@ _RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.fl
                  aten.log_normal_.default, aten.geometric_.default}
 
 
+def _handler_for(func: Any) -> Callable[[Any, tuple, dict], Any]:
+    """How ``func`` runs on sharded tensors (decided once per op: dispatch is on every optimizer op's path)."""
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special
+    if func._schema.name == "aten::_foreach_max":
+        return _refuse
+    if func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
+        return _foreach
+    if func in _RANDOM_FILLS:
+        return _random_fill
+    if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE:
+        return _in_place if func._schema.is_mutable else _elementwise
+    return _refuse
+
+
+def _refuse(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise _unsupported(func, args, kwargs)
+
+
+_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+
 def _first_sharded(leaves: list[Any]) -> ShardedTensor | None:
     return next((x for x in leaves if isinstance(x, ShardedTensor)), None)
 
 
 def _unsupported(func: Any, args: tuple, kwargs: dict, why: str = "") -> ShardedTensorError:
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = pytree.tree_flatten((args, kwargs))
     ref = _first_sharded(leaves)
     name = ref._layout.name if ref is not None else "?"
+    if inside_ddp_constructor():
+        return ShardedTensorError(
+            "DistributedDataParallel was put around a wrapped model: the wrapper already averages gradients "
+            f"across ranks, and each rank holds only a range of every parameter ({name!r}), which DDP cannot "
+            "broadcast. Use the model without DDP. Tools that add DDP by themselves have bmt_wrap versions: "
+            "bmt_wrap.integrations.transformers.Trainer, bmt_wrap.integrations.accelerate.Accelerator, "
+            "pl.Trainer(strategy=bmt_wrap.integrations.lightning.ShardedStrategy()).")
     return ShardedTensorError(
         f"{func} is not supported on sharded parameter {name!r} (each rank holds only a range of it{why}). "
         "Parameters of a wrapped model support elementwise ops, norms and full reductions (what optimizers "
@@ -183,19 +203,29 @@ def _local_arg(x: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict
     return x
 
 
-def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    leaves, spec = tree_flatten((args, kwargs))
-    ref = _first_sharded(leaves)
+def _local_call(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ShardLayout]:
+    """Run an elementwise op (flat arguments: tensors, scalars, options) on local ranges."""
+    ref = _first_sharded(args)
+    if ref is None:
+        ref = _first_sharded(list(kwargs.values()))
     assert ref is not None
     layout = ref._layout
-    mutated = args[0] if func._schema.is_mutable else None
-    if mutated is not None and not isinstance(mutated, ShardedTensor):
-        raise _unsupported(func, args, kwargs, "; writing it into a plain tensor needs the full value")
-    local_args, local_kwargs = tree_unflatten([_local_arg(x, layout, func, args, kwargs) for x in leaves], spec)
-    out = func(*local_args, **local_kwargs)
-    if mutated is not None:
-        return mutated
+    local_args = [_local_arg(x, layout, func, args, kwargs) if isinstance(x, torch.Tensor) else x for x in args]
+    local_kwargs = {k: _local_arg(v, layout, func, args, kwargs) if isinstance(v, torch.Tensor) else v
+                    for k, v in kwargs.items()}
+    return func(*local_args, **local_kwargs), layout
+
+
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    out, layout = _local_call(func, args, kwargs)
     return _wrap_like(out, layout, func, args, kwargs)
+
+
+def _in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    if not isinstance(args[0], ShardedTensor):
+        raise _unsupported(func, args, kwargs, "; writing it into a plain tensor needs the full value")
+    _local_call(func, args, kwargs)
+    return args[0]
 
 
 def _wrap_like(out: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -203,36 +233,32 @@ def _wrap_like(out: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: di
         raise _unsupported(func, args, kwargs)
     if out.shape != (layout.end - layout.start,):
         raise _unsupported(func, args, kwargs, "; the op changes the shape")
-    return ShardedTensor.wrap(out, layout)
+    return ShardedTensor._wrap(ShardedTensor, out, layout)
 
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """A multi-tensor op: lists are matched index by index; each index keeps its own layout."""
-    if func in (aten._foreach_norm.Scalar,):
-        return _foreach_norm(args, kwargs)
-    if func._schema.name in ("aten::_foreach_max",):
-        raise _unsupported(func, args, kwargs)
-    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-    n = len(lists[0])
+    lists = [a for a in args if _is_tensor_list(a)]
     layouts: list[ShardLayout | None] = []
-    for i in range(n):
+    for i in range(len(lists[0])):
         ref = _first_sharded([lst[i] for lst in lists])
         layouts.append(ref._layout if ref is not None else None)
 
-    def local_list(lst: Any) -> Any:
-        if not (isinstance(lst, (list, tuple)) and lst and isinstance(lst[0], torch.Tensor)):
-            return lst if not isinstance(lst, ShardedTensor) else _unsupported(func, args, kwargs)
-        return [x if lay is None else _local_arg(x, lay, func, args, kwargs) for x, lay in zip(lst, layouts)]
+    def local(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):  # one sharded tensor where a scalar belongs
+            raise _unsupported(func, args, kwargs)
+        if not _is_tensor_list(x):
+            return x
+        return [t if lay is None else _local_arg(t, lay, func, args, kwargs) for t, lay in zip(x, layouts)]
 
-    local_args = [local_list(a) for a in args]
-    local_kwargs = {k: local_list(v) for k, v in kwargs.items()}
-    for a in local_args:
-        if isinstance(a, ShardedTensorError):
-            raise a
-    out = func(*local_args, **local_kwargs)
+    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
     if func._schema.is_mutable:
         return None if out is None else args[0]
     return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts)]
+
+
+def _is_tensor_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], torch.Tensor)
 
 
 def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -289,7 +315,7 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     return _finish_norms(part, p)[0].to(out_dtype)
 
 
-def _foreach_norm(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     tensors = args[0]
     p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
@@ -297,7 +323,7 @@ def _foreach_norm(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(tensors)
     plain = [i for i in range(len(tensors)) if i not in set(sharded)]
     if plain:
-        for i, v in zip(plain, torch._foreach_norm([tensors[i] for i in plain], p, dtype=dtype)):
+        for i, v in zip(plain, foreach_norm([tensors[i] for i in plain], p, dtype)):
             out[i] = v
     if sharded:
         # One all-reduce for the whole list: the norm of every sharded tensor at once.
@@ -365,8 +391,8 @@ _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.view.default: _same_shape_view,
-    aten._unsafe_view.default: _same_shape_view,
     aten.linalg_vector_norm.default: _vector_norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
     aten.sum.default: _full_reduction("sum"),
     aten.mean.default: _full_reduction("mean"),
     aten.max.default: _full_reduction("max"),
