@@ -35,6 +35,11 @@ class WrapError(BMTError):
     """A model cannot be wrapped as asked, or a wrapped model was used in an unsupported way."""
 
 
+class ModelMismatchError(WrapError):
+    """Ranks wrap different models (or pass different ``plan=``/``example_inputs=``); raised on every rank
+    before any collective depends on the model, so the process group stays usable."""
+
+
 class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 

@@ -12,6 +12,7 @@ from torch import nn
 from . import passes
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .block import CheckpointBlock
+from .consistency import check_same_wrap
 from .distributed import agree, broadcast_bytes, get_state
 from .errors import PlanError, WrapError
 from .generate import attach_generate
@@ -71,6 +72,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
+    check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
     options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                "memory_budget": memory_budget}
     discovery = passes.discover_blocks(model)
