@@ -1,4 +1,4 @@
-"""Facts every rank must share: the model it built and the arguments it wraps with.
+"""Facts every rank must share: the model it built, the arguments it wraps with, a checkpoint's directory.
 
 Ranks that built different models would otherwise fail inside the first collective whose sizes follow
 from the model, each with its own raw error (a size mismatch on one rank, a lost peer on the other).
