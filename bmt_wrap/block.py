@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from .compiled import adopt_compile, never_traced
+from .consistency import check_same_block
 from .errors import BlockListError, WrapError
 from .plan import ShardGroupSpec, layout_buffers
+from .runtime.comm import collective_purpose
 from .runtime.process_engine import get_engine
 from .runtime.group import Location, ShardGroup
 from .runtime.model_runtime import ModelRuntime
@@ -58,7 +60,9 @@ class CheckpointBlock(ShardedModuleMixin, nn.Module):
         sites = param_sites(module)
         spec = ShardGroupSpec(name=name, buffers=layout_buffers([s.info() for s in sites]),
                               checkpoint=use_checkpoint, zero_level=zero_level)
-        block = bind_block(module, spec, sites, ext_locations=[])
+        with collective_purpose("block"):
+            check_same_block(module, name)
+            block = bind_block(module, spec, sites, ext_locations=[])
         block._bmt_mode = mode
         return block
 

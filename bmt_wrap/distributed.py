@@ -304,6 +304,7 @@ def agree(error: BaseException | str | None, payload: list[int] | None = None, w
     waiting in the next collective. One all-reduce; only on failure, the first failing rank's message is
     broadcast (two more). That rank re-raises its own exception; the others raise the same bmt_wrap type
     when it is one (else ``error_type``), with its message. A string ``error`` raises ``error_type``.
+    ``what`` labels the collective, so it must be the same on every rank (no path: see ``collective_purpose``).
     """
     state = get_state()
     payload = payload or []

@@ -47,6 +47,11 @@ class ShardedTensorError(WrapError):
     """An operation a sharded parameter (one rank's range of the full tensor) cannot answer locally."""
 
 
+class ModelMismatchError(WrapError):
+    """Ranks wrap different models (or pass different ``plan=``/``example_inputs=``); raised on every rank
+    before any collective depends on the model, so the process group stays usable."""
+
+
 class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 

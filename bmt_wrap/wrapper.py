@@ -12,12 +12,14 @@ from torch import nn
 from . import passes
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .block import CheckpointBlock
+from .consistency import check_same_wrap
 from .distributed import agree, broadcast_bytes, get_state
 from .errors import PlanError, WrapError
 from .generate import attach_generate
 from .log import get_logger
 from .mixed_precision import MixedPrecision
 from .plan import WrapPlan
+from .runtime.comm import collective_purpose
 from .runtime.param import DistributedParameter
 from .verify import attach_verify
 
@@ -71,33 +73,35 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
-    options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
-               "memory_budget": memory_budget}
-    discovery = passes.discover_blocks(model)
-    if plan is None:
-        mine, failure = None, None
-        if state.rank == 0:
-            try:
-                mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options)
-            except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
-                failure = exc
-        agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
-        plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
-        _warn_if_no_blocks(model, plan, discovery)
-    else:
-        if not isinstance(plan, WrapPlan):
-            raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
-        plan = copy.deepcopy(plan)
-    first = None
-    if plan.capture == "none":
-        first = _FirstForward(passes.meta_skeleton(model), discovery, options)
-    apply_plan(model, plan, mixed_precision)
-    model._bmt_first_forward = first
-    attach_verify(model)
-    attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
-    for note in plan.notes:
-        get_logger().debug("plan: %s", note)
-    return model
+    with collective_purpose("wrap"):
+        check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
+        options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
+                   "memory_budget": memory_budget}
+        discovery = passes.discover_blocks(model)
+        if plan is None:
+            mine, failure = None, None
+            if state.rank == 0:
+                try:
+                    mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options)
+                except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
+                    failure = exc
+            agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
+            plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
+            _warn_if_no_blocks(model, plan, discovery)
+        else:
+            if not isinstance(plan, WrapPlan):
+                raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
+            plan = copy.deepcopy(plan)
+        first = None
+        if plan.capture == "none":
+            first = _FirstForward(passes.meta_skeleton(model), discovery, options)
+        apply_plan(model, plan, mixed_precision)
+        model._bmt_first_forward = first
+        attach_verify(model)
+        attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
+        for note in plan.notes:
+            get_logger().debug("plan: %s", note)
+        return model
 
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,

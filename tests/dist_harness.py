@@ -183,3 +183,13 @@ def shutdown_all() -> None:
     for group in _GROUPS.values():
         group.close()
     _GROUPS.clear()
+
+
+def raised(fn: Callable[[], Any]) -> tuple[str, str]:
+    """The type name and message of what ``fn()`` raised on this rank, or ``("ok", "")``: a body returns
+    this so the test compares what every rank got, where one rank's traceback would hide the others'."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        return type(exc).__name__, str(exc)
+    return "ok", ""

@@ -18,6 +18,7 @@ from torch import nn
 from ..distributed import get_state
 from ..errors import CheckpointError, listed
 from ..init import rebuild_lost_buffers
+from ..runtime.comm import collective_purpose
 from .agree import agree
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
 from .formats import SafetensorsWriter, Source, TorchWriter, file_format, open_source
@@ -38,25 +39,26 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     replaced atomically: if saving fails, every rank raises ``CheckpointError`` and ``path`` is unchanged.
     """
     path = Path(path)
-    kind = file_format(path)
-    entries = model_entries(model)
-    if meta := meta_names(entries):
-        raise CheckpointError(f"cannot save to {path}: {listed(meta)} are still on the meta device; initialise them "
-                              "(bmt.init_parameters(model)) or load them (bmt.load(model, path)) first")
-    groups, replicated = by_buffer(entries)
-    ordered = [e for _, members in groups for e in members] + replicated
-    out = _RankZeroWriter(path, kind, ordered, entries) if get_state().rank == 0 else None
-    for buffer, members in groups:
-        full = buffer.group.gather_values(only=buffer)[0]
-        for e in members:
-            slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]
+    with collective_purpose("save", str(path)):
+        kind = file_format(path)
+        entries = model_entries(model)
+        if meta := meta_names(entries):
+            raise CheckpointError(f"cannot save to {path}: {listed(meta)} are still on the meta device; initialise them "
+                                  "(bmt.init_parameters(model)) or load them (bmt.load(model, path)) first")
+        groups, replicated = by_buffer(entries)
+        ordered = [e for _, members in groups for e in members] + replicated
+        out = _RankZeroWriter(path, kind, ordered, entries) if get_state().rank == 0 else None
+        for buffer, members in groups:
+            full = buffer.group.gather_values(only=buffer)[0]
+            for e in members:
+                slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]
+                if out is not None:
+                    out.put(e.names, full[slot.offset:slot.offset + slot.numel].view(e.shape))
+            del full
+        for e in replicated:
             if out is not None:
-                out.put(e.names, full[slot.offset:slot.offset + slot.numel].view(e.shape))
-        del full
-    for e in replicated:
-        if out is not None:
-            out.put(e.names, e.local().view(e.shape))  # local() is flat; the file holds the full shape
-    agree(out.finish() if out is not None else None, what=f"save {path}")
+                out.put(e.names, e.local().view(e.shape))  # local() is flat; the file holds the full shape
+        agree(out.finish() if out is not None else None, what="save")
 
 
 class _RankZeroWriter:
@@ -109,26 +111,27 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
     models are materialised here: no ``init_parameters`` needed.
     """
     path = Path(path)
-    entries = model_entries(model)
-    plan: list[tuple[Entry, str]] = []
-    result = LoadResult([], [])
-    error = None
-    try:
-        source = open_source(path)
-        plan, result = match_keys(entries, source, strict)
-    except CheckpointError as exc:
-        error = str(exc)
-    agree(error, what=f"load {path}")
-    materialize(entries, get_state().device)
-    error = None
-    try:
-        for entry, key in plan:
-            entry.assign(source.read(key, *entry.local_range()))
-    except Exception as exc:  # noqa: BLE001 - a read failing on one rank must not leave the others waiting
-        error = f"cannot read {path}: {type(exc).__name__}: {exc}"
-    agree(error, what=f"load {path}")
-    rebuild_lost_buffers(model)
-    return result
+    with collective_purpose("load", str(path)):
+        entries = model_entries(model)
+        plan: list[tuple[Entry, str]] = []
+        result = LoadResult([], [])
+        error = None
+        try:
+            source = open_source(path)
+            plan, result = match_keys(entries, source, strict)
+        except CheckpointError as exc:
+            error = str(exc)
+        agree(error, what="load")
+        materialize(entries, get_state().device)
+        error = None
+        try:
+            for entry, key in plan:
+                entry.assign(source.read(key, *entry.local_range()))
+        except Exception as exc:  # noqa: BLE001 - a read failing on one rank must not leave the others waiting
+            error = f"cannot read {path}: {type(exc).__name__}: {exc}"
+        agree(error, what="load")
+        rebuild_lost_buffers(model)
+        return result
 
 
 def match_keys(entries: list[Entry], source: Source, strict: bool) -> tuple[list[tuple[Entry, str]], LoadResult]:

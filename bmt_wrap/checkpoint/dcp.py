@@ -18,8 +18,9 @@ from torch import nn
 
 from ..distributed import get_state
 from ..errors import CheckpointError
+from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
-from .agree import agree
+from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory
 
 
@@ -53,29 +54,31 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
 
     target = Path(directory)
     saving, old = target.parent / f".{target.name}.saving", target.parent / f".{target.name}.old"
-    rank0 = get_state().rank == 0
-    error = None
-    if rank0:
-        try:
-            shutil.rmtree(saving, ignore_errors=True)
-            make_dirs(saving)
-        except CheckpointError as exc:
-            error = str(exc)
-    agree(error, what=f"save {target}")
-    dcp.save(state, checkpoint_id=str(saving))
-    if rank0:
-        try:
-            with os_errors(saving, "write"):
-                for name, obj in (rank0_files or {}).items():
-                    torch.save(obj, saving / name)
-                if target.exists():
+    with collective_purpose("save_directory", str(target)):
+        agree_on_directory(target, "checkpoint.dcp.save_directory")
+        rank0 = get_state().rank == 0
+        error = None
+        if rank0:
+            try:
+                shutil.rmtree(saving, ignore_errors=True)
+                make_dirs(saving)
+            except CheckpointError as exc:
+                error = str(exc)
+        agree(error, what="save")
+        dcp.save(state, checkpoint_id=str(saving))
+        if rank0:
+            try:
+                with os_errors(saving, "write"):
+                    for name, obj in (rank0_files or {}).items():
+                        torch.save(obj, saving / name)
+                    if target.exists():
+                        shutil.rmtree(old, ignore_errors=True)
+                        target.rename(old)
+                    saving.rename(target)
                     shutil.rmtree(old, ignore_errors=True)
-                    target.rename(old)
-                saving.rename(target)
-                shutil.rmtree(old, ignore_errors=True)
-        except CheckpointError as exc:
-            error = str(exc)
-    agree(error, what=f"save {target}")
+            except CheckpointError as exc:
+                error = str(exc)
+        agree(error, what="save")
 
 
 def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:

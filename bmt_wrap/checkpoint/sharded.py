@@ -31,8 +31,9 @@ from ..distributed import broadcast_bytes, get_state
 from ..dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
 from ..init import rebuild_lost_buffers
+from ..runtime.comm import collective_purpose
 from . import optim_state, rng
-from .agree import agree
+from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .entries import Entry, materialize, meta_names, model_entries
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
@@ -76,58 +77,60 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     ``directory`` stays loadable.
     """
     directory = Path(directory)
-    state = get_state()
-    rank, world = state.rank, state.world_size
-    entries = model_entries(model)
-    if meta := meta_names(entries):
-        raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
-                              "initialise them first (bmt.init_parameters(model))")
-    names = _param_names(entries)
-    optimizers = optim_state.optimizers_of(optim_manager, optimizer)
-    save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
-    files = _file_names(rank, world, save_id)
-    tensors = [(f"model/{e.name}", e.local()) for e in entries if e.param is not None or rank == 0]
-    kinds, saved_groups, values = [], [], []
-    for k, opt in enumerate(optimizers):
-        t, v, kind, groups = optim_state.capture(k, opt, names)
-        tensors += t
-        values.append(v)
-        kinds.append(kind)
-        saved_groups.append(groups)
-    rank_state: dict[str, Any] = {"rng": rng.capture(), "values": values}
-    if rank == 0:
-        rank_state.update(step=step, extra=extra, param_groups=saved_groups, **_manager_state(optim_manager))
-    error, sizes = None, [0, 0]
-    try:
-        make_dirs(directory)
-        sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], torch_bytes(rank_state))]
-    except CheckpointError as exc:
-        error = str(exc)
-    try:
-        table = agree(error, sizes, what=f"save_checkpoint {directory}")
-        error = None
+    with collective_purpose("save_checkpoint", str(directory)):
+        agree_on_directory(directory, "bmt.save_checkpoint")
+        state = get_state()
+        rank, world = state.rank, state.world_size
+        entries = model_entries(model)
+        if meta := meta_names(entries):
+            raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
+                                  "initialise them first (bmt.init_parameters(model))")
+        names = _param_names(entries)
+        optimizers = optim_state.optimizers_of(optim_manager, optimizer)
+        save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
+        files = _file_names(rank, world, save_id)
+        tensors = [(f"model/{e.name}", e.local()) for e in entries if e.param is not None or rank == 0]
+        kinds, saved_groups, values = [], [], []
+        for k, opt in enumerate(optimizers):
+            t, v, kind, groups = optim_state.capture(k, opt, names)
+            tensors += t
+            values.append(v)
+            kinds.append(kind)
+            saved_groups.append(groups)
+        rank_state: dict[str, Any] = {"rng": rng.capture(), "values": values}
         if rank == 0:
-            try:
-                metadata = {
-                    "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
-                    "seed": state.seed,
-                    "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
-                                   state_bytes=row[1]) for r, row in enumerate(table)],
-                    "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
-                               "ranges": _ranges(e, world)} for e in entries],
-                    "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
-                }
-                write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())
-            except CheckpointError as exc:
-                error = str(exc)
-        agree(error, what=f"save_checkpoint {directory}")
-    except CheckpointError:
-        for name in files:  # this save's files are orphans without its metadata: the previous save still rules
-            with contextlib.suppress(OSError):  # best effort: the error being raised already says what failed
-                (directory / name).unlink(missing_ok=True)
-        raise
-    if rank == 0:
-        _remove_stale(directory, save_id)
+            rank_state.update(step=step, extra=extra, param_groups=saved_groups, **_manager_state(optim_manager))
+        error, sizes = None, [0, 0]
+        try:
+            make_dirs(directory)
+            sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], torch_bytes(rank_state))]
+        except CheckpointError as exc:
+            error = str(exc)
+        try:
+            table = agree(error, sizes, what="save_checkpoint")
+            error = None
+            if rank == 0:
+                try:
+                    metadata = {
+                        "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
+                        "seed": state.seed,
+                        "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
+                                       state_bytes=row[1]) for r, row in enumerate(table)],
+                        "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
+                                   "ranges": _ranges(e, world)} for e in entries],
+                        "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
+                    }
+                    write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())
+                except CheckpointError as exc:
+                    error = str(exc)
+            agree(error, what="save_checkpoint")
+        except CheckpointError:
+            for name in files:  # this save's files are orphans without its metadata: the previous save still rules
+                with contextlib.suppress(OSError):  # best effort: the error being raised already says what failed
+                    (directory / name).unlink(missing_ok=True)
+            raise
+        if rank == 0:
+            _remove_stale(directory, save_id)
 
 
 def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -246,46 +249,47 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     with ``rng.reseed(saved seed, step, rank)``.
     """
     directory = Path(directory)
-    state = get_state()
-    entries = model_entries(model)
-    names = _param_names(entries)
-    optimizers = optim_state.optimizers_of(optim_manager, optimizer)
-    error = None
-    try:
-        reader = _Reader(directory)
-        plan = _plan_model(reader, entries)
-        optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
-        same_world = reader.world == state.world_size
+    with collective_purpose("load_checkpoint", str(directory)):
+        state = get_state()
+        entries = model_entries(model)
+        names = _param_names(entries)
+        optimizers = optim_state.optimizers_of(optim_manager, optimizer)
+        error = None
+        try:
+            reader = _Reader(directory)
+            plan = _plan_model(reader, entries)
+            optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
+            same_world = reader.world == state.world_size
+            if same_world:
+                reader.state(state.rank)
+        except CheckpointError as exc:
+            error = str(exc)
+        agree(error, what="load_checkpoint")
+        materialize(entries, state.device)
+        error = None
+        try:
+            for e, name, pieces in plan:
+                e.assign(reader.read(name, pieces, e.dtype))
+            for k, opt in enumerate(optimizers):
+                optim_state.restore(opt, names, reader.state(0)["param_groups"][k], reader.optimizers[k]["state"],
+                                    lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind))
+            common = reader.state(0)
+            if optim_manager is not None:
+                if optim_manager.scaler is not None:
+                    optim_manager.scaler.load_state_dict(common["loss_scaler"])
+                for sched, saved in zip(optim_manager.lr_schedulers, common["lr_schedulers"], strict=True):
+                    if sched is not None and saved is not None:
+                        sched.load_state_dict(saved)
+        except Exception as exc:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
+            error = f"cannot restore {directory}: {type(exc).__name__}: {exc}"
+        agree(error, what="load_checkpoint")
+        step = reader.meta["step"]
         if same_world:
-            reader.state(state.rank)
-    except CheckpointError as exc:
-        error = str(exc)
-    agree(error, what=f"load_checkpoint {directory}")
-    materialize(entries, state.device)
-    error = None
-    try:
-        for e, name, pieces in plan:
-            e.assign(reader.read(name, pieces, e.dtype))
-        for k, opt in enumerate(optimizers):
-            optim_state.restore(opt, names, reader.state(0)["param_groups"][k], reader.optimizers[k]["state"],
-                                lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind))
-        common = reader.state(0)
-        if optim_manager is not None:
-            if optim_manager.scaler is not None:
-                optim_manager.scaler.load_state_dict(common["loss_scaler"])
-            for sched, saved in zip(optim_manager.lr_schedulers, common["lr_schedulers"], strict=True):
-                if sched is not None and saved is not None:
-                    sched.load_state_dict(saved)
-    except Exception as exc:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
-        error = f"cannot restore {directory}: {type(exc).__name__}: {exc}"
-    agree(error, what=f"load_checkpoint {directory}")
-    step = reader.meta["step"]
-    if same_world:
-        rng.restore(reader.state(state.rank)["rng"])
-    else:
-        rng.reseed(int(reader.meta["seed"]), step or 0, state.rank)
-    rebuild_lost_buffers(model)
-    return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
+            rng.restore(reader.state(state.rank)["rng"])
+        else:
+            rng.reseed(int(reader.meta["seed"]), step or 0, state.rank)
+        rebuild_lost_buffers(model)
+        return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
 
 
 def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str, list[tuple[int, int, int]]]]:

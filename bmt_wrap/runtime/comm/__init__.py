@@ -6,11 +6,12 @@ from .counting import CountingCommunicator
 from .cupy_nccl import CupyNcclCommunicator, cupy_available
 from .fingerprint import FingerprintCommunicator
 from .gloo import GlooCommunicator
+from .purpose import collective_purpose
 from .single import SingleProcessCommunicator
 from .torch_native import TorchCommunicator
 
 __all__ = [
     "REDUCE_OPS", "Communicator", "CountingCommunicator", "CupyNcclCommunicator", "DoneHandle",
     "FingerprintCommunicator", "GlooCommunicator", "Handle", "SingleProcessCommunicator",
-    "TorchCommunicator", "cupy_available",
+    "TorchCommunicator", "collective_purpose", "cupy_available",
 ]

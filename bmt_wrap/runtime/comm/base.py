@@ -32,7 +32,9 @@ class Communicator(abc.ABC):
     """One interface for every backend: flat 1-D buffers in, flat buffers out.
 
     Public methods validate their arguments once here; backends implement the ``_op`` methods.
-    ``label`` names what the collective is for (a block's name) so errors can say so.
+    ``label`` names what the collective is for (a block's name, a fixed text). It is part of what defines
+    the op for the order check, so it must be the same on every rank that runs the op: text that may
+    differ by rank (a path) goes in ``collective_purpose``'s detail, which only messages show.
     """
 
     backend_name: str = "abstract"

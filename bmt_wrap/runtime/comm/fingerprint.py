@@ -2,18 +2,17 @@
 
 gloo times out on a mismatched collective only when the sizes differ; two ranks in different blocks of
 the same shape would exchange the wrong data silently. Here each op is preceded by an all-reduce of
-``[h, -h]`` with MAX, where ``h`` hashes the op, size, dtype and label: every rank sees whether all
-ranks agree, so every rank raises ``CollectiveMismatchError`` naming both sides.
+``[h, -h]`` with MAX, where ``h`` hashes what defines the op (``purpose.describe_op``): every rank sees
+whether all ranks agree, so every rank raises ``CollectiveMismatchError`` naming both sides.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 
 from ...errors import CollectiveMismatchError
 from .base import Communicator, CommunicatorWrapper, Handle
+from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
 
 
 class FingerprintCommunicator(CommunicatorWrapper):
@@ -23,51 +22,38 @@ class FingerprintCommunicator(CommunicatorWrapper):
         super().__init__(inner)
         self._sequence = 0
 
-    def _check(self, op: str, t: torch.Tensor | None, label: str) -> None:
-        what = f"{op}({t.numel()} x {t.dtype})" if t is not None else op
-        if label:
-            what += f" for {label!r}"
-        digest = hashlib.blake2b(what.encode(), digest_size=8).digest()
-        h = int.from_bytes(digest, "little") >> 2  # fits int64 with room for the negation
+    def _check(self, op: str, t: torch.Tensor | None, label: str, arg: str | int = "") -> None:
+        mine = describe_op(op, t, label, arg)
+        h = int.from_bytes(mine.key, "little") >> 2  # fits int64 with room for the negation
         self._sequence += 1
         probe = torch.tensor([h, -h], dtype=torch.int64, device=t.device if t is not None else "cpu")
         if probe.device.type == "cpu" and self.inner.backend_name in ("cupy-nccl", "torch-nccl"):
             probe = probe.cuda()
-        self.inner._all_reduce(probe, "max", f"fingerprint of {what}").wait()
+        self.inner._all_reduce(probe, "max", "fingerprint").wait()
         hi, neg_lo = (int(v) for v in probe.tolist())
         if hi != h or -neg_lo != h:
             # Every rank saw the disagreement (MAX is global), so all take part in naming each side.
-            theirs = self._exchange(what, probe.device)
-            sides = "; ".join(f"rank {r}: {w}" for r, w in enumerate(theirs))
-            raise CollectiveMismatchError(
-                f"collective #{self._sequence} differs across ranks ({sides}). A block was skipped or "
-                "repeated on some ranks: data-dependent control flow around blocks must take the same "
-                "path on every rank.")
+            raise CollectiveMismatchError(mismatch_message(self._sequence, self._exchange(mine, probe.device)))
 
-    def _exchange(self, what: str, device: torch.device) -> list[str]:
-        width = 256
-        mine = torch.zeros(width, dtype=torch.uint8, device=device)
-        raw = what.encode()[:width]
-        mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        every = torch.zeros(width * self.world_size, dtype=torch.uint8, device=device)
-        self.inner._all_gather_into(every, mine, "fingerprint descriptions").wait()
-        rows = every.view(self.world_size, width).cpu().tolist()
-        return [bytes(b for b in row if b).decode(errors="replace") for row in rows]
+    def _exchange(self, mine: OpDescription, device: torch.device) -> dict[int, OpDescription]:
+        every = torch.zeros(RECORD_BYTES * self.world_size, dtype=torch.uint8, device=device)
+        self.inner._all_gather_into(every, mine.encode().to(device), "fingerprint descriptions").wait()
+        return {r: OpDescription.decode(row) for r, row in enumerate(every.view(self.world_size, RECORD_BYTES))}
 
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
         self._check("all_gather_into", shard, label)
         return self.inner._all_gather_into(out, shard, label)
 
     def _reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str, label: str) -> Handle:
-        self._check("reduce_scatter_into", out, label)
+        self._check("reduce_scatter_into", out, label, op)
         return self.inner._reduce_scatter_into(out, full, op, label)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle:
-        self._check("all_reduce", tensor, label)
+        self._check("all_reduce", tensor, label, op)
         return self.inner._all_reduce(tensor, op, label)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
-        self._check("broadcast", tensor, label)
+        self._check("broadcast", tensor, label, f"from rank {src}")
         return self.inner._broadcast(tensor, src, label)
 
     def _barrier(self, label: str) -> Handle:

@@ -7,10 +7,10 @@ rank, async ops (a ring reduce-scatter is N-1 dependent steps) need something to
 single FIFO thread gives both while the main thread computes.
 
 Every op first checks that all ranks are at the same collective: each rank sends every peer a 128-byte
-description of its op (name, size, dtype, label: the block) and compares what it receives. A block
-skipped or repeated on one rank then raises ``CollectiveMismatchError`` naming both sides on every rank
-at its first divergent collective, instead of exchanging the wrong block's data or hanging until the
-timeout. The check runs on the worker thread, inside the op the caller already waits for: no extra
+description of its op (``purpose.describe_op``: what defines it, and text for the message) and compares
+the defining part with what it receives. A block skipped or repeated on one rank then raises
+``CollectiveMismatchError`` naming both sides on every rank at its first divergent collective, instead of
+exchanging the wrong block's data or hanging until the timeout. The check runs on the worker thread, inside the op the caller already waits for: no extra
 round trip on the main thread (benchmarks/comm.py measures what it costs).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -27,12 +26,12 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
+from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
 _TAG_ORDER = 13
-_ORDER_BYTES = 128
-_TAG_SPREAD = 1 << 20  # data tags: op tag + a hash of the op's description below this
+_TAG_SPREAD = 1 << 20  # data tags: op tag + a hash of what defines the op, below this
 
 # How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
 _PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "application crash", "remote worker")
@@ -104,9 +103,9 @@ class GlooCommunicator(Communicator):
             except BaseException as exc:  # reported to the waiting thread, which raises it
                 fut._set(exc)
 
-    def _submit(self, what: str, fn: Callable[[Callable[[], None]], None]) -> _Future:
+    def _submit(self, op: OpDescription, fn: Callable[[Callable[[], None]], None]) -> _Future:
         """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them."""
-        fut = _Future(self, what)
+        fut = _Future(self, op.text)
 
         def checked() -> None:
             self._sequence += 1
@@ -115,36 +114,31 @@ class GlooCommunicator(Communicator):
                 return
             # The descriptions travel beside the op's first transfers (no extra round trip); they are
             # compared before waiting on the data, which a divergent peer may never send.
-            posted = self._post_order(what)
-            fn(lambda: self._verify(posted, what))
+            posted = self._post_order(op)
+            fn(lambda: self._verify(posted, op))
 
         self._queue.put((checked, fut))
         return fut
 
-    def _post_order(self, what: str) -> tuple[torch.Tensor, dict[int, torch.Tensor], list]:
-        mine = torch.zeros(_ORDER_BYTES, dtype=torch.uint8)
-        raw = what.encode()[:_ORDER_BYTES]
-        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        theirs = {p: torch.empty(_ORDER_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
+    def _post_order(self, op: OpDescription) -> tuple[dict[int, torch.Tensor], list]:
+        mine = op.encode()
+        theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
         works = []
         for peer, buf in theirs.items():
             works.append(dist.isend(mine, peer, group=self._group, tag=_TAG_ORDER))
             works.append(dist.irecv(buf, peer, group=self._group, tag=_TAG_ORDER))
-        return mine, theirs, works
+        return theirs, works
 
-    def _verify(self, posted: tuple[torch.Tensor, dict[int, torch.Tensor], list], what: str) -> None:
-        """Raise ``CollectiveMismatchError`` on every rank unless all ranks are running ``what`` now."""
-        mine, theirs, works = posted
-        self._wait_all(works, f"the order check before {what}")
-        if all(torch.equal(buf, mine) for buf in theirs.values()):
+    def _verify(self, posted: tuple[dict[int, torch.Tensor], list], op: OpDescription) -> None:
+        """Raise ``CollectiveMismatchError`` on every rank unless all ranks are running ``op`` now."""
+        theirs, works = posted
+        self._wait_all(works, f"the order check before {op.text}")
+        sides = {p: OpDescription.decode(buf) for p, buf in theirs.items()}
+        if all(side.key == op.key for side in sides.values()):
             return
-        theirs[self.rank] = mine
-        sides = "; ".join(f"rank {p}: {bytes(theirs[p].tolist()).rstrip(bytes(1)).decode(errors='replace')}"
-                          for p in sorted(theirs))
-        self.mismatch = (
-            f"collective #{self._sequence} differs across ranks ({sides}). A block was skipped or repeated on "
-            "some ranks: data-dependent control flow around blocks (layer drop, experts, optional inputs) must "
-            "take the same path on every rank. The process group is unusable after this; restart the job.")
+        sides[self.rank] = op
+        self.mismatch = (f"{mismatch_message(self._sequence, sides)} The process group is unusable after this; "
+                         "restart the job.")
         self.broken = f"collective #{self._sequence} differed across ranks"
         raise CollectiveMismatchError(self.mismatch)
 
@@ -162,9 +156,9 @@ class GlooCommunicator(Communicator):
 
     # ---- ops --------------------------------------------------------------------------------------
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
-        what = _describe("all_gather_into", shard, label)
+        desc = describe_op("all_gather_into", shard, label)
         n, r, size = self.world_size, self.rank, shard.numel()
-        tag = _data_tag(_TAG_ALL_GATHER, what)
+        tag = _data_tag(_TAG_ALL_GATHER, desc)
 
         def run(verify: Callable[[], None]) -> None:
             works = []
@@ -175,14 +169,14 @@ class GlooCommunicator(Communicator):
                                             tag=tag))
             out[r * size:(r + 1) * size].copy_(shard)
             verify()
-            self._wait_all(works, what)
+            self._wait_all(works, desc.text)
 
-        return self._submit(what, run)
+        return self._submit(desc, run)
 
     def _reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str, label: str) -> Handle:
-        what = _describe("reduce_scatter_into", out, label)
+        desc = describe_op("reduce_scatter_into", out, label, op)
         n, r, size = self.world_size, self.rank, out.numel()
-        tag = _data_tag(_TAG_REDUCE_SCATTER, what)
+        tag = _data_tag(_TAG_REDUCE_SCATTER, desc)
 
         def piece(i: int) -> torch.Tensor:
             return full[(i % n) * size:((i % n) + 1) * size]
@@ -200,55 +194,51 @@ class GlooCommunicator(Communicator):
                          dist.irecv(recv, prv, group=self._group, tag=tag)]
                 if step == 0:
                     verify()
-                self._wait_all(works, what)
+                self._wait_all(works, desc.text)
                 recv.add_(piece(r - step - 2))
                 send = recv
             if op == "avg":
                 out.div_(n)
 
-        return self._submit(what, run)
+        return self._submit(desc, run)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, label: str) -> Handle:
-        what = _describe("all_reduce", tensor, label)
+        desc = describe_op("all_reduce", tensor, label, op)
 
         def run(verify: Callable[[], None]) -> None:
             work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group,
                                    async_op=True)
             verify()
-            self._wait_all([work], what)
+            self._wait_all([work], desc.text)
             if op == "avg":
                 tensor.div_(self.world_size)
 
-        return self._submit(what, run)
+        return self._submit(desc, run)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
-        what = _describe("broadcast", tensor, label)
+        desc = describe_op("broadcast", tensor, label, f"from rank {src}")
 
         def run(verify: Callable[[], None]) -> None:
             work = dist.broadcast(tensor, src, group=self._group, async_op=True)
             verify()
-            self._wait_all([work], what)
+            self._wait_all([work], desc.text)
 
-        return self._submit(what, run)
+        return self._submit(desc, run)
 
     def _barrier(self, label: str) -> Handle:
         flag = torch.zeros(1)
-        what = f"barrier{f' for {label!r}' if label else ''}"
+        desc = describe_op("barrier", None, label)
 
         def run(verify: Callable[[], None]) -> None:
             work = dist.all_reduce(flag, group=self._group, async_op=True)
             verify()
-            self._wait_all([work], what)
+            self._wait_all([work], desc.text)
 
-        return self._submit(what, run)
-
-
-def _describe(op: str, t: torch.Tensor, label: str) -> str:
-    return f"{op}({t.numel()} x {t.dtype}){f' for {label!r}' if label else ''}"
+        return self._submit(desc, run)
 
 
-def _data_tag(op_tag: int, what: str) -> int:
+def _data_tag(op_tag: int, op: OpDescription) -> int:
     """The tag of an op's data transfers, equal on ranks running the same op. Ranks at different ops (a
     block skipped on one) then never match each other's data: gloo aborts the process on a size mismatch
     (``op.preamble.length <= op.nbytes``) before the order check could raise ``CollectiveMismatchError``."""
-    return op_tag * _TAG_SPREAD + zlib.crc32(what.encode()) % _TAG_SPREAD
+    return op_tag * _TAG_SPREAD + op.tag % _TAG_SPREAD
