@@ -65,7 +65,7 @@ def main() -> None:
         m = block_medians({k: o.step for k, o in opts.items()}, args.rounds, "cpu")
         lines.append(f"| {name} | {m['plain'] * 1e3:.2f} | {m['sharded'] * 1e3:.2f} | {m['sharded'] / m['plain']:.2f}x |")
     for foreach in (True, False):
-        m = block_medians({k: (lambda ps=ps: torch.nn.utils.clip_grad_norm_(ps, 1e9, foreach=foreach))
+        m = block_medians({k: (lambda ps=ps, foreach=foreach: torch.nn.utils.clip_grad_norm_(ps, 1e9, foreach=foreach))
                            for k, ps in (("plain", plain), ("sharded", sharded))}, args.rounds, "cpu")
         lines.append(f"| clip_grad_norm_ (foreach={foreach}) | {m['plain'] * 1e3:.2f} | {m['sharded'] * 1e3:.2f} "
                      f"| {m['sharded'] / m['plain']:.2f}x |")

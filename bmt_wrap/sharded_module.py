@@ -19,8 +19,8 @@ from torch import nn
 from ._compat import dcp_state_dict_request, register_state_dict_hooks
 from .checkpoint.local_shard import LocalShard
 from .checkpoint.optim_shards import install_step_hook
-from .optim.rebind import install_rebind_hook
 from .errors import WrapError
+from .optim.rebind import install_rebind_hook
 from .runtime.group import ShardGroup
 from .runtime.param import DistributedParameter
 from .runtime.process_engine import get_engine

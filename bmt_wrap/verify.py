@@ -16,7 +16,6 @@ from .errors import ParityError
 from .runtime.param import DistributedParameter
 from .runtime.sharded_tensor import local_view
 
-
 # docs/design.md's tolerances, measured on a perfect data-parallel reference in fp32.
 LOSS_RTOL = 1e-5
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}

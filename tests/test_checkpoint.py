@@ -20,7 +20,6 @@ from toy import ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import CheckpointError
-from bmt_wrap.runtime.param import DistributedParameter
 
 
 def _toy(seed: int = 0, **kw) -> torch.nn.Module:

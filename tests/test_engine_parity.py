@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from dist_harness import run_distributed
 from parity import lm_batches, train_side_by_side
+from torch import nn
 from toy import ToyGPT, manual_plan
 
 from bmt_wrap.apply_plan import apply_plan

@@ -14,7 +14,6 @@ from torch import nn
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import InitError
-from bmt_wrap.runtime.param import DistributedParameter
 
 
 def _builders() -> dict:

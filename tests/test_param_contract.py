@@ -15,8 +15,8 @@ from dist_harness import run_distributed
 from hypothesis import given
 from hypothesis import strategies as st
 from parity import compare_grads, compare_params, decay_groups, lm_batches, train_side_by_side, whole
-from toy import ToyGPT
 from torch import nn
+from toy import ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import ShardedTensorError

@@ -11,7 +11,7 @@ import torch
 from dist_harness import run_distributed
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bmt_wrap"
-OWNERS = {"runtime/param.py", "runtime/flat_buffer.py"}  # where the attributes are made and kept
+OWNERS = {"runtime/param.py", "runtime/sharded_tensor.py"}  # where the attributes are made and kept
 
 
 def _interface_body() -> dict:
@@ -21,7 +21,8 @@ def _interface_body() -> dict:
     full = torch.arange(10 * 7, dtype=torch.float32).reshape(10, 7)
     p = bmt.DistributedParameter(full.clone())
     start, end = p.source_range()
-    assert torch.equal(p.detach(), full.reshape(-1)[start:end])
+    assert p.shape == full.shape and torch.equal(p.to_local(), full.reshape(-1)[start:end])
+    assert torch.equal(p.full_tensor(), full)
     assert p.slot_spec.shape == [10, 7] and p.shard_group.buffers[p.shard_group.buffers.index(p.flat_buffer)] \
         is p.flat_buffer and p.slot_index == 0
     p.load_full(full * 2)
@@ -39,5 +40,5 @@ def test_each_rank_holds_its_part_and_full_values_round_trip() -> None:
 def test_private_parameter_attributes_stay_in_the_runtime() -> None:
     readers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if str(p.relative_to(PACKAGE)) not in OWNERS
-                     and re.search(r"\._bmt_(buffer|slot)\b", p.read_text()))
+                     and re.search(r"\._(local|layout)\b", p.read_text()))
     assert not readers, f"use DistributedParameter's public interface instead: {readers}"

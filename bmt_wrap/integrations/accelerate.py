@@ -1,13 +1,13 @@
 """Hugging Face ``accelerate`` with a wrapped model: ``from bmt_wrap.integrations.accelerate import Accelerator``.
 
 accelerate's own ``Accelerator`` treats every multi-process model as data-parallel, which a sharded
-model is not: it wraps it in DDP (which fails on shards of different sizes), clips each rank's shard by
-its own norm, and saves rank 0's optimizer shard as the whole optimizer. This subclass changes exactly
-those three things for models and optimizers holding sharded parameters, and nothing for others:
+model is not: it wraps it in DDP (which cannot broadcast parameters each rank holds a part of) and
+saves rank 0's optimizer shard as the whole optimizer. This subclass changes exactly those things for
+models and optimizers holding sharded parameters, and nothing for others (``clip_grad_norm_`` needs no
+change: torch's clipping takes the norm of sharded parameters over every rank):
 
 - ``prepare`` leaves a wrapped model unwrapped (it reduces its own gradients) and places nothing;
 - ``get_state_dict`` (and so ``save_model``) gathers full tensors into the main process only;
-- ``clip_grad_norm_`` clips to the norm of the full gradient over every rank, and returns it;
 - ``save_state``/``load_state`` write each sharded optimizer with ``torch.distributed.checkpoint`` into
   ``optimizer_sharded`` (``optimizer_sharded_<i>`` for more), every rank its own part, and leave a
   one-line placeholder in ``optimizer.bin`` that says where the state is. The model is saved as
@@ -25,9 +25,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..checkpoint.dcp import holds_sharded_parameters, load_sharded, owner_of, save_sharded
-from ..errors import CheckpointError, WrapError
-from ..optim import clip_grad_norm_ as sharded_clip_grad_norm_
-from ..runtime.param import DistributedParameter
+from ..errors import CheckpointError
 from ..sharded_module import full_state_dict
 
 #: The key of the placeholder written where accelerate expects an optimizer state dict.
@@ -94,18 +92,6 @@ class Accelerator(accelerate.Accelerator):
         if holds_sharded_parameters(model):
             return full_state_dict(self.unwrap_model(model) if unwrap else model, rank0_only=True)
         return super().get_state_dict(model, unwrap=unwrap)
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float | str = 2) -> torch.Tensor:
-        """Clip to the norm of the full gradient over every rank (sharded parameters), and return it."""
-        params = list(parameters)
-        sharded = [isinstance(p, DistributedParameter) for p in params]
-        if not any(sharded):
-            return super().clip_grad_norm_(params, max_norm, norm_type)
-        if not all(sharded):
-            raise WrapError("clip_grad_norm_ was given parameters of a bmt_wrap model together with plain ones; "
-                            "clip each model's parameters in its own call")
-        self.unscale_gradients()
-        return sharded_clip_grad_norm_(params, max_norm, norm_type)
 
 
 def adopt(accelerator: accelerate.Accelerator) -> Accelerator:

@@ -2,12 +2,11 @@
 
 Lightning's DDP strategy sets up the processes and shards the data as a sharded model needs, but then
 wraps the model in DDP (which fails on shards of different sizes), broadcasts parameters from rank 0
-outside fitting (which would overwrite other ranks' shards), clips each rank's shard by its own norm
-and saves rank 0's optimizer shard as the whole optimizer. ``ShardedStrategy`` keeps the first part
-and replaces the rest:
+outside fitting (which would overwrite other ranks' shards) and saves rank 0's optimizer shard as the
+whole optimizer. ``ShardedStrategy`` keeps the first part and replaces the rest:
 
-- the model is used as it is (it reduces its own gradients);
-- ``gradient_clip_val`` (by norm) clips to the norm of the full gradient over every rank;
+- the model is used as it is (it reduces its own gradients); ``gradient_clip_val`` needs nothing:
+  ``torch.nn.utils.clip_grad_norm_`` on sharded parameters takes the norm over every rank;
 - a checkpoint (``ModelCheckpoint``, ``trainer.save_checkpoint``) is a directory: the module's and the
   optimizers' state written with ``torch.distributed.checkpoint`` (every rank its own part), and
   ``meta.pt`` with the rest (loops, callbacks, schedulers, hyperparameters). ``fit(ckpt_path=...)``
@@ -24,53 +23,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..checkpoint.atomic import require_directory
 from ..checkpoint.dcp import holds_sharded_parameters, load_directory, save_directory
 from ..distributed import is_initialized
 from ..errors import CheckpointError, WrapError
-from ..optim import clip_grad_norm_ as sharded_clip_grad_norm_
 
 #: The file, inside a checkpoint directory, holding everything but the module and optimizer states.
 META = "meta.pt"
-
-
-class _ShardedClipping:
-    """Mixed into the precision plugin: clipping by norm sees every rank's gradients."""
-
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        """Clip to the norm of the full gradient over every rank."""
-        sharded_clip_grad_norm_(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
-
-
-_CLIPPING_CLASSES: dict[type, type] = {}
-
-
-def _with_sharded_clipping(plugin: Precision) -> Precision:
-    cls = type(plugin)
-    if not issubclass(cls, _ShardedClipping):
-        if cls not in _CLIPPING_CLASSES:
-            _CLIPPING_CLASSES[cls] = type(f"Sharded{cls.__name__}", (_ShardedClipping, cls), {})
-        plugin.__class__ = _CLIPPING_CLASSES[cls]  # adds one method, no state
-    return plugin
 
 
 class ShardedStrategy(DDPStrategy):
     """Lightning strategy for LightningModules holding models wrapped by ``bmt.BMTrainModelWrapper``."""
 
     strategy_name = "bmt_wrap"
-
-    @property
-    def precision_plugin(self) -> Precision:
-        """The precision plugin Lightning chose, clipping over every rank."""
-        return _with_sharded_clipping(Strategy.precision_plugin.fget(self))  # type: ignore[attr-defined]
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        Strategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         """Join the job (the process group bmt_wrap created is reused)."""

@@ -30,8 +30,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from .._compat import (disabled_torch_function, foreach_norm, inside_ddp_constructor, make_wrapper_subclass, pytree,
-                       register_foreach_type)
+
+from .._compat import (
+    disabled_torch_function,
+    foreach_norm,
+    inside_ddp_constructor,
+    make_wrapper_subclass,
+    pytree,
+    register_foreach_type,
+)
 from ..errors import ShardedTensorError
 
 if TYPE_CHECKING:
@@ -249,12 +256,12 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
             raise _unsupported(func, args, kwargs)
         if not _is_tensor_list(x):
             return x
-        return [t if lay is None else _local_arg(t, lay, func, args, kwargs) for t, lay in zip(x, layouts)]
+        return [t if lay is None else _local_arg(t, lay, func, args, kwargs) for t, lay in zip(x, layouts, strict=True)]
 
     out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
     if func._schema.is_mutable:
         return None if out is None else args[0]
-    return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts)]
+    return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts, strict=True)]
 
 
 def _is_tensor_list(x: Any) -> bool:
@@ -323,13 +330,13 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(tensors)
     plain = [i for i in range(len(tensors)) if i not in set(sharded)]
     if plain:
-        for i, v in zip(plain, foreach_norm([tensors[i] for i in plain], p, dtype)):
+        for i, v in zip(plain, foreach_norm([tensors[i] for i in plain], p, dtype), strict=True):
             out[i] = v
     if sharded:
         # One all-reduce for the whole list: the norm of every sharded tensor at once.
         parts = torch.stack([_powers(tensors[i]._local, p, dtype) for i in sharded])
         tensors[sharded[0]]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
-        for i, v in zip(sharded, _finish_norms(parts, p)):
+        for i, v in zip(sharded, _finish_norms(parts, p), strict=True):
             out[i] = v.to(dtype or tensors[i].dtype)
     return out  # type: ignore[return-value]
 
