@@ -20,6 +20,7 @@ from torch import nn
 import bmt_wrap as bmt
 from bmt_wrap.checkpoint.formats import open_source
 from bmt_wrap.errors import BlockListError, BMTError, CommError, UnsupportedError, WrapError
+from bmt_wrap.runtime.sharded_tensor import ShardedTensor
 
 D = 8
 
@@ -345,7 +346,9 @@ def test_save_then_load_plain_parameters_outside_blocks(tmp_path: object, suffix
 def _deepcopy_body() -> None:
     block = bmt.Block(_TwoLinears())
     snapshot = copy.deepcopy(list(block.parameters()))  # BMTrain's test_optim_state does this
-    assert all(type(s) is nn.Parameter and torch.equal(s, p) for s, p in zip(snapshot, block.parameters(), strict=True))
+    # A copy of this rank's range with the parameter's shape (BMTrain's is a 1-D slice; docs/migration.md).
+    assert all(isinstance(s, ShardedTensor) and s.shape == p.shape and torch.equal(s, p)
+               for s, p in zip(snapshot, block.parameters(), strict=True))
     i, biggest = max(enumerate(block.parameters()), key=lambda ip: ip[1].numel())
     with torch.no_grad():
         biggest.add_(1)
@@ -356,7 +359,7 @@ def _deepcopy_body() -> None:
         pickle.dumps(biggest)
 
 
-def test_deepcopy_of_parameters_gives_this_ranks_slice() -> None:
+def test_deepcopy_of_parameters_copies_this_ranks_range() -> None:
     run_distributed(_deepcopy_body, 2)
 
 

@@ -101,12 +101,12 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
     for pid, st in state_dict["state"].items():
         p = owners.get(pid)
         if isinstance(p, DistributedParameter):
-            st = {key: _local_value(p, key, v) for key, v in st.items()}
+            st = {key: local_value(p, key, v) for key, v in st.items()}
         state[pid] = st
     return {**state_dict, "state": state}
 
 
-def _local_value(p: DistributedParameter, key: str, v: Any) -> Any:
+def local_value(p: DistributedParameter, key: str, v: Any) -> Any:
     """One saved state value as ``p``'s optimizer keeps it: element-wise state as a ``ShardedTensor`` of
     ``p``'s layout (from this rank's range, a ``LocalShard`` of it, or the full tensor); others as saved."""
     if not isinstance(v, torch.Tensor):
@@ -122,7 +122,7 @@ def _local_value(p: DistributedParameter, key: str, v: Any) -> Any:
     full = p.full_shape.numel()
     if v.numel() == full and tuple(v.shape) in (tuple(p.full_shape), (full,)) and v.numel() != end - start:
         return ShardedTensor.wrap(v.reshape(-1)[start:end], p.shard_layout)
-    if v.dim() == 1 and v.numel() == end - start and v.numel() > 0:
+    if v.dim() == 1 and v.numel() == end - start:
         return ShardedTensor.wrap(v, p.shard_layout)
     return v
 

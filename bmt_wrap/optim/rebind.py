@@ -6,7 +6,8 @@ forward reads any more: training nothing, in silence. Each replaced original rem
 successor (``runtime.param.replaced_by``); before any optimizer step, a global step pre-hook swaps
 successors into the param groups and carries existing state over (this rank's range of each tensor
 shaped like the parameter), as accelerate and composer re-key optimizers. The originals, with their
-full storage, are then free once nothing else holds them.
+full storage, are then free once nothing else holds them. The same hook gives state loaded as plain
+tensors before an optimizer's first step the parameter's layout (``lay_out_state``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..checkpoint.optim_shards import local_value
 from ..log import get_logger
 from ..runtime.param import DistributedParameter, replaced_by
 from ..runtime.sharded_tensor import ShardedTensor
@@ -31,6 +33,25 @@ def install_rebind_hook() -> None:
 
 def _rebind_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     rebind(optimizer)
+    if getattr(optimizer, "_init_state", None) is None:  # AdamOptimizer keeps its own local views
+        lay_out_state(optimizer)
+
+
+def lay_out_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give state a ``load_state_dict`` put in as plain tensors (this rank's range, as per-rank
+    ``torch.save`` writes it, or the full tensor) its sharded parameter's layout, so the step's elementwise
+    ops see one layout. Optimizers that stepped once have hooks that do this at load; this covers one
+    loaded before its first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DistributedParameter):
+                continue
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor) and v.dim() > 0:
+                    state[key] = local_value(p, key, v)
 
 
 def rebind(optimizer: torch.optim.Optimizer) -> int:

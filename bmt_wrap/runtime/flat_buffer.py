@@ -66,8 +66,9 @@ class FlatBuffer:
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges, strict=True)):
             fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad)
-            # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them.
-            fresh.__dict__.update(p.__dict__)
+            # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them (all but
+            # the local view, which is what changes).
+            fresh.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_local"})
             # Optimizers, modules and tied aliases hold p itself: swap its storage, not the object.
             torch.utils.swap_tensors(p, fresh)
         self.shard = shard

@@ -87,12 +87,6 @@ class DistributedParameter(ShardedTensor, nn.Parameter):
         buffer = self._layout.buffer
         return buffer.slot_views(full_buffers[buffer.group.buffers.index(buffer)])[self._layout.slot]
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole parameter, gathered from every rank (a collective: call it on every rank)."""
-        from .standalone import full_value
-
-        return full_value(self)
-
     def __deepcopy__(self, memo: dict) -> ShardedTensor:
         """A copy of this rank's range with the same layout (BMTrain scripts snapshot parameters so); never
         in a model.

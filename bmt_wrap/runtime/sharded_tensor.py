@@ -264,6 +264,16 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts, strict=True)]
 
 
+def _unscale_and_check(func: Any, args: tuple, kwargs: dict) -> None:
+    """GradScaler's unscale and inf/nan check: local on each range, then one all-reduce of the flag, so
+    every rank skips the same steps."""
+    _foreach(func, args, kwargs)
+    grads, found_inf = args[0], args[1]
+    ref = _first_sharded(list(grads))
+    if ref is not None:
+        ref._layout.all_reduce(found_inf.view(1), "max", "inf/nan flag")
+
+
 def _is_tensor_list(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], torch.Tensor)
 
@@ -400,6 +410,7 @@ _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.view.default: _same_shape_view,
     aten.linalg_vector_norm.default: _vector_norm,
     aten._foreach_norm.Scalar: _foreach_norm,
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale_and_check,
     aten.sum.default: _full_reduction("sum"),
     aten.mean.default: _full_reduction("mean"),
     aten.max.default: _full_reduction("max"),
