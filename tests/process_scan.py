@@ -1,11 +1,12 @@
-"""Which tests start a process, read from their code: the `process` marker (`pytest -m "not process"`).
+"""Which tests start a process, read from their code: the `process` marker that `make test-fast` leaves out.
 
 A test starts processes if its function, its fixtures or anything of this repository they reach (module
 globals, names imported inside a function, nested functions and lambdas, defaults, closures, methods of
 classes, the contents of module-level containers) references a process starter: the subprocess and
 multiprocessing modules and what they define, torch's multiprocessing and launchers, os.fork and its
 kin. ``dist_harness.run_distributed`` needs no entry: it is found through its ``multiprocessing`` use.
-Code outside the repository (torch, transformers) is not read.
+Code outside the repository (torch, transformers) is not read; the fast tier's guard (``forbid_processes``)
+catches what it starts.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import dis
 import functools
 import importlib
 import importlib.util
+import multiprocessing.process
 import os
+import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FORBID_PROCESSES_ENV = "BMT_TESTS_FORBID_PROCESSES"
 
 STARTER_MODULES = ("subprocess", "multiprocessing", "concurrent.futures.process", "pty", "asyncio.subprocess",
                    "torch.multiprocessing", "torch.distributed.run", "torch.distributed.launch",
@@ -48,6 +52,9 @@ def _is_starter(obj: Any) -> bool:
         return _is_starter_module_name(obj.__name__)
     if id(obj) in _OS_STARTERS:
         return True
+    if isinstance(obj, types.FunctionType) and hasattr(obj, "__wrapped__"):
+        # A wrapper in a starter's place (the fast tier's guard puts some in os) stands for that starter.
+        return _is_starter(obj.__wrapped__)
     if callable(obj):
         module = getattr(obj, "__module__", None)
         return isinstance(module, str) and _is_starter_module_name(module)
@@ -248,3 +255,24 @@ def item_roots(item: pytest.Function) -> list[Any]:
     params = list(item.callspec.params.values()) if hasattr(item, "callspec") else []
     return [item.function, *fixtures, *params]
 
+
+def _refuse(what: str, original: Callable[..., Any]) -> Callable[..., NoReturn]:
+    """A stand-in for ``original`` that fails the test calling it."""
+    # wraps() leaves __wrapped__, by which the scan, collecting after the patch, still sees the starter.
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(f"{what} started a process under {FORBID_PROCESSES_ENV}=1, which `make test-fast` "
+                           "sets for the tests that tests/process_scan.py found to start none: teach the scan "
+                           "what it missed, or mark this test @pytest.mark.process")
+    return refuse
+
+
+def forbid_processes(patch: pytest.MonkeyPatch) -> None:
+    """Make every way of starting a process from Python raise, until ``patch`` is undone."""
+    # The lowest Python-level doors each starter goes through, whatever name its caller imported it by.
+    doors = [(subprocess.Popen, "_execute_child", "subprocess"),
+             (multiprocessing.process.BaseProcess, "start", "multiprocessing")]
+    doors += [(os, name, f"os.{name}") for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")
+              if hasattr(os, name)]
+    for owner, name, what in doors:
+        patch.setattr(owner, name, _refuse(what, getattr(owner, name)))

@@ -1,11 +1,15 @@
-"""The `process` marker's scan (tests/process_scan.py) on small examples."""
+"""The `process` marker's scan (tests/process_scan.py) on small examples, and the fast tier's guard."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
-from process_scan import ProcessScan, item_roots
+from process_scan import ProcessScan, forbid_processes, item_roots
 
 # Source text, not functions of this file: a test naming a starting helper is marked `process` itself,
 # and these tests belong in the fast tier. Compiled under this file's name, the examples count as the
@@ -120,3 +124,19 @@ def test_a_test_is_judged_by_its_function_fixtures_and_parameters(request: pytes
     assert "answer" in {getattr(r, "__name__", None) for r in roots}
     assert request.node.get_closest_marker("process") is None, "this file's tests run in the fast tier"
 
+
+def test_the_guard_refuses_every_way_to_start_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    forbid_processes(monkeypatch)
+    with pytest.raises(RuntimeError, match="BMT_TESTS_FORBID_PROCESSES"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    with pytest.raises(RuntimeError, match="BMT_TESTS_FORBID_PROCESSES"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    with pytest.raises(RuntimeError, match="BMT_TESTS_FORBID_PROCESSES"):
+        os.fork()
+
+
+def test_the_scan_still_sees_the_starters_the_guard_replaced(examples: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # `make test-fast` collects under the guard: its tiers must be those `make test` sees.
+    forbid_processes(monkeypatch)
+    assert ProcessScan().starts_process(examples["forks_in_a_lambda"])
