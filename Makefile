@@ -1,6 +1,7 @@
 # Set-up and the project's two jobs. Both create .venv themselves.
 #   make demo   - install, then train a small GPT on 2 ranks with torchrun (gloo on CPU, NCCL on GPU)
 #   make test   - install, then run the whole test suite
+#   make test-fast - install, then run only the tests that start no process (the inner loop; CI runs `make test`)
 #   make check-cuda - compile-check the CUDA kernels with nvcc and with NVRTC as CuPy does (no GPU needed)
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13$(comma)<2.15,torch==2.13.0)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 
-.PHONY: demo test install-test install-examples check-cuda clean
+.PHONY: demo test test-fast install-test install-examples check-cuda clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,11 @@ install-examples: $(VENV)/.torch
 
 test: install-test
 	$(PY) -m pytest -q
+
+# tests/conftest.py marks `process` every test whose code starts one; the variable makes any process
+# started anyway fail its test, so a miss of that analysis shows instead of slowing the inner loop.
+test-fast: install-test
+	BMT_TESTS_FORBID_PROCESSES=1 $(PY) -m pytest -q -m "not process"
 
 # NVRTC through CuPy, in a venv of its own (the suite's venv stays without CuPy, as on CPU machines).
 CUDA_CHECK_VENV ?= .venv-cuda

@@ -1,4 +1,4 @@
-"""Shared pytest set-up: persistent multi-rank worker groups and hypothesis profiles."""
+"""Shared pytest set-up: persistent multi-rank worker groups, hypothesis profiles, the `process` marker."""
 
 from __future__ import annotations
 
@@ -7,12 +7,31 @@ import os
 import pytest
 from dist_harness import shutdown_all
 from hypothesis import settings
+from process_scan import FORBID_PROCESSES_ENV, ProcessScan, forbid_processes, item_roots
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Multi-rank property tests run few, reproducible examples; deadlines are meaningless on a loaded box.
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=25, print_blob=True)
 settings.load_profile("ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test-fast`, make any process a test starts fail it (see process_scan.forbid_processes)."""
+    # A process started anyway means the scan missed one: that must fail loudly, not quietly slow the
+    # inner loop down or hang it on a worker group.
+    if os.environ.get(FORBID_PROCESSES_ENV) == "1":
+        patch = pytest.MonkeyPatch()
+        forbid_processes(patch)
+        config.add_cleanup(patch.undo)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test that starts a process `process`, from its code (tests/process_scan.py)."""
+    scan = ProcessScan()
+    for item in items:
+        if isinstance(item, pytest.Function) and scan.starts_process(*item_roots(item)):
+            item.add_marker(pytest.mark.process)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
