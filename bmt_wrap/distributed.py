@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ._compat import default_store
 from . import errors
 from .errors import BMTError, InitError, NotInitializedError, UnsupportedError
-from .log import get_logger
+from .log import get_logger, set_rank_source
 from .runtime.comm import (
     Communicator,
     CountingCommunicator,
@@ -57,6 +57,9 @@ _STATE: DistState | None = None
 def current_state() -> DistState | None:
     """The distributed state, or None before ``init_distributed``."""
     return _STATE
+
+
+set_rank_source(lambda: _STATE.rank if _STATE is not None else None)
 
 
 def get_state() -> DistState:
