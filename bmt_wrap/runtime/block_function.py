@@ -18,9 +18,9 @@ added the decoder layers' contributions in another order).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,10 +28,31 @@ from torch import nn
 from .._compat import pytree, tensor_version
 from ..errors import RecomputeError, WrapError
 from .group import Location, ShardGroup
-from .replay import Replay
+from .replay import Replay, ReplayMemory
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class BlockHost(Protocol):
+    """What a block call needs from the engine that runs it (engine.py, the layer above)."""
+
+    debug: bool
+
+    def cuda_devices(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """CUDA devices whose RNG a recompute restores."""
+
+    def replay_memory(self, group: ShardGroup) -> ReplayMemory:
+        """What the group's earlier calls wrote, for a faithful recompute."""
+
+    def inside_block(self, recompute: bool = False) -> AbstractContextManager[None]:
+        """The block's own code runs (again, when ``recompute``)."""
+
+    def acquire_for_backward(self, call: BlockCall) -> None:
+        """Gather the call's group for its backward, prefetching what backward reaches next."""
+
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
+        """Start reducing the group's parameter gradients."""
+
+    def release_after_use(self, group: ShardGroup, backward_follows: bool = True) -> None:
+        """The call is done with the group's gathered storage."""
 
 # ---- pytrees of inputs and outputs ------------------------------------------------------------------
 def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
@@ -116,7 +137,7 @@ def _meta(t: torch.Tensor) -> _Meta:
 class BlockCall:
     """Everything one grad-enabled call of a block needs between its forward and its backward."""
 
-    engine: Engine
+    engine: BlockHost
     group: ShardGroup
     module: nn.Module
     forward_fn: Callable[..., Any]

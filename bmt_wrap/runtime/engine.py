@@ -60,6 +60,8 @@ class Engine:
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
         self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
+        # Each group's model runtime: a group knows nothing of the schedule that runs it.
+        self._runtime_of: weakref.WeakKeyDictionary[ShardGroup, ModelRuntime] = weakref.WeakKeyDictionary()
 
     # ---- building groups --------------------------------------------------------------------------------
     def new_runtime(self, name: str) -> ModelRuntime:
@@ -113,7 +115,7 @@ class Engine:
                     mark_replaced(old, new)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
-        group.runtime = runtime
+        self._runtime_of[group] = runtime
         return group
 
     def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
@@ -125,7 +127,8 @@ class Engine:
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
         group.release()
-        group.runtime.groups = [g for g in group.runtime.groups if g is not group]
+        runtime = self._runtime_of.pop(group)
+        runtime.groups = [g for g in runtime.groups if g is not group]
 
     @torch.no_grad()
     def sync_buffers(self, module: nn.Module, src: int | None) -> None:
@@ -198,7 +201,7 @@ class Engine:
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
         """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
-        self._acquire(group, group.runtime.prefetcher.forward_call(group))
+        self._acquire(group, self._runtime_of[group].prefetcher.forward_call(group))
 
     def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
         # This group's gather is queued first, so prefetches never delay the one needed now.
@@ -234,7 +237,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
-        call.call_index = group.runtime.prefetcher.record_call(group)
+        call.call_index = self._runtime_of[group].prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
             return call.forward(args, kwargs, tensors)
@@ -278,7 +281,7 @@ class Engine:
         self.reducer.ensure_callback()
         self._on_backward_start()
         self._acquired_calls.append(call)
-        self._acquire(call.group, call.group.runtime.prefetcher.backward_call(call.call_index))
+        self._acquire(call.group, self._runtime_of[call.group].prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
