@@ -43,6 +43,25 @@ class WrappedModule(ShardedModuleMixin, nn.Module):
         clip with ``torch.nn.utils.clip_grad_norm_`` clip each rank's shard alone: see docs/integrations.md)."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
+    def hand_over_root(self) -> ShardGroup | None:
+        """A ``CheckpointBlock`` around this model takes its parameters: stop its root hooks, return its root group.
+
+        BMTrain code wraps small layers with ``BMTrainModelWrapper`` and puts their parent in a block; the
+        block then gathers and reduces those parameters with its own, so the layer is no model root any more.
+        """
+        if any(not g.is_root for g in self.plan.groups) or self._bmt_mp is not None:
+            raise WrapError(f"a CheckpointBlock cannot take over the wrapped {type(self).__name__}: it has blocks "
+                            "or mixed precision of its own. Put the block around the plain module and wrap the "
+                            "whole model once, or wrap only the parts outside the block.")
+        for hooks, fn in ((self._forward_pre_hooks, never_traced(_root_pre_hook)),
+                          (self._forward_hooks, never_traced(_root_post_hook))):
+            for key in [k for k, h in hooks.items() if h is fn]:
+                del hooks[key]
+                self._forward_pre_hooks_with_kwargs.pop(key, None)
+                self._forward_hooks_always_called.pop(key, None)
+        root, self._bmt_root = self._bmt_root, None
+        return root
+
 
 def is_wrapped(model: nn.Module) -> bool:
     """True if ``model`` was already wrapped."""
@@ -96,26 +115,6 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     if engine.world_size > 1:
         install_grad_scaler_guard()  # GradScaler would check inf/nan on this rank's slice only
     return model
-
-
-def hand_over_to_block(model: WrappedModule) -> ShardGroup | None:
-    """A ``CheckpointBlock`` around ``model`` takes its parameters: stop its root hooks, return its root group.
-
-    BMTrain code wraps small layers with ``BMTrainModelWrapper`` and puts their parent in a block; the
-    block then gathers and reduces those parameters with its own, so the layer is no model root any more.
-    """
-    if any(not g.is_root for g in model.plan.groups) or model._bmt_mp is not None:
-        raise WrapError(f"a CheckpointBlock cannot take over the wrapped {type(model).__name__}: it has blocks "
-                        "or mixed precision of its own. Put the block around the plain module and wrap the "
-                        "whole model once, or wrap only the parts outside the block.")
-    for hooks, fn in ((model._forward_pre_hooks, never_traced(_root_pre_hook)),
-                      (model._forward_hooks, never_traced(_root_post_hook))):
-        for key in [k for k, h in hooks.items() if h is fn]:
-            del hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
-            model._forward_hooks_always_called.pop(key, None)
-    root, model._bmt_root = model._bmt_root, None
-    return root
 
 
 def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:

@@ -137,9 +137,7 @@ def bind_block(module: nn.Module, spec: ShardGroupSpec, sites: list[ParamSite],
 
 def _wrapped_roots_inside(module: nn.Module) -> list[ShardGroup]:
     """Root groups of models wrapped with ``BMTrainModelWrapper`` inside ``module``, handed over to the block."""
-    from .apply_plan import hand_over_to_block, is_wrapped  # apply_plan builds on this module
-
-    roots = [hand_over_to_block(m) for m in module.modules() if is_wrapped(m)]
+    roots = [m.hand_over_root() for m in module.modules() if isinstance(m, ShardedModuleMixin)]
     return [g for g in roots if g is not None]
 
 

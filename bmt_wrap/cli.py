@@ -40,8 +40,7 @@ from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.rewrite import rewrite
 from .passes.util import describe
-from .plan import WrapPlan
-from .plan_text import fmt_bytes, render_estimates, shown_notes, summary_line
+from .plan import WrapPlan, fmt_bytes, render_estimates, shown_notes, summary_line
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
 _BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .distributed import get_state
 from .errors import CommError, UnsupportedError
 from .runtime.comm import Communicator
+from .runtime.process_engine import get_engine
 
 #: Reductions every op here accepts ("prod" is computed from a gather: no backend reduces with it).
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -24,7 +24,7 @@ OPS = ("sum", "avg", "max", "min", "prod")
 def communicator(comm: Communicator | None) -> Communicator:
     """``comm``, or the job's communicator when None (what ``bmt.config["comm"]`` holds)."""
     if comm is None:
-        return get_state().comm
+        return get_engine().comm
     if not isinstance(comm, Communicator):
         raise CommError(f"comm must be a bmt_wrap communicator (bmt.config['comm']) or None, got "
                         f"{type(comm).__name__}: bmt_wrap has one communicator per job, NCCL handles of "

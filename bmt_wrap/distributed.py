@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ._compat import default_store
 from . import errors
-from .errors import BMTError, InitError, NotInitializedError, UnsupportedError
-from .log import get_logger
+from .errors import NOT_INITIALIZED, BMTError, InitError, NotInitializedError, UnsupportedError
+from .log import get_logger, set_rank_source
 from .runtime.comm import (
     Communicator,
     CountingCommunicator,
@@ -59,12 +59,13 @@ def current_state() -> DistState | None:
     return _STATE
 
 
+set_rank_source(lambda: _STATE.rank if _STATE is not None else None)
+
+
 def get_state() -> DistState:
     """The distributed state; raises ``NotInitializedError`` before ``init_distributed``."""
     if _STATE is None:
-        raise NotInitializedError(
-            "bmt_wrap's distributed state is not initialised: call bmt.init_distributed() first "
-            "(under torchrun it reads RANK/WORLD_SIZE; without them it runs as a single process).")
+        raise NotInitializedError(NOT_INITIALIZED)
     return _STATE
 
 

@@ -19,6 +19,10 @@ class NotInitializedError(BMTError):
     """A distributed function was called before ``bmt.init_distributed()``."""
 
 
+NOT_INITIALIZED = ("bmt_wrap's distributed state is not initialised: call bmt.init_distributed() first "
+                   "(under torchrun it reads RANK/WORLD_SIZE; without them it runs as a single process).")
+
+
 class InitError(BMTError):
     """``init_distributed`` or parameter initialisation could not do what was asked."""
 

@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 _logger = logging.getLogger("bmt_wrap")
 
 
+def _no_rank() -> int | None:
+    return None
+
+
+# log.py sits below everything in the package, so the layer that knows the rank hands it in.
+_rank_source: Callable[[], int | None] = _no_rank
+
+
+def set_rank_source(source: Callable[[], int | None]) -> None:
+    """Make ``source`` tell each log line's rank (None before the process group exists)."""
+    global _rank_source
+    _rank_source = source
+
+
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        # Imported lazily: log.py sits below distributed.py in the layering.
-        from . import distributed
-
-        state = distributed.current_state()
-        record.rank = state.rank if state is not None else int(os.environ.get("RANK", "0"))
+        rank = _rank_source()
+        record.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         return True
 
 

@@ -30,7 +30,7 @@ class DistributedModule(ShardedModuleMixin, nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = get_engine()
-        outermost = not engine.in_forward and engine.block_depth == 0  # a recompute is not a new forward
+        outermost = not engine.in_forward and not engine.in_block  # a recompute is not a new forward
         if outermost:
             _check_parameters(self, engine.world_size)
             engine.begin_forward(engine.explicit)

@@ -140,6 +140,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 class ShardedModuleMixin:
     """Mixed into blocks, ``DistributedModule`` and wrapped roots (see the module docstring)."""
 
+    def hand_over_root(self) -> ShardGroup | None:
+        """Give a ``CheckpointBlock`` around this module its root group, if it has one (wrapped models do)."""
+        return None
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors on CPU under the original names; a collective (every rank must call it)."""
         _install_below(self)  # type: ignore[arg-type]

@@ -51,27 +51,23 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports() -> dict[str, set[str]]:
-    """Each runtime module's bmt_wrap imports, wherever they run (module or function level), except
-    those under ``if TYPE_CHECKING:``, which never execute."""
+def _package_imports() -> dict[str, set[str]]:
+    """Each bmt_wrap module's imports of other bmt_wrap modules, every one counted: module level, inside
+    functions and under ``if TYPE_CHECKING:`` (a type-only import still ties the two modules together)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.joinpath("runtime").rglob("*.py"):
-        name = _module_name(path)
+    for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
-                found |= {target} | {f"{target}.{a.name}" for a in node.names}
+                # ``from pkg import mod`` imports the submodule; ``from mod import name`` the module.
+                found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
-        graph[name] = {m for m in found if m.startswith("bmt_wrap") and m != name}
+        graph[name] = {m for m in found if m in modules and m != name}
     return graph
 
 
@@ -79,14 +75,17 @@ def test_runtime_imports_nothing_above_it() -> None:
     # The runtime is handed its communicator (init_distributed installs the engine); it never reaches up.
     allowed = ("bmt_wrap.runtime", *RUNTIME_MAY_IMPORT)
     above = {m: sorted(t for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed))
-             for m, targets in _runtime_imports().items()}
+             for m, targets in _package_imports().items() if m.startswith("bmt_wrap.runtime")}
     assert not {m: t for m, t in above.items() if t}, above
 
 
-def test_runtime_has_no_import_cycles() -> None:
-    graph = _runtime_imports()
-    modules = set(graph)
-    graph = {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+def test_log_imports_nothing_from_the_package() -> None:
+    # Everything logs, so the logger sits below everything: the rank is handed in (log.set_rank_source).
+    assert not _package_imports()["bmt_wrap.log"]
+
+
+def test_package_has_no_import_cycles() -> None:
+    graph = _package_imports()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m: str, path: list[str]) -> None:

@@ -1,6 +1,6 @@
 """The pure compiler passes: discover -> capture -> plan -> rewrite (no communication, no real storage)."""
 
-from ..plan_text import render_estimates
+from ..plan import render_estimates
 from .activations import ActivationProfile, BlockCallActivations
 from .capture import (
     CAPTURE_METHODS,

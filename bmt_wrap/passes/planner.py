@@ -16,8 +16,7 @@ from torch import nn
 from ..dtypes import dtype_name
 from ..errors import PlanError
 from ..mixed_precision import MixedPrecision
-from ..plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
-from ..plan_text import fmt_bytes
+from ..plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, fmt_bytes, layout_buffers
 from .activations import ActivationProfile
 from .capture import Capture
 from .discover import Discovery

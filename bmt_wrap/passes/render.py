@@ -1,5 +1,5 @@
 """Renderers for ``bmt-wrap dump``: the rewritten graph as text, JSON or Graphviz dot (the plan's own tables are
-``plan_text``'s)."""
+``plan.py``'s)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from itertools import pairwise
 
 from torch import fx
 
-from ..plan import WrapPlan
-from ..plan_text import heading, summary_line, tables
+from ..plan import WrapPlan, heading, summary_line, tables
 from .rewrite import step_of
 
 

@@ -18,9 +18,10 @@ added the decoder layers' contributions in another order).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+import enum
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,10 +29,31 @@ from torch import nn
 from .._compat import pytree, tensor_version
 from ..errors import RecomputeError, WrapError
 from .group import Location, ShardGroup
-from .replay import Replay
+from .replay import Replay, ReplayMemory
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class BlockHost(Protocol):
+    """What a block call needs from the engine that runs it (engine.py, the layer above)."""
+
+    debug: bool
+
+    def cuda_devices(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """CUDA devices whose RNG a recompute restores."""
+
+    def replay_memory(self, group: ShardGroup) -> ReplayMemory:
+        """What the group's earlier calls wrote, for a faithful recompute."""
+
+    def inside_block(self, recompute: bool = False) -> AbstractContextManager[None]:
+        """The block's own code runs (again, when ``recompute``)."""
+
+    def acquire_for_backward(self, call: BlockCall) -> None:
+        """Gather the call's group for its backward, prefetching what backward reaches next."""
+
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
+        """Start reducing the group's parameter gradients."""
+
+    def release_after_use(self, group: ShardGroup, backward_follows: bool = True) -> None:
+        """The call is done with the group's gathered storage."""
 
 # ---- pytrees of inputs and outputs ------------------------------------------------------------------
 def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
@@ -112,11 +134,19 @@ def _meta(t: torch.Tensor) -> _Meta:
     return t.shape, t.dtype, t.device
 
 
+class CallStage(enum.Enum):
+    """Where one block call is between its forward and the end of its backward."""
+
+    FORWARD = "forward"  # ran forward; its storage went back (or stays with a kept group)
+    GATHERED = "gathered"  # gathered again for backward, not yet released
+    RELEASED = "released"  # the storage went back after this call's backward
+
+
 @dataclasses.dataclass(eq=False)
 class BlockCall:
     """Everything one grad-enabled call of a block needs between its forward and its backward."""
 
-    engine: Engine
+    engine: BlockHost
     group: ShardGroup
     module: nn.Module
     forward_fn: Callable[..., Any]
@@ -131,10 +161,9 @@ class BlockCall:
     packed: list[_Meta] = dataclasses.field(default_factory=list)  # what the forward saved, in order
     packed_values: list[torch.Tensor] | None = None  # debug mode: the forward's saved values
     recomputed: dict[int, torch.Tensor] | None = None
-    acquired: bool = False  # gathered for backward and not yet released
+    stage: CallStage = CallStage.FORWARD
     params_done: bool = False  # the BlockParams node ran (its gradients went to the reducer)
     param_refs: int = 0  # saved tensors viewing the gathered storage that autograd has not asked for yet
-    finished: bool = False  # the storage went back after this call's backward
     _storage: set[int] = dataclasses.field(default_factory=set)  # data pointers of the gathered buffers
 
     @property
@@ -194,7 +223,7 @@ class BlockCall:
         if not self.checkpoint:
             t, aliases = handle
             if aliases:
-                if self.finished:
+                if self.stage is CallStage.RELEASED:
                     raise _second_backward(self.group.name)
                 self._ensure_gathered()
                 self.param_refs -= 1
@@ -214,9 +243,9 @@ class BlockCall:
 
     # ---- backward --------------------------------------------------------------------------------------
     def _ensure_gathered(self) -> None:
-        if not self.acquired:
+        if self.stage is not CallStage.GATHERED:
             self.engine.acquire_for_backward(self)
-            self.acquired = True
+            self.stage = CallStage.GATHERED
             self._storage = {f.untyped_storage().data_ptr() for f in self.group.wait_gathered()}
 
     def _recompute(self) -> None:
@@ -276,11 +305,10 @@ class BlockCall:
 
     def try_release(self, end_of_backward: bool = False) -> bool:
         """Give the storage back once nothing autograd may still read views it; True when released."""
-        if not self.acquired or (not end_of_backward and (self.param_refs > 0 or not self.params_done)):
+        if self.stage is not CallStage.GATHERED or (not end_of_backward and (self.param_refs > 0 or not self.params_done)):
             # A saved tensor still views the gathered storage, or the parameters' gradients are not all in.
             return False
-        self.acquired = False
-        self.finished = True
+        self.stage = CallStage.RELEASED
         if end_of_backward:
             self.recomputed = {}  # saved tensors autograd never asked for
         self.engine.release_after_use(self.group)

@@ -9,6 +9,7 @@ initialises communication installs the engine (process_engine.py); nothing here 
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,21 @@ def storage_mode(spec: ShardGroupSpec) -> StorageMode:
     return StorageMode.POOLED if spec.checkpoint else StorageMode.RESIZABLE
 
 
+class Phase(enum.Enum):
+    """Where the process's training step is (``Engine.phase``), and what runs inside it (``Engine.nested``)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"  # a root forward (a wrapped model's or a DistributedModule's) runs
+    BACKWARD = "backward"  # from the first block or root gradient until the end-of-backward callback
+    BLOCK = "block"  # a block's own code runs (nested in any phase)
+    RECOMPUTE = "recompute"  # a checkpointed block runs again in backward (nested in BACKWARD)
+
+
+def _assert_in(phase: Phase, allowed: tuple[Phase, ...], transition: str) -> None:
+    # A failure here is an engine bug (a hook ran out of order), never a user error.
+    assert phase in allowed, f"engine transition {transition!r} from phase {phase.value}, expected {[p.value for p in allowed]}"
+
+
 class Engine:
     """Owns the communicator view, buffer pool and reducer of this process, and its models' runtimes."""
 
@@ -53,13 +69,13 @@ class Engine:
         self._runtimes: weakref.WeakSet[ModelRuntime] = weakref.WeakSet()
         # The explicit API's blocks and bare parameters have no model to belong to: they share this one.
         self.explicit = self.new_runtime("explicit API")
-        self.in_forward = False
-        self.block_depth = 0  # > 0 while a block's own code runs (forward, or its recompute in backward)
-        self.recompute_depth = 0
-        self._backward_started = False
+        self.phase = Phase.IDLE
+        self.nested: list[Phase] = []  # BLOCK or RECOMPUTE per block whose own code is running
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
         self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
+        # Each group's model runtime: a group knows nothing of the schedule that runs it.
+        self._runtime_of: weakref.WeakKeyDictionary[ShardGroup, ModelRuntime] = weakref.WeakKeyDictionary()
 
     # ---- building groups --------------------------------------------------------------------------------
     def new_runtime(self, name: str) -> ModelRuntime:
@@ -113,7 +129,7 @@ class Engine:
                     mark_replaced(old, new)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
-        group.runtime = runtime
+        self._runtime_of[group] = runtime
         return group
 
     def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
@@ -125,7 +141,8 @@ class Engine:
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
         group.release()
-        group.runtime.groups = [g for g in group.runtime.groups if g is not group]
+        runtime = self._runtime_of.pop(group)
+        runtime.groups = [g for g in runtime.groups if g is not group]
 
     @torch.no_grad()
     def sync_buffers(self, module: nn.Module, src: int | None) -> None:
@@ -158,7 +175,8 @@ class Engine:
         """A root forward of ``runtime``'s model starts: drop stray gathers, gather ``lead`` (the root),
         prefetch the model's first blocks."""
         self._recover_from_aborted_backward(new_step=True)
-        self.in_forward = True
+        _assert_in(self.phase, (Phase.IDLE,), "begin forward")
+        self.phase = Phase.FORWARD
         self._release_strays()
         if lead is not None:
             lead.start_gather()
@@ -167,8 +185,8 @@ class Engine:
 
     def end_forward(self, runtime: ModelRuntime) -> None:
         """A root forward ended: learn the model's schedule, drop gathers the forward did not use."""
-        self.in_forward = False
-        self.block_depth = 0
+        _assert_in(self.phase, (Phase.FORWARD,), "end forward")
+        self.phase = Phase.IDLE
         self._standalone_cache.clear()
         runtime.prefetcher.end_forward()
         self._release_strays()
@@ -176,18 +194,28 @@ class Engine:
     @contextmanager
     def inside_block(self, recompute: bool = False) -> Iterator[None]:
         """A block's own code is running: modules inside it are not model roots, even in a recompute."""
-        self.block_depth += 1
-        self.recompute_depth += int(recompute)
+        if recompute:
+            _assert_in(self.phase, (Phase.BACKWARD,), "begin recompute")
+        self.nested.append(Phase.RECOMPUTE if recompute else Phase.BLOCK)
         try:
             yield
         finally:
-            self.block_depth -= 1
-            self.recompute_depth -= int(recompute)
+            self.nested.pop()
+
+    @property
+    def in_forward(self) -> bool:
+        """True while a root forward runs (blocks called inside it are not new forwards)."""
+        return self.phase is Phase.FORWARD
+
+    @property
+    def in_block(self) -> bool:
+        """True while a block's own code runs, in forward or in a recompute."""
+        return bool(self.nested)
 
     @property
     def recomputing(self) -> bool:
         """True while a checkpointed block runs again in backward (its side effects already happened)."""
-        return self.recompute_depth > 0
+        return Phase.RECOMPUTE in self.nested
 
     def gathered_standalone(self, p: DistributedParameter) -> torch.Tensor:
         """A bare ``DistributedParameter`` read during forward: gathered once per forward and grad mode."""
@@ -198,7 +226,7 @@ class Engine:
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
         """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
-        self._acquire(group, group.runtime.prefetcher.forward_call(group))
+        self._acquire(group, self._runtime_of[group].prefetcher.forward_call(group))
 
     def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
         # This group's gather is queued first, so prefetches never delay the one needed now.
@@ -234,7 +262,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
-        call.call_index = group.runtime.prefetcher.record_call(group)
+        call.call_index = self._runtime_of[group].prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
             return call.forward(args, kwargs, tensors)
@@ -274,17 +302,13 @@ class Engine:
     # ---- backward --------------------------------------------------------------------------------------------
     def acquire_for_backward(self, call: BlockCall) -> None:
         """Gather this call's group, prefetching the calls backward reaches next."""
-        self._recover_from_aborted_backward(new_step=False)
-        self.reducer.ensure_callback()
-        self._on_backward_start()
+        self._enter_backward()
         self._acquired_calls.append(call)
-        self._acquire(call.group, call.group.runtime.prefetcher.backward_call(call.call_index))
+        self._acquire(call.group, self._runtime_of[call.group].prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
-        self._recover_from_aborted_backward(new_step=False)
-        self.reducer.ensure_callback()
-        self._on_backward_start()
+        self._enter_backward()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
             if not buf.spec.requires_grad or not any(p.requires_grad for p in buf.params):
                 continue  # frozen, before or after wrapping (alike on every rank): nothing to reduce
@@ -315,11 +339,16 @@ class Engine:
         full = self.pool.acquire(buf.full_numel, dtype, buf.device)
         return full, lambda: self.pool.release(full)
 
-    def _on_backward_start(self) -> None:
-        if not self._backward_started:
-            self._backward_started = True
-            for runtime in list(self._runtimes):
-                runtime.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
+    def _enter_backward(self) -> None:
+        """The first block or root gradient of a backward: queue its end, once per backward."""
+        if self.phase is Phase.BACKWARD and not self.reducer.aborted:
+            return
+        self._recover_from_aborted_backward(new_step=False)
+        _assert_in(self.phase, (Phase.IDLE,), "begin backward")
+        self.phase = Phase.BACKWARD
+        self.reducer.ensure_callback()
+        for runtime in list(self._runtimes):
+            runtime.prefetcher.end_forward()  # explicit API without a root hook learns its schedule here
 
     def _recover_from_aborted_backward(self, new_step: bool) -> None:
         """Undo what a backward that raised midway left (its end-of-backward callback never ran): its
@@ -338,7 +367,8 @@ class Engine:
         self._end_backward(clear_calls=new_step)
 
     def _end_backward(self, clear_calls: bool = True) -> None:
-        self._backward_started = False
+        _assert_in(self.phase, (Phase.BACKWARD,), "end backward")
+        self.phase = Phase.IDLE
         # Calls whose saved tensors autograd never asked for (outputs the loss did not use) hold their
         # storage until here.
         calls, self._acquired_calls = self._acquired_calls, []

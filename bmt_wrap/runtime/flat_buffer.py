@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..dtypes import to_dtype
 from ..plan import FlatBufferSpec
-from .param import DistributedParameter
+from .comm import Communicator
+from .param import DistributedParameter, ParamGroup
 from .sharded_tensor import ShardedTensor
-
-if TYPE_CHECKING:
-    from .group import ShardGroup
 
 
 class FlatBuffer:
@@ -40,10 +36,15 @@ class FlatBuffer:
         # Weak: the parameters' ``.grad`` views keep the gradient shard alive, so
         # ``zero_grad(set_to_none=True)`` frees it as it frees plain torch gradients.
         self._grad_shard: weakref.ref[torch.Tensor] | None = None
-        self.group: ShardGroup  # set by the owning group
+        self.group: ParamGroup  # set by the owning ``group.ShardGroup``, the layer above
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad)
                        for i, (a, b) in enumerate(self.local_ranges)]
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator of the owning group."""
+        return self.group.comm
 
     @property
     def device(self) -> torch.device:

@@ -8,21 +8,25 @@ sharded inputs get no gradient through autograd: the reducer sets their ``.grad`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .group import ShardGroup
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class GradSink(Protocol):
+    """Where a gathered group's gradients go (the engine's reducer, engine.py, the layer above)."""
+
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
+        """Start reducing the group's parameter gradients."""
 
 
 class GatherFunction(torch.autograd.Function):
     """Gathered views of one trainable flat buffer of ``group``; gradients go to the reducer."""
 
     @staticmethod
-    def forward(ctx: Any, engine: Engine, group: ShardGroup, index: int,  # type: ignore[override]
+    def forward(ctx: Any, engine: GradSink, group: ShardGroup, index: int,  # type: ignore[override]
                 *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.engine, ctx.group, ctx.index = engine, group, index
         ctx.set_materialize_grads(False)  # an unused parameter's None must stay None (its .grad stays None)
@@ -36,7 +40,7 @@ class GatherFunction(torch.autograd.Function):
         return (None, None, None, *([None] * len(grads)))
 
 
-def gathered_tensors(engine: Engine, group: ShardGroup) -> list[list[torch.Tensor]]:
+def gathered_tensors(engine: GradSink, group: ShardGroup) -> list[list[torch.Tensor]]:
     """Per buffer, per slot: full tensors to install, differentiable w.r.t. the shards when grad is on."""
     views = group.slot_views()
     out: list[list[torch.Tensor]] = []

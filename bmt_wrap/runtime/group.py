@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,9 +32,6 @@ from ..plan import ShardGroupSpec
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
-
-if TYPE_CHECKING:
-    from .model_runtime import ModelRuntime
 
 Location = tuple[nn.Module, str]
 
@@ -86,7 +82,6 @@ class ShardGroup:
         self.in_use = 0  # executors currently running on the gathered parameters
         self._sends: list[torch.Tensor] = []  # param_dtype copies of the shards, while a gather reads them
         self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
-        self.runtime: ModelRuntime | None = None  # whose schedule runs this group (set by the engine)
         for b in buffers:
             b.group = self
 

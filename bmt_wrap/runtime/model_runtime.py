@@ -9,13 +9,9 @@ model gathers only its own blocks, in its own order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..errors import WrapError
+from .group import ShardGroup
 from .prefetch import Prefetcher
-
-if TYPE_CHECKING:
-    from .group import ShardGroup
 
 
 class ModelRuntime:

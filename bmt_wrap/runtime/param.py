@@ -8,20 +8,52 @@ groups behave as on the unwrapped model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .._compat import register_foreach_type
-from .process_engine import get_engine
-from .sharded_tensor import ShardedTensor, ShardLayout
+from ..errors import NOT_INITIALIZED, NotInitializedError
+from ..plan import ParamSlot
+from .comm import Communicator
+from .sharded_tensor import ShardedTensor, ShardLayout, ShardStorage
 
-if TYPE_CHECKING:
-    from ..plan import ParamSlot
-    from .flat_buffer import FlatBuffer
-    from .group import ShardGroup
+
+class ParamGroup(Protocol):
+    """The shard group a parameter belongs to, as the parameter uses it (``group.ShardGroup``, a layer up)."""
+
+    name: str
+    comm: Communicator
+    buffers: Sequence[ParamBuffer]
+
+    def gather_values(self, only: Any = None) -> list[torch.Tensor]:
+        """Full buffers in the shard dtype (a collective)."""
+
+
+class ParamBuffer(ShardStorage, Protocol):
+    """The flat buffer a parameter's range lives in, as the parameter uses it (``flat_buffer.FlatBuffer``)."""
+
+    group: ParamGroup
+    shard: torch.Tensor
+
+    def load_slot(self, i: int, full: torch.Tensor) -> None:
+        """Keep this rank's part of slot ``i``'s full tensor."""
+
+    def slot_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's full-shaped view of a gathered buffer."""
+
+
+# BMTrain's ``DistributedParameter(data)`` shards ``data`` into a group of its own, which only the engine
+# can build; the engine layer installs how (process_engine.install_engine), so this module never reaches up.
+_standalone: Callable[..., DistributedParameter] | None = None
+
+
+def install_standalone(build: Callable[..., DistributedParameter] | None) -> None:
+    """Make ``build(data, requires_grad, init_method, group)`` what ``DistributedParameter(...)`` calls."""
+    global _standalone
+    _standalone = build
 
 
 class DistributedParameter(ShardedTensor, nn.Parameter):
@@ -37,10 +69,12 @@ class DistributedParameter(ShardedTensor, nn.Parameter):
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
                 init_method: Callable[[torch.Tensor], Any] | None = None, group: str | None = None
                 ) -> DistributedParameter:
-        return get_engine().standalone_parameter(data, requires_grad, init_method, group)
+        if _standalone is None:
+            raise NotInitializedError(NOT_INITIALIZED)
+        return _standalone(data, requires_grad, init_method, group)
 
     @classmethod
-    def _view_of(cls, buffer: FlatBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool
+    def _view_of(cls, buffer: ParamBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool
                  ) -> DistributedParameter:
         layout = ShardLayout(buffer, slot_index)
         p = ShardedTensor._wrap(cls, view, layout, requires_grad)
@@ -55,12 +89,12 @@ class DistributedParameter(ShardedTensor, nn.Parameter):
         return self._layout.full_shape
 
     @property
-    def shard_group(self) -> ShardGroup:
+    def shard_group(self) -> ParamGroup:
         """The shard group this parameter lives in (gathered and reduced together)."""
         return self._layout.buffer.group
 
     @property
-    def flat_buffer(self) -> FlatBuffer:
+    def flat_buffer(self) -> ParamBuffer:
         """The flat buffer (one dtype, one requires_grad) of its group that holds this parameter."""
         return self._layout.buffer
 
@@ -86,6 +120,13 @@ class DistributedParameter(ShardedTensor, nn.Parameter):
         """This parameter's full value inside its group's gathered buffers (one per flat buffer)."""
         buffer = self._layout.buffer
         return buffer.slot_views(full_buffers[buffer.group.buffers.index(buffer)])[self._layout.slot]
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter, gathered from every rank (a collective: call it on every rank)."""
+        group = self.shard_group
+        if self._layout.buffer.shard.is_meta:
+            return torch.empty(self.full_shape, dtype=self.dtype, device="meta")
+        return self.gathered_view(group.gather_values()).clone()  # frees the rest
 
     def __deepcopy__(self, memo: dict) -> ShardedTensor:
         """A copy of this rank's range with the same layout (BMTrain scripts snapshot parameters so); never

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,11 +40,26 @@ from .._compat import (
     register_foreach_type,
 )
 from ..errors import ShardedTensorError
-
-if TYPE_CHECKING:
-    from .flat_buffer import FlatBuffer
+from ..plan import FlatBufferSpec
+from .comm import Communicator
 
 aten = torch.ops.aten
+
+
+class ShardStorage(Protocol):
+    """What a layout reads from the flat buffer its range lives in (``flat_buffer.FlatBuffer``, a layer up)."""
+
+    spec: FlatBufferSpec
+    shard_numel: int
+    full_numel: int
+    local_ranges: list[tuple[int, int]]
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator of the buffer's group."""
+
+    def slot_source_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` of slot ``i``'s flattened tensor that this rank (or ``rank``) holds."""
 
 
 class ShardLayout:
@@ -52,7 +67,7 @@ class ShardLayout:
 
     __slots__ = ("buffer", "slot", "full_shape", "start", "end", "name")
 
-    def __init__(self, buffer: FlatBuffer, slot: int) -> None:
+    def __init__(self, buffer: ShardStorage, slot: int) -> None:
         self.buffer = buffer
         self.slot = slot
         spec = buffer.spec.slots[slot]
@@ -76,13 +91,13 @@ class ShardLayout:
         a, e = b.local_ranges[self.slot]
         send[a:e].copy_(local)
         full = local.new_empty(b.full_numel)
-        b.group.comm.all_gather_into(full, send, label=f"{self.name} full_tensor")
+        b.comm.all_gather_into(full, send, label=f"{self.name} full_tensor")
         spec = b.spec.slots[self.slot]
         return full[spec.offset:spec.offset + spec.numel].view(self.full_shape)
 
     def all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
         """Combine every rank's partial result ``t`` in place."""
-        comm = self.buffer.group.comm
+        comm = self.buffer.comm
         if comm.world_size > 1:
             comm.all_reduce(t, op, label=f"{what} of sharded {self.name}")
 

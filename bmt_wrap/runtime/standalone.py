@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -11,15 +11,22 @@ from torch import nn
 from ..dtypes import dtype_name
 from ..errors import WrapError
 from ..plan import ParamInfo, ShardGroupSpec, layout_buffers
+from .group import Location, ShardGroup
 from .param import DistributedParameter
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class GroupBuilder(Protocol):
+    """What sharding a bare parameter needs from the engine (engine.py, the layer above)."""
+
+    def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
+                    sources: list[list[torch.Tensor | None]], device: torch.device | str,
+                    sync_from: int | None = 0, used_outside_blocks: bool = False) -> ShardGroup:
+        """Shard ``sources`` into a new group of the explicit API's runtime."""
 
 _COUNTER = [0]
 
 
-def shard_standalone(engine: Engine, data: torch.Tensor, requires_grad: bool = True,
+def shard_standalone(engine: GroupBuilder, data: torch.Tensor, requires_grad: bool = True,
                      init_method: Callable[[torch.Tensor], Any] | None = None,
                      group: str | None = None) -> DistributedParameter:
     """Shard ``data`` (identical on every rank) into a group of its own; returns the sharded parameter."""
@@ -44,7 +51,4 @@ def full_value(p: nn.Parameter) -> torch.Tensor:
     """The full value of a parameter: gathered (collective) for a sharded one, detached otherwise."""
     if not isinstance(p, DistributedParameter):
         return p.detach()
-    group = p.shard_group
-    if group.buffers[0].shard.is_meta:
-        return torch.empty(p.full_shape, dtype=p.dtype, device="meta")
-    return p.gathered_view(group.gather_values()).clone()  # frees the rest
+    return p.full_tensor()
