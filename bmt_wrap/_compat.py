@@ -11,7 +11,6 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch.utils._pytree as pytree  # re-exported: tree_flatten, tree_unflatte
 from torch import nn
 
 __all__ = [
-    "caller_frame", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
+    "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
     "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
     "tensor_version",
@@ -119,25 +118,22 @@ def default_store() -> Any:
 
 
 # ---- Python frames and GradScaler ------------------------------------------------------------------------
-def caller_frame(depth: int = 1) -> FrameType | None:
-    """The frame ``depth`` levels above the caller of this function."""
-    return sys._getframe(depth + 1)
+def called_from(codes: set[Any], max_depth: int) -> bool:
+    """Whether any of the frames above the caller (up to ``max_depth``) runs one of ``codes``."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def inside_ddp_constructor(max_depth: int = 64) -> bool:
     """Whether the caller runs inside ``DistributedDataParallel.__init__`` (its parameter broadcast)."""
     ddp = sys.modules.get("torch.nn.parallel.distributed")
-    if ddp is None:
-        return False
-    code = ddp.DistributedDataParallel.__init__.__code__
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return ddp is not None and called_from({ddp.DistributedDataParallel.__init__.__code__}, max_depth)
 
 
 def dcp_state_dict_request(max_depth: int = 16) -> Any | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -28,19 +29,25 @@ def _wrap_divergent_model(kind: str) -> tuple[str, str]:
     return raised(lambda: bmt.BMTrainModelWrapper(model))
 
 
+def _model_mismatch_on_every_rank(body: Callable[[str], tuple[str, str]], case: str) -> list[str]:
+    """Run ``body(case)`` on 2 ranks; each must raise ModelMismatchError within the deadline: the messages."""
+    start = time.monotonic()
+    results = run_distributed(body, 2, case, timeout=120)
+    assert time.monotonic() - start < DEADLINE_S, results
+    assert [name for name, _ in results] == ["ModelMismatchError", "ModelMismatchError"], results
+    return [message for _, message in results]
+
+
 @pytest.mark.parametrize("kind,names", [
     ("hidden", r"'wpe' \(rank 0: float32 \[32, 16\], requires_grad=True; rank 1: float32 \[32, 12\]"),
     ("layers", r"'layers.2.ln1.weight' \(rank 0: float32 \[16\], requires_grad=True; rank 1: missing\)"),
 ])
 def test_ranks_that_built_different_models_get_one_named_error(kind: str, names: str) -> None:
-    start = time.monotonic()
-    results = run_distributed(_wrap_divergent_model, 2, kind, timeout=120)
-    assert time.monotonic() - start < DEADLINE_S, results
-    assert [name for name, _ in results] == ["ModelMismatchError", "ModelMismatchError"], results
-    for _, message in results:
+    messages = _model_mismatch_on_every_rank(_wrap_divergent_model, kind)
+    for message in messages:
         assert "ranks built different models" in message, message
         assert re.search(names, message), message
-    assert results[0][1] == results[1][1]  # one message, the same on every rank
+    assert messages[0] == messages[1]  # one message, the same on every rank
 
 
 def _wrap_with_divergent_argument(which: str) -> tuple[str, str]:
@@ -65,12 +72,9 @@ def _wrap_with_divergent_argument(which: str) -> tuple[str, str]:
     ("inputs-differ", r"example_inputs=.*\['targets'\].*rank 0: missing.*rank 1: int64 tensor of 2 dims"),
 ])
 def test_wrap_arguments_that_differ_by_rank_are_named(which: str, says: str) -> None:
-    start = time.monotonic()
-    results = run_distributed(_wrap_with_divergent_argument, 2, which, timeout=120)
-    assert time.monotonic() - start < DEADLINE_S, results
-    assert [name for name, _ in results] == ["ModelMismatchError", "ModelMismatchError"], results
-    assert re.search(says, results[0][1]), results[0][1]
-    assert results[0][1] == results[1][1]
+    messages = _model_mismatch_on_every_rank(_wrap_with_divergent_argument, which)
+    assert re.search(says, messages[0]), messages[0]
+    assert messages[0] == messages[1]
 
 
 def _inputs_of_other_sizes() -> int:

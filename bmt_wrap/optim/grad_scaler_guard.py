@@ -13,7 +13,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import caller_frame, grad_scaler_step_codes
+from .._compat import called_from, grad_scaler_step_codes
 from ..distributed import current_state
 from ..errors import OptimizerError
 from .sharding import is_sharded
@@ -26,21 +26,10 @@ _MAX_DEPTH = 12
 _guard: RemovableHandle | None = None
 
 
-def _called_from_grad_scaler() -> bool:
-    frame = caller_frame(1)
-    for _ in range(_MAX_DEPTH):
-        if frame is None:
-            return False
-        if frame.f_code in _SCALER_CODES:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def check_no_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``OptimizerError`` if a GradScaler is stepping ``optimizer`` over sharded parameters on several ranks."""
     state = current_state()
-    if state is None or state.world_size == 1 or not _called_from_grad_scaler():
+    if state is None or state.world_size == 1 or not called_from(_SCALER_CODES, _MAX_DEPTH):
         return
     if any(is_sharded(p) for group in optimizer.param_groups for p in group["params"]):
         raise OptimizerError(
