@@ -117,20 +117,33 @@ def test_print_rank_and_logger_prefix_the_rank() -> None:
     assert results[1] == ["[rank 1] hello 42", "[rank 1] everyone"]
 
 
-def test_training_jobs_exit_cleanly_without_calling_shutdown() -> None:
-    # Issue 12: gloo's process group left alive at interpreter exit aborted successful jobs (SIGABRT,
-    # "terminate called without an active exception"); the exit hook now destroys it after the worker.
+def test_finished_jobs_exit_cleanly_under_load() -> None:
+    # Issues 12 and 22: a job that finished its last line aborted at interpreter exit (SIGABRT, "terminate
+    # called without an active exception") when gloo's threads were still alive there. Issue 22: the group
+    # outlived destroy_process_group, held by torch modules the first wrap loads. Aborts are rare per run,
+    # so besides exit codes the harness reports the threads still running when the last exit hook ran:
+    # any gloo or bmt_wrap thread there fails the test, on every run, deterministically.
     import json
     import os
 
     script = os.path.join(os.path.dirname(__file__), "exit_jobs.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, script, "4", "5"], capture_output=True, text=True, timeout=300, env=env)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        out = subprocess.run([sys.executable, script, "2", "3"], capture_output=True, text=True, timeout=600,
+                             env=env)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
     assert out.returncode == 0, out.stderr[-3000:]
     runs = json.loads(out.stdout.strip().splitlines()[-1])
-    aborted = [r["codes"] for r in runs if any(c != 0 for c in r["codes"])]
-    assert not aborted, f"{len(aborted)} of {len(runs)} runs did not exit 0: {aborted}\n{out.stderr[-3000:]}"
-    assert all(r["group_left_at_exit"] == [False] * 4 for r in runs), runs
+    assert [r["kind"] for r in runs] == ["plain", "save", "unsharded"]
+    failed = [(r["kind"], r["codes"], r["stderr"]) for r in runs if r["codes"] != [0, 0]]
+    assert not failed, f"{len(failed)} of {len(runs)} runs did not exit 0: {failed}"
+    left = [(r["kind"], r["threads_left_at_exit"]) for r in runs if r["threads_left_at_exit"] != [[], []]]
+    assert not left, f"threads alive at interpreter exit in {len(left)} of {len(runs)} runs: {left}"
+    assert all(r["group_left_at_exit"] == [False, False] for r in runs), runs
 
 
 def test_cupy_backend_imports_without_a_gpu() -> None:
