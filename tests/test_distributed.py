@@ -146,6 +146,51 @@ def test_finished_jobs_exit_cleanly_under_load() -> None:
     assert all(r["group_left_at_exit"] == [False, False] for r in runs), runs
 
 
+_GLOO_THREADS = """
+import os
+def gloo_threads():
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if "gloo" in n)
+"""
+
+
+def test_shutdown_frees_the_group_that_torch_modules_loaded_later_hold() -> None:
+    # Issue 22: modules loaded after the group exists (torch._dynamo, which the first wrap loads, and with it
+    # torch.distributed.nn.functional) bind it as a default argument; shutdown() must still free it, so its
+    # threads are joined before interpreter exit. A torch function's default is released; anything else
+    # holding the group is named in a warning.
+    out = _run_fresh(_GLOO_THREADS + (
+        "import weakref, torch.distributed as dist, bmt_wrap as bmt\n"
+        "bmt.init_distributed()\n"
+        "group = weakref.ref(dist.group.WORLD)\n"
+        "import torch.distributed.nn.functional as F\n"
+        "def torch_fn(g=dist.group.WORLD, *, k=dist.group.WORLD): pass\n"
+        "torch_fn.__module__ = 'torch.distributed.later'\n"
+        "def user_fn(g=dist.group.WORLD): pass\n"
+        "print(bool(gloo_threads()))\n"
+        "bmt.shutdown()\n"
+        "print(F.broadcast.__defaults__, torch_fn.__defaults__, torch_fn.__kwdefaults__, group() is None, "
+        "bool(gloo_threads()))\n"
+        "del user_fn\n"
+        "print(group() is None, gloo_threads())\n"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["True", "(None,) (None,) {'k': None} False True", "True []"], \
+        out.stdout
+    assert "default arguments of __main__.user_fn still hold(s) it" in out.stderr, out.stderr
+
+
+def test_shutdown_leaves_no_gloo_thread_when_init_distributed_made_the_group() -> None:
+    out = _run_fresh(_GLOO_THREADS + (
+        "import torch.distributed as dist, bmt_wrap as bmt\n"
+        "state = bmt.init_distributed()\n"  # a DistState kept by the script must not keep the group
+        "import torch._dynamo\n"  # as the first wrap does
+        "bmt.barrier()\n"
+        "bmt.shutdown()\n"
+        "print(dist.is_initialized(), gloo_threads())\n"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "[]"], out.stdout + out.stderr
+
+
 def test_cupy_backend_imports_without_a_gpu() -> None:
     from bmt_wrap.runtime.comm import CupyNcclCommunicator, cupy_available
 
