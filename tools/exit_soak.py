@@ -1,11 +1,12 @@
 """Count jobs that finish their work and still fail at exit: RUNS torchrun jobs under CPU load (issue 22).
 
-Usage: ``nice -n 10 python tools/exit_soak.py [--runs 60] [--nproc 2] [--busy 2] [--kinds plain,save,unsharded]
-[--cores DIR]``. Each run is ``torchrun --standalone --nproc-per-node NPROC tests/exit_jobs.py rank KIND``
-(the kinds are the user scripts of tests/exit_jobs.py, taken in turn, none calling ``bmt.shutdown()``)
-while BUSY processes spin on the CPU. A run counts as aborted when torchrun fails or a rank prints
-``terminate called``. Prints one line per failed run and a summary, and writes the whole record as JSON
-next to ``--out``. ``--cores DIR`` lets ranks dump core there (for ``gdb python core``).
+Usage: ``nice -n 10 python tools/exit_soak.py [--runs 60] [--nproc 2] [--busy 2]
+[--kinds plain,save,unsharded] [--cores DIR] [--out FILE]``. Each run is ``torchrun --standalone
+--nproc-per-node NPROC tests/exit_jobs.py rank KIND`` (the user scripts of tests/exit_jobs.py, taken in
+turn, none calling ``bmt.shutdown()``) while BUSY processes spin on the CPU. A run fails when torchrun
+does or a rank prints ``terminate called``. Prints a line per failed run and a summary, and writes every
+run's record to ``--out`` (JSON). ``--cores DIR`` runs the ranks there with core dumps allowed (for
+``gdb python core``).
 
 The bmt_wrap measured is the one ``import bmt_wrap`` finds from a directory outside the checkout, so
 ``PYTHONPATH=/some/older/copy`` measures another version with the same scripts.
@@ -84,9 +85,9 @@ def main() -> None:
     failed = [r for r in records if r["rc"] != 0 or r["terminate"]]
     per_kind = {k: f"{sum(1 for r in failed if r['kind'] == k)}/{sum(1 for r in records if r['kind'] == k)}"
                 for k in kinds}
+    mean_s = sum(r["seconds"] for r in records) / max(len(records), 1)
     print(f"{len(failed)} of {len(records)} runs failed at or before exit ({args.nproc} ranks, {args.busy} busy "
-          f"processes; per kind {per_kind}); mean {sum(r['seconds'] for r in records) / max(len(records), 1):.0f} s "
-          f"per run; record in {args.out}")
+          f"processes; per kind {per_kind}); mean {mean_s:.0f} s per run; record in {args.out}")
 
 
 if __name__ == "__main__":
