@@ -7,10 +7,12 @@ reaches a private name directly). Leaf module: it imports nothing from bmt_wrap.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 __all__ = [
     "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
-    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "reorder_kwargs", "set_version_counters",
+    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
@@ -115,6 +117,32 @@ def default_store() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def release_group_defaults(group: Any) -> list[str]:
+    """Set to None each default argument of a torch function that holds ``group``; return the names of the
+    functions outside torch whose defaults hold it (left as they are).
+
+    torch.distributed.nn.functional, ZeroRedundancyOptimizer and ShardedGradScaler write
+    ``group=dist.group.WORLD`` in signatures: a module loaded while a default group exists holds that group
+    for the rest of the process, past ``destroy_process_group``. None is the value those parameters get when
+    loaded before any group, and means "the default group" at each call.
+    """
+    others = []
+    for fn in gc.get_objects():  # functions are always tracked; the tuples holding a group often are not
+        if type(fn) is not FunctionType:  # isinstance would ask deprecated proxies for __class__
+            continue
+        defaults, kwdefaults = fn.__defaults__ or (), fn.__kwdefaults__ or {}
+        if not any(d is group for d in (*defaults, *kwdefaults.values())):
+            continue
+        if (fn.__module__ or "").partition(".")[0] != "torch":
+            others.append(f"{fn.__module__}.{fn.__qualname__}")
+            continue
+        if defaults:
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+        if kwdefaults:
+            fn.__kwdefaults__ = {k: None if v is group else v for k, v in kwdefaults.items()}
+    return others
 
 
 # ---- Python frames and GradScaler ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -16,8 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._compat import default_store
 from . import errors
+from ._compat import default_store, release_group_defaults
 from .errors import NOT_INITIALIZED, BMTError, InitError, NotInitializedError, UnsupportedError
 from .log import get_logger, set_rank_source
 from .runtime.comm import (
@@ -47,8 +48,11 @@ class DistState:
     timeout: timedelta
     debug: bool
     comm: CountingCommunicator
+    # The default group at init. Weak: a DistState kept by user code must not keep the group (and gloo's
+    # threads) alive past shutdown().
+    group: weakref.ref[dist.ProcessGroup] = field(repr=False)
     requested: tuple = field(repr=False, default=())
-    own_group: dist.ProcessGroup | None = field(repr=False, default=None)  # the default group we created
+    owns_group: bool = False  # init_distributed created it, so shutdown() destroys it
 
 
 _STATE: DistState | None = None
@@ -129,6 +133,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     owns = False
     if not dist.is_initialized():
         owns = True
+        _load_group_capturing_modules()
         if world_size == 1:
             # One process needs no port: an in-memory store is enough for a default group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -164,7 +169,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                        backend=resolved, seed=seed, timeout=timeout, debug=debug,
                        comm=CountingCommunicator(backend_comm), requested=requested,
-                       own_group=dist.group.WORLD if owns else None)
+                       group=weakref.ref(dist.group.WORLD), owns_group=owns)
     # The runtime gets its communicator from here; it never reads this module's state.
     from .runtime.engine import Engine  # the engine pulls in autograd machinery: load on use
     from .runtime.process_engine import install_engine
@@ -172,6 +177,15 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     install_engine(Engine(_STATE.comm, device, debug=debug))
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
+
+
+def _load_group_capturing_modules() -> None:
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported.
+    # The first wrap imports it (torch.compiler.disable loads torch._dynamo, which loads it), and loaded while
+    # our group exists, those defaults keep the group alive after destroy_process_group: gloo's threads then
+    # run into interpreter teardown and abort jobs that finished (issue 22). Loaded before the group, the
+    # defaults are None ("the default group" at each call). Costs ~10 ms; shutdown() covers the rest.
+    import torch.distributed.nn  # noqa: F401
 
 
 def _check_parallel_sizes(pipe_size: int, tp_size: int) -> None:
@@ -204,19 +218,39 @@ def shutdown() -> None:
     global _STATE
     if _STATE is None:
         return
-    # Order matters: the worker thread must leave gloo before its process group goes, and the group must
-    # go before interpreter exit, where gloo's threads are torn down by force ("terminate called without
-    # an active exception", SIGABRT, after a job that succeeded). A group the user destroyed or replaced
-    # is theirs; and a thread still stuck in a collective (a peer died) keeps its group, since destroying
-    # it underneath would wait on that collective instead of exiting.
-    stopped = _stop_comm_thread()
-    group = _STATE.own_group
-    if stopped and group is not None and dist.is_initialized() and dist.group.WORLD is group:
-        dist.destroy_process_group()
+    # Order matters: the worker thread must leave gloo before its process group goes, and the group must be
+    # freed (its C++ destructor joins gloo's threads) before interpreter exit: gloo threads alive during
+    # finalisation abort the process ("terminate called without an active exception", SIGABRT) after a job
+    # that succeeded. Only a group init_distributed created is destroyed here, and not while a thread is
+    # stuck in a collective (a peer died): destroying it underneath would wait on that collective instead of
+    # exiting. A destroyed group, ours or the user's, is then freed: torch modules that the first wrap
+    # loaded may still hold it.
+    group = _STATE.group
+    if _stop_comm_thread():
+        if _STATE.owns_group and dist.is_initialized() and dist.group.WORLD is group():
+            dist.destroy_process_group()
+        if not dist.is_initialized() or dist.group.WORLD is not group():
+            _free_group(group)
     from .runtime.process_engine import install_engine
 
     install_engine(None)
     _STATE = None
+
+
+def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
+    """Drop what still holds the destroyed default group, so that it is freed now; warn if it cannot be."""
+    if group() is None:
+        return
+    holders = release_group_defaults(group())  # torch modules loaded after init_distributed hold it
+    if group() is None:
+        return
+    where = f"default arguments of {', '.join(holders)}" if holders else "a reference outside bmt_wrap"
+    get_logger().warning(
+        "the default process group was destroyed, but %s still hold(s) it, so gloo's threads keep running; "
+        "if they still run at interpreter exit, they can abort this finished job (SIGABRT, \"terminate "
+        "called without an active exception\"). Drop that reference before the script ends (wherever torch "
+        "takes a group, None means the default one), or import the module that holds it before "
+        "bmt.init_distributed().", where)
 
 
 def comm() -> CountingCommunicator:

@@ -154,6 +154,25 @@ def test_default_store_of_an_initialised_group() -> None:
         dist.destroy_process_group()
 
 
+def test_release_group_defaults_frees_a_group_torch_bound_at_import() -> None:
+    # A fresh process: torch.distributed.nn must load after the group exists, as in a job.
+    import subprocess
+    import sys
+
+    code = ("import weakref, torch.distributed as dist\n"
+            "from bmt_wrap._compat import release_group_defaults\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "import torch.distributed.nn.functional as F\n"
+            "group = weakref.ref(dist.group.WORLD)\n"
+            "bound = F.all_reduce.__defaults__[-1] is group()\n"
+            "dist.destroy_process_group()\n"
+            "print(bound, group() is None, release_group_defaults(group()), group() is None, "
+            "F.all_reduce.__defaults__[-1])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "[]", "True", "None"], out.stdout + out.stderr
+
+
 def test_transformers_initialize_weights_is_replaced_and_restored() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
