@@ -12,6 +12,12 @@ import sys
 import types
 from typing import Any
 
+from . import _aliases
+
+# The old module paths (BMTrain's ``bmt_wrap.store``, ``bmt_wrap.nccl`` ..., and ``bmt_wrap.plan``,
+# ``bmt_wrap.checkpoint`` ...) import the modules at their new homes.
+_aliases.install()
+
 # Names load on first use (PEP 562), so ``import bmt_wrap.plan`` or ``bmt_wrap.passes`` (the CLI's
 # planning, a notebook reading a plan) loads no runtime. BMTrain's module paths are importable here too;
 # ``distributed`` is the module holding init_distributed and the differentiable collectives.
@@ -20,22 +26,22 @@ _SUBMODULES = frozenset({
     "optim", "passes", "pipe_layer", "store", "utils",
 })
 _FROM = {
-    "apply_plan": ["is_wrapped"],
-    "block": ["Block", "CheckpointBlock", "PipelineTransformerBlockList", "TransformerBlockList"],
-    "checkpoint": ["load", "load_checkpoint", "save", "save_checkpoint"],
-    "distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized", "local_rank",
-                    "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss", "world_size"],
-    "gathered": ["gathered"],
-    "global_var": ["config"],
-    "init": ["init_parameters"],
-    "inspect": ["see_memory"],
-    "mixed_precision": ["MixedPrecision"],
-    "module": ["DistributedModule"],
-    "plan": ["WrapPlan"],
+    "base.mixed_precision": ["MixedPrecision"],
+    "base.plan": ["WrapPlan"],
+    "bmtrain.global_var": ["config"],
+    "bmtrain.inspect": ["see_memory"],
+    "bmtrain.synchronize": ["gather_result", "synchronize", "wait_loader"],  # the module's name means the function
+    "explicit.block": ["Block", "CheckpointBlock", "PipelineTransformerBlockList", "TransformerBlockList"],
+    "explicit.module": ["DistributedModule"],
+    "job.distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized", "local_rank",
+                        "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss", "world_size"],
     "runtime.param": ["DistributedParameter"],
-    "synchronize": ["gather_result", "synchronize", "wait_loader"],  # the module's name means the function
-    "verify": ["VerifyReport"],
-    "wrapper": ["BMTrainModelWrapper", "wrap"],
+    "save_load": ["load", "load_checkpoint", "save", "save_checkpoint"],
+    "wrapping.apply_plan": ["is_wrapped"],
+    "wrapping.gathered": ["gathered"],
+    "wrapping.init": ["init_parameters"],
+    "wrapping.verify": ["VerifyReport"],
+    "wrapping.wrapper": ["BMTrainModelWrapper", "wrap"],
 }
 _WHERE = {name: module for module, names in _FROM.items() for name in names}
 
@@ -44,7 +50,7 @@ def __getattr__(name: str) -> Any:
     """Load a public name (or BMTrain-path submodule) on first use."""
     if name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    elif name in _SUBMODULES:
+    elif name in _SUBMODULES or f"{__name__}.{name}" in _aliases.MOVED:  # old paths: bmt.checkpoint ...
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'bmt_wrap' has no attribute {name!r}")
@@ -53,7 +59,7 @@ def __getattr__(name: str) -> Any:
 
 
 # Functions named like the module that defines them (``bmt.gathered``, BMTrain's ``bmt.synchronize``).
-_SHADOWED = frozenset(name for name, module in _WHERE.items() if name == module)
+_SHADOWED = frozenset(name for name, module in _WHERE.items() if name == module.rsplit(".", 1)[-1])
 
 
 class _Package(types.ModuleType):

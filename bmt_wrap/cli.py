@@ -30,17 +30,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._compat import pytree
-from .dtypes import to_dtype
+from .base._compat import pytree
+from .base.dtypes import to_dtype
+from .base.mixed_precision import MixedPrecision
+from .base.plan import WrapPlan, fmt_bytes, render_estimates, shown_notes, summary_line
 from .errors import BMTError, CLIError
-from .mixed_precision import MixedPrecision
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
-from .passes.rewrite import rewrite
+from .passes.schedule_graph import rewrite
 from .passes.util import describe
-from .plan import WrapPlan, fmt_bytes, render_estimates, shown_notes, summary_line
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
 _BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)

@@ -25,7 +25,8 @@ def _loaded_after(statement: str) -> list[str]:
                                        "from bmt_wrap.passes import build_plan, discover_blocks"])
 def test_plan_and_passes_load_no_runtime(statement: str) -> None:
     loaded = _loaded_after(statement)
-    assert not [m for m in loaded if m.startswith("bmt_wrap.runtime") or m == "bmt_wrap.wrapper"], loaded
+    assert not [m for m in loaded if m.startswith(("bmt_wrap.runtime", "bmt_wrap.wrapping"))
+                or m == "bmt_wrap.wrapper"], loaded
 
 
 def test_printing_a_plan_loads_no_passes() -> None:
@@ -40,10 +41,10 @@ def test_runtime_never_imports_torch_fx() -> None:
     assert not offenders, offenders
 
 
-# What runtime/ may import from the package: the plan and prefetch schedule it executes, the error types,
-# dtypes and the torch shims. What joins runtime to the rest (distributed state, the wrapper) sits above.
-RUNTIME_MAY_IMPORT = {"bmt_wrap.plan", "bmt_wrap.prefetch_schedule", "bmt_wrap.errors", "bmt_wrap.dtypes",
-                      "bmt_wrap._compat"}
+# What runtime/ and passes/ may import from the package: base/ (the plan and prefetch schedule one side
+# produces and the other executes, dtypes, the torch shims) and the error types. What joins them
+# (distributed state, the wrapper) sits above both.
+BASE = ("bmt_wrap.base", "bmt_wrap.errors")
 
 
 def _module_name(path: Path) -> str:
@@ -71,17 +72,32 @@ def _package_imports() -> dict[str, set[str]]:
     return graph
 
 
+def _reaching_out(layer: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each module of ``layer``'s imports outside ``layer`` and ``allowed``."""
+    allowed = (layer, *allowed)
+    out = {m: sorted(t for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed))
+           for m, targets in _package_imports().items() if m == layer or m.startswith(layer + ".")}
+    return {m: t for m, t in out.items() if t}
+
+
 def test_runtime_imports_nothing_above_it() -> None:
     # The runtime is handed its communicator (init_distributed installs the engine); it never reaches up.
-    allowed = ("bmt_wrap.runtime", *RUNTIME_MAY_IMPORT)
-    above = {m: sorted(t for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed))
-             for m, targets in _package_imports().items() if m.startswith("bmt_wrap.runtime")}
-    assert not {m: t for m, t in above.items() if t}, above
+    assert not _reaching_out("bmt_wrap.runtime", BASE)
+
+
+def test_passes_import_neither_runtime_nor_anything_above() -> None:
+    # The passes produce a plan in one process; what runs it (runtime/) and what joins the two never load.
+    assert not _reaching_out("bmt_wrap.passes", BASE)
+
+
+def test_base_imports_only_errors() -> None:
+    # base/ is what both sides share, so it reaches nothing above it.
+    assert not _reaching_out("bmt_wrap.base", ("bmt_wrap.errors",))
 
 
 def test_log_imports_nothing_from_the_package() -> None:
     # Everything logs, so the logger sits below everything: the rank is handed in (log.set_rank_source).
-    assert not _package_imports()["bmt_wrap.log"]
+    assert not _package_imports()["bmt_wrap.base.log"]
 
 
 def test_package_has_no_import_cycles() -> None:

@@ -24,9 +24,9 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from ..checkpoint.dcp import holds_sharded_parameters, load_sharded, owner_of, save_sharded
 from ..errors import CheckpointError
-from ..sharded_module import full_state_dict
+from ..save_load.dcp import holds_sharded_parameters, load_sharded, owner_of, save_sharded
+from ..wrapping.sharded_module import full_state_dict
 
 #: The key of the placeholder written where accelerate expects an optimizer state dict.
 PLACEHOLDER_KEY = "bmt_wrap.sharded_optimizer_state"

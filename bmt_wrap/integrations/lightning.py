@@ -26,10 +26,10 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..checkpoint.atomic import require_directory
-from ..checkpoint.dcp import holds_sharded_parameters, load_directory, save_directory
-from ..distributed import is_initialized
 from ..errors import CheckpointError, WrapError
+from ..job.distributed import is_initialized
+from ..save_load.atomic import require_directory
+from ..save_load.dcp import holds_sharded_parameters, load_directory, save_directory
 
 #: The file, inside a checkpoint directory, holding everything but the module and optimizer states.
 META = "meta.pt"

@@ -26,9 +26,9 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from ..checkpoint.dcp import holds_sharded_parameters, load_sharded, save_sharded
 from ..errors import WrapError
-from ..sharded_module import full_state_dict
+from ..save_load.dcp import holds_sharded_parameters, load_sharded, save_sharded
+from ..wrapping.sharded_module import full_state_dict
 from .accelerate import adopt
 
 #: The folder, inside a Trainer checkpoint, that holds the sharded optimizer state.

@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..checkpoint.optim_shards import attach_state_hooks, local_state_dict
-from ..dtypes import FLOATING, LOW_PRECISION
+from ..base.dtypes import FLOATING, LOW_PRECISION
 from ..errors import OptimizerError
 from ..kernels import cupy_usable
 from ..runtime.sharded_tensor import local_view
+from ..save_load.optim_shards import attach_state_hooks, local_state_dict
 from . import torch_adam
 from .adam_math import AdamHyper
 from .cupy_adam import KERNEL_DTYPES, cupy_step

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dtypes import align_elems
+from ..base.dtypes import align_elems
 
 
 @dataclass(frozen=True)

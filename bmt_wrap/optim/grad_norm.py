@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
-from .._compat import foreach_mul_
-from ..distributed import current_state
-from ..dtypes import LOW_PRECISION
+from ..base._compat import foreach_mul_
+from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
+from ..job.distributed import current_state
 from ..runtime.sharded_tensor import local_view
 from .fusion import PlanCache
 from .sharding import is_replicated

@@ -13,9 +13,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import called_from, grad_scaler_step_codes
-from ..distributed import current_state
+from ..base._compat import called_from, grad_scaler_step_codes
 from ..errors import OptimizerError
+from ..job.distributed import current_state
 from .sharding import is_sharded
 
 # GradScaler reaches optimizer.step() through one of these (subclasses such as torch.cuda.amp's inherit them).

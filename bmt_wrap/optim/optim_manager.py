@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .._compat import foreach_div_
+from ..base._compat import foreach_div_
+from ..base.log import get_logger
 from ..errors import OptimizerError
-from ..log import get_logger
 from .grad_norm import GradRanges, any_rank, clip_grads_, local_overflow
 from .loss_scaler import DynamicLossScaler
 

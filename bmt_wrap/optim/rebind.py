@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..checkpoint.optim_shards import local_value
-from ..log import get_logger
+from ..base.log import get_logger
 from ..runtime.param import DistributedParameter, replaced_by
 from ..runtime.sharded_tensor import ShardedTensor
+from ..save_load.optim_shards import local_value
 
 _HOOK: list[Any] = []
 

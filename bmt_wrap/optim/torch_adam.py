@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._compat import foreach_copy_, fused_adamw_
+from ..base._compat import foreach_copy_, fused_adamw_
 from .adam_math import AdamHyper
 
 #: fp32 elements per scratch slice (16 MiB). Measured on 2 busy cores, 100M bf16 elements: 2^18-element

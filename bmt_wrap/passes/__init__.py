@@ -1,6 +1,6 @@
 """The pure compiler passes: discover -> capture -> plan -> rewrite (no communication, no real storage)."""
 
-from ..plan import render_estimates
+from ..base.plan import render_estimates
 from .activations import ActivationProfile, BlockCallActivations
 from .capture import (
     CAPTURE_METHODS,
@@ -17,7 +17,7 @@ from .estimate import estimate
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
-from .rewrite import Step, rewrite, steps
+from .schedule_graph import Step, rewrite, steps
 from .util import self_checkpointing_modules
 
 __all__ = [

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .._compat import drop_compiled_call, pytree
-from ..plan import FX_FAILED_NOTE
+from ..base._compat import drop_compiled_call, pytree
+from ..base.plan import FX_FAILED_NOTE
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks

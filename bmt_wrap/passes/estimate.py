@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..dtypes import LOW_PRECISION, itemsize, to_dtype
-from ..plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
+from ..base.dtypes import LOW_PRECISION, itemsize, to_dtype
+from ..base.plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
 from .activations import ActivationProfile
 
 

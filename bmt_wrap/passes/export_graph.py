@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from .._compat import pytree, reorder_kwargs
+from ..base._compat import pytree, reorder_kwargs
 from ..errors import PlanError
 from .activations import ActivationProfile, BlockKey, profile_activations
 from .discover import Discovery

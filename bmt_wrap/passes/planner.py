@@ -13,10 +13,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..dtypes import dtype_name
+from ..base.dtypes import dtype_name
+from ..base.mixed_precision import MixedPrecision
+from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, fmt_bytes, layout_buffers
 from ..errors import PlanError
-from ..mixed_precision import MixedPrecision
-from ..plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, fmt_bytes, layout_buffers
 from .activations import ActivationProfile
 from .capture import Capture
 from .discover import Discovery

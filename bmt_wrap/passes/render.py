@@ -8,8 +8,8 @@ from itertools import pairwise
 
 from torch import fx
 
-from ..plan import WrapPlan, heading, summary_line, tables
-from .rewrite import step_of
+from ..base.plan import WrapPlan, heading, summary_line, tables
+from .schedule_graph import step_of
 
 
 def _target(node: fx.Node) -> str:

@@ -11,7 +11,7 @@ import hashlib
 
 from torch import nn
 
-from .._compat import compiled_inner
+from ..base._compat import compiled_inner
 
 #: Two same-class modules whose parameter-name sets overlap at least this much (Jaccard) are
 #: "near-identical": T5's block 0 adds one relative-bias table, a ResNet stage's first block a downsample.

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import ShardGroupSpec
-from .block_function import BlockCall, _Tree
+from ..base.plan import ShardGroupSpec
+from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .flat_buffer import FlatBuffer

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import weakref
+
 import torch
 
-from ..dtypes import to_dtype
-from ..plan import FlatBufferSpec
+from ..base.dtypes import to_dtype
+from ..base.plan import FlatBufferSpec
 from .comm import Communicator
 from .param import DistributedParameter, ParamGroup
 from .sharded_tensor import ShardedTensor

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import queue_autograd_callback
-from ..plan import GRADS_IN_FLIGHT
+from ..base._compat import queue_autograd_callback
+from ..base.plan import GRADS_IN_FLIGHT
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .._compat import set_version_counters, tensor_version
+from ..base._compat import set_version_counters, tensor_version
+from ..base.plan import ShardGroupSpec
 from ..errors import UninitializedParameterError, WrapError
-from ..plan import ShardGroupSpec
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..dtypes import dtype_name
-from ..plan import ParamInfo
+from ..base.dtypes import dtype_name
+from ..base.plan import ParamInfo
 
 Location = tuple[nn.Module, str]
 

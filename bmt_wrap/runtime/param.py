@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .._compat import register_foreach_type
+from ..base._compat import register_foreach_type
+from ..base.plan import ParamSlot
 from ..errors import NOT_INITIALIZED, NotInitializedError
-from ..plan import ParamSlot
 from .comm import Communicator
 from .sharded_tensor import ShardedTensor, ShardLayout, ShardStorage
 

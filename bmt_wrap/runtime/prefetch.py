@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from ..prefetch_schedule import PrefetchSchedule
+from ..base.prefetch_schedule import PrefetchSchedule
 
 G = TypeVar("G")
 

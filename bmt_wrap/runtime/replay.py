@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import tensor_version
+from ..base._compat import tensor_version
 from ..errors import RecomputeError
 
 Path = tuple[tuple[str, Any], ...]

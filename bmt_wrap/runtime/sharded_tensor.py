@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._compat import (
+from ..base._compat import (
     disabled_torch_function,
     foreach_norm,
     inside_ddp_constructor,
@@ -39,8 +39,8 @@ from .._compat import (
     pytree,
     register_foreach_type,
 )
+from ..base.plan import FlatBufferSpec
 from ..errors import ShardedTensorError
-from ..plan import FlatBufferSpec
 from .comm import Communicator
 
 aten = torch.ops.aten

@@ -8,9 +8,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..dtypes import dtype_name
+from ..base.dtypes import dtype_name
+from ..base.plan import ParamInfo, ShardGroupSpec, layout_buffers
 from ..errors import WrapError
-from ..plan import ParamInfo, ShardGroupSpec, layout_buffers
 from .group import Location, ShardGroup
 from .param import DistributedParameter
 

@@ -1,0 +1,403 @@
+"""The plan's data types, shared by ``passes/`` (which produce a plan) and ``runtime/`` (which executes one).
+
+Plain dataclasses with a JSON round-trip: no torch.fx, no communication, no storage. This module is
+also the one place that knows the rank layout of a flat buffer: offsets are aligned and independent of
+the world size; padding, shard size and each rank's slice are derived here when a plan is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import PlanError
+from .dtypes import align_elems, dtype_name, itemsize
+
+PLAN_VERSION = 1
+ROOT = "root"  # name of the group holding parameters outside every block
+#: Full-gradient buffers reduce-scattering at once: one overlaps the next block's whole backward.
+GRADS_IN_FLIGHT = 1
+#: Bytes per parameter of the per-step all-reduce that agrees which parameters got a gradient.
+USED_MASK_BYTES = 4
+#: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
+SCHEDULE_NOTE = "schedule: "
+#: Start of capture's note that fx could not trace the model (expected where torch.export then captures it).
+FX_FAILED_NOTE = "fx.symbolic_trace failed"
+
+
+@dataclass
+class ParamSlot:
+    """One original parameter inside a flat buffer."""
+
+    fqn: str  # canonical name (first occurrence in ``named_parameters(remove_duplicate=False)``)
+    shape: list[int]
+    offset: int  # element offset in the unsharded flat buffer, aligned
+    aliases: list[str] = field(default_factory=list)  # other names of the same Parameter (tied weights)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name of this parameter, canonical first."""
+        return [self.fqn, *self.aliases]
+
+
+@dataclass
+class FlatBufferSpec:
+    """Parameters of one dtype and one ``requires_grad`` flag, laid out in one contiguous buffer.
+
+    ``dtype`` is the shard's: what the optimizer updates and checkpoints hold. Under mixed precision
+    gathers communicate and blocks compute in ``param_dtype``, and gradients are reduce-scattered in
+    ``reduce_dtype``; None means the shard's dtype and the gathered dtype respectively.
+    """
+
+    dtype: str
+    requires_grad: bool
+    slots: list[ParamSlot]
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    @property
+    def gather_dtype(self) -> str:
+        """dtype of the gathered full buffer (what blocks compute in)."""
+        return self.param_dtype or self.dtype
+
+    @property
+    def grad_dtype(self) -> str:
+        """dtype of the full gradient and of its reduce-scatter."""
+        return self.reduce_dtype or self.gather_dtype
+
+    @property
+    def numel(self) -> int:
+        """Unpadded length: the end of the last slot."""
+        return max((s.offset + s.numel for s in self.slots), default=0)
+
+    @property
+    def param_numel(self) -> int:
+        """Elements that belong to parameters (no alignment gaps, no padding)."""
+        return sum(s.numel for s in self.slots)
+
+    # ---- rank layout: the one place that knows it ------------------------------------------------
+    def padded_numel(self, world_size: int) -> int:
+        """Length padded so every rank's shard has the same, aligned, size."""
+        unit = world_size * align_elems(self.dtype)
+        return max(unit, -(-self.numel // unit) * unit)
+
+    def shard_numel(self, world_size: int) -> int:
+        """Elements each rank owns."""
+        return self.padded_numel(world_size) // world_size
+
+    def shard_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` of rank ``rank``'s shard in the unsharded buffer."""
+        size = self.shard_numel(world_size)
+        return rank * size, (rank + 1) * size
+
+    def local_range(self, slot: ParamSlot, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` of ``slot``'s elements inside rank ``rank``'s shard (possibly empty)."""
+        lo, hi = self.shard_range(rank, world_size)
+        start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if start >= end:
+            return 0, 0
+        return start - lo, end - lo
+
+    def source_range(self, slot: ParamSlot, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` of the flattened original parameter that rank ``rank``'s slice of ``slot`` holds."""
+        a, b = self.local_range(slot, rank, world_size)
+        if a == b:
+            return 0, 0
+        lo = self.shard_range(rank, world_size)[0]
+        return lo + a - slot.offset, lo + b - slot.offset
+
+    def nbytes(self) -> int:
+        """Bytes of the parameters themselves in the shard dtype (no padding)."""
+        return self.param_numel * itemsize(self.dtype)
+
+    def gathered_bytes(self, world_size: int) -> int:
+        """Bytes of the gathered (padded) buffer at this world size."""
+        return self.padded_numel(world_size) * itemsize(self.gather_dtype)
+
+    def full_grad_bytes(self, world_size: int) -> int:
+        """Bytes of the full (padded) gradient reduce-scattered at this world size."""
+        return self.padded_numel(world_size) * itemsize(self.grad_dtype)
+
+
+@dataclass
+class ShardGroupSpec:
+    """A unit of gathering: a block (or the root), with one flat buffer per (dtype, requires_grad)."""
+
+    name: str  # the block module's FQN, or ROOT
+    buffers: list[FlatBufferSpec]
+    checkpoint: bool = True  # recompute the block in backward
+    zero_level: int = 3  # 3: release gathered params after forward; 2: keep them until backward
+
+    @property
+    def is_root(self) -> bool:
+        """True for the group of parameters outside every block."""
+        return self.name == ROOT
+
+    def slots(self) -> list[tuple[FlatBufferSpec, ParamSlot]]:
+        """Every (buffer, slot) of the group."""
+        return [(b, s) for b in self.buffers for s in b.slots]
+
+    def param_numel(self) -> int:
+        """Elements of parameters in the group."""
+        return sum(b.param_numel for b in self.buffers)
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters in the group (unsharded, unpadded)."""
+        return sum(b.nbytes() for b in self.buffers)
+
+    def padded_bytes(self, world_size: int) -> int:
+        """Bytes of the gathered (padded) buffers at this world size."""
+        return sum(b.gathered_bytes(world_size) for b in self.buffers)
+
+
+@dataclass
+class ParamInfo:
+    """What layout needs to know about one parameter (built by the caller from a real or meta tensor)."""
+
+    fqn: str
+    shape: list[int]
+    dtype: str
+    requires_grad: bool
+    aliases: list[str] = field(default_factory=list)
+    param_dtype: str | None = None  # see FlatBufferSpec
+    reduce_dtype: str | None = None
+
+
+def layout_buffers(params: list[ParamInfo]) -> list[FlatBufferSpec]:
+    """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept."""
+    buffers: dict[tuple[str, bool, str | None, str | None], FlatBufferSpec] = {}
+    for p in params:
+        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype)
+        buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
+                                                     param_dtype=key[2], reduce_dtype=key[3]))
+        align = align_elems(key[0])
+        offset = -(-buf.numel // align) * align
+        buf.slots.append(ParamSlot(fqn=p.fqn, shape=list(p.shape), offset=offset, aliases=list(p.aliases)))
+    # Trainable buffers first, so a group's gradient buffers line up with its first flat buffers.
+    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype))
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes the plan predicts, and communication per training step.
+
+    Shards, their gradients and optimizer state count in the shard dtype; gathered parameters and
+    all-gathers in the gathered dtype; full gradients and reduce-scatters in the gradient dtype.
+    """
+
+    world_size: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    gathered: int = 0  # root group + (prefetch depth + 1) x largest zero-3 block + zero_level=2 blocks
+    grads_in_flight: int = 0
+    activations: int | None = None  # needs a batch shape
+    comm_all_gather: int = 0
+    comm_reduce_scatter: int = 0
+    comm_all_reduce: int = 0
+    zero3_bound: int = 0  # 3 * Psi * (N-1) / N in bytes (2 gathers + 1 reduce-scatter, each in its dtype)
+
+    @property
+    def total(self) -> int:
+        """Sum of every memory term that is known."""
+        return (self.params + self.grads + self.optimizer + self.gathered + self.grads_in_flight
+                + (self.activations or 0))
+
+    @property
+    def comm_total(self) -> int:
+        """All communicated bytes per step."""
+        return self.comm_all_gather + self.comm_reduce_scatter + self.comm_all_reduce
+
+
+@dataclass
+class WrapPlan:
+    """Everything the runtime needs to shard and schedule a model, plus what the passes estimated."""
+
+    groups: list[ShardGroupSpec]
+    prefetch_depth: int = 1
+    order: list[str] = field(default_factory=list)  # block calls of one forward, in order (may repeat)
+    resident: list[str] = field(default_factory=list)  # parameters kept unsharded
+    capture: str = "none"  # "fx", "export", "eager" or "explicit"
+    notes: list[str] = field(default_factory=list)
+    # Modules whose own (transformers) gradient checkpointing applying the plan turns off, because the
+    # plan's checkpointing recomputes those blocks (left on, each would run, and gather, a third time).
+    self_checkpointing_off: list[str] = field(default_factory=list)
+    estimates: dict[str, MemoryEstimate] = field(default_factory=dict)  # keyed by str(world_size)
+    version: int = PLAN_VERSION
+
+    def group(self, name: str) -> ShardGroupSpec:
+        """The group called ``name``."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise PlanError(f"the plan has no group {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def blocks(self) -> list[ShardGroupSpec]:
+        """Every block group, in plan order."""
+        return [g for g in self.groups if not g.is_root]
+
+    def all_fqns(self) -> list[str]:
+        """Every parameter name (aliases included) the plan places."""
+        return [n for g in self.groups for _, s in g.slots() for n in s.names]
+
+    def summary(self) -> None:
+        """Print what ``bmt-wrap dump`` shows of the plan: groups, checkpointed blocks, bytes per rank."""
+        print(self)
+
+    def __str__(self) -> str:
+        return plan_text(self)
+
+    def __repr__(self) -> str:
+        return f"<WrapPlan {summary_line(self)}>"
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """Serialise to JSON (diffable, editable, re-appliable)."""
+        return json.dumps(asdict(self), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> WrapPlan:
+        """Parse a plan written by ``to_json``."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from exc
+        if raw.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {raw.get('version')!r} is not supported (expected {PLAN_VERSION}); "
+                            "regenerate it with `bmt-wrap dump --format json`")
+        try:
+            groups = [ShardGroupSpec(
+                name=g["name"], checkpoint=g["checkpoint"], zero_level=g["zero_level"],
+                buffers=[FlatBufferSpec(dtype=b["dtype"], requires_grad=b["requires_grad"],
+                                        slots=[ParamSlot(**s) for s in b["slots"]],
+                                        param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"))
+                         for b in g["buffers"]])
+                for g in raw["groups"]]
+            estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}
+            return cls(groups=groups, prefetch_depth=raw["prefetch_depth"], order=raw["order"],
+                       resident=raw["resident"], capture=raw["capture"], notes=raw["notes"],
+                       self_checkpointing_off=raw.get("self_checkpointing_off", []),
+                       estimates=estimates, version=raw["version"])
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
+
+    def validate(self) -> None:
+        """Check structural invariants: unique names, aligned non-overlapping offsets, known zero levels."""
+        seen: set[str] = set()
+        for g in self.groups:
+            if g.zero_level not in (2, 3):
+                raise PlanError(f"group {g.name!r}: zero_level must be 2 or 3, got {g.zero_level}")
+            for b in g.buffers:
+                end = 0
+                for s in b.slots:
+                    if s.offset % align_elems(b.dtype) or s.offset < end:
+                        raise PlanError(f"group {g.name!r}: parameter {s.fqn!r} has a misaligned or "
+                                        f"overlapping offset {s.offset}")
+                    end = s.offset + s.numel
+                    for n in s.names:
+                        if n in seen:
+                            raise PlanError(f"parameter {n!r} is placed twice in the plan")
+                        seen.add(n)
+        if self.prefetch_depth < 0:
+            raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+
+
+# A plan as text for people: the summary line and tables ``bmt-wrap`` prints, and ``str(plan)``. It sits
+# beside the dataclasses rather than in ``passes/`` so the runtime, which holds plans, can show one
+# without loading ``torch.fx``.
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Human-readable bytes (binary units)."""
+    if n is None:
+        return "n/a"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
+
+
+def summary_line(plan: WrapPlan) -> str:
+    """One line: capture method, blocks, calls, prefetch depth, checkpointed blocks."""
+    blocks = plan.blocks()
+    ckpt = sum(g.checkpoint for g in blocks)
+    return (f"capture: {plan.capture} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
+            f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}")
+
+
+def shown_notes(plan: WrapPlan, verbose: bool = False) -> list[str]:
+    """The notes worth a reader's attention; ``verbose`` adds the expected fallbacks."""
+    # fx fails on every transformers model and torch.export then captures it: nothing to act on.
+    expected = SCHEDULE_NOTE + FX_FAILED_NOTE
+    return [n for n in plan.notes if verbose or plan.capture != "export" or not n.startswith(expected)]
+
+
+def render_groups(plan: WrapPlan) -> str:
+    """Table of shard groups: parameters, bytes, checkpointing, ZeRO level."""
+    rows = [("group", "params", "bytes", "buffers", "checkpoint", "zero")]
+    for g in plan.groups:
+        rows.append((g.name, f"{g.param_numel():,}", fmt_bytes(g.param_bytes()),
+                     ",".join(f"{b.dtype}{'' if b.gather_dtype == b.dtype else '->' + b.gather_dtype}"
+                              f"{'' if b.requires_grad else '(frozen)'}" for b in g.buffers) or "-",
+                     "-" if g.is_root else str(g.checkpoint).lower(), "-" if g.is_root else str(g.zero_level)))
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                                      enumerate(zip(r, widths, strict=True))).rstrip() for r in rows)
+
+
+_ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
+    ("parameters (shard)", lambda e: e.params),
+    ("gradients (shard)", lambda e: e.grads),
+    ("optimizer state (shard)", lambda e: e.optimizer),
+    ("= model states", lambda e: e.params + e.grads + e.optimizer),
+    ("gathered parameters", lambda e: e.gathered),
+    ("gradients in flight", lambda e: e.grads_in_flight),
+    ("activations", lambda e: e.activations),
+    ("= total per rank", lambda e: e.total),
+    ("all-gather / step", lambda e: e.comm_all_gather),
+    ("reduce-scatter / step", lambda e: e.comm_reduce_scatter),
+    ("= communicated / step", lambda e: e.comm_total),
+    ("ZeRO-3 bound 3Ψ(N-1)/N", lambda e: e.zero3_bound),
+]
+
+
+def render_estimates(plans: list[WrapPlan]) -> str:
+    """Per-rank estimates table, one column per plan (each plan holds one world size's estimate)."""
+    estimates = [est for p in plans for est in p.estimates.values()]
+    # Activations need an input shape; a total without them must not pass for the whole footprint.
+    partial = " without activations" if any(e.activations is None for e in estimates) else ""
+    rows = [("per rank", *(f"N={e.world_size}" for e in estimates))]
+    rows += [(label + (partial if label == "= total per rank" else ""), *(fmt_bytes(get(e)) for e in estimates))
+             for label, get in _ESTIMATE_ROWS]
+    return _table(rows)
+
+
+def heading(plan: WrapPlan, verbose: bool = False) -> list[str]:
+    """The summary line, then the notes worth showing."""
+    return [summary_line(plan), *(f"  note: {n}" for n in shown_notes(plan, verbose))]
+
+
+def tables(plan: WrapPlan) -> list[str]:
+    """The groups table, then the per-rank estimates if the plan has them."""
+    lines = ["groups:", render_groups(plan)]
+    if plan.estimates:
+        lines += ["estimates:", render_estimates([plan])]
+    return lines
+
+
+def plan_text(plan: WrapPlan) -> str:
+    """What ``str(plan)`` shows: summary, notes, groups and per-rank estimates."""
+    return "\n".join([*heading(plan), *tables(plan)])

@@ -1,0 +1,1 @@
+"""The distributed job: ``init_distributed``, the rank layout, and the collectives scripts call on it."""

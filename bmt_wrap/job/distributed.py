@@ -1,0 +1,380 @@
+"""Distributed state: ``init_distributed`` reads the torchrun environment and builds the communicator.
+
+All of it lives in one ``DistState`` object; everything that needs the rank layout asks it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..base._compat import default_store, release_group_defaults
+from ..base.log import get_logger, set_rank_source
+from ..errors import NOT_INITIALIZED, BMTError, InitError, NotInitializedError, UnsupportedError
+from ..runtime.comm import (
+    Communicator,
+    CountingCommunicator,
+    CupyNcclCommunicator,
+    FingerprintCommunicator,
+    GlooCommunicator,
+    SingleProcessCommunicator,
+    TorchCommunicator,
+    cupy_available,
+)
+
+BACKENDS = ("auto", "gloo", "nccl", "cupy")
+
+
+@dataclass
+class DistState:
+    """Everything bmt_wrap knows about this process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # resolved: "gloo", "nccl" or "cupy"
+    seed: int
+    timeout: timedelta
+    debug: bool
+    comm: CountingCommunicator
+    # The default group at init. Weak: a DistState kept by user code must not keep the group (and gloo's
+    # threads) alive past shutdown().
+    group: weakref.ref[dist.ProcessGroup] = field(repr=False)
+    requested: tuple = field(repr=False, default=())
+    owns_group: bool = False  # init_distributed created it, so shutdown() destroys it
+
+
+_STATE: DistState | None = None
+
+
+def current_state() -> DistState | None:
+    """The distributed state, or None before ``init_distributed``."""
+    return _STATE
+
+
+set_rank_source(lambda: _STATE.rank if _STATE is not None else None)
+
+
+def get_state() -> DistState:
+    """The distributed state; raises ``NotInitializedError`` before ``init_distributed``."""
+    if _STATE is None:
+        raise NotInitializedError(NOT_INITIALIZED)
+    return _STATE
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InitError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise InitError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        return "cupy" if cupy_available() else ("nccl" if cuda else "gloo")
+    if backend in ("nccl", "cupy") and not cuda:
+        raise InitError(f"backend={backend!r} needs a CUDA device and none is visible; use backend='gloo' "
+                        "(or 'auto', which picks gloo on CPU machines)")
+    if backend == "cupy" and not cupy_available():
+        raise InitError("backend='cupy' needs CuPy with NCCL: pip install 'bmt-wrap[gpu]', or use "
+                        "backend='nccl' (torch's NCCL) instead")
+    return backend
+
+
+def init_distributed(seed: int = 0, backend: str = "auto",
+                     timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
+                     tp_size: int = 1) -> DistState:
+    """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
+
+    ``pipe_size`` and ``tp_size`` are BMTrain's: 1 (or BMTrain's ``pipe_size=-1``, no pipeline) is the
+    only value, since bmt_wrap shards data-parallel only.
+    """
+    global _STATE
+    _check_parallel_sizes(pipe_size, tp_size)
+    requested = (seed, backend, timeout)
+    if _STATE is not None:
+        if _STATE.requested != requested:
+            raise InitError(f"init_distributed was already called with (seed, backend, timeout)="
+                            f"{_STATE.requested}; calling it again with {requested} is not supported. "
+                            "Call it once, at start-up.")
+        return _STATE
+
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world_size:
+        raise InitError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    resolved = _resolve_backend(backend)
+    debug = os.environ.get("BMT_WRAP_DEBUG", "0") not in ("", "0", "false", "False")
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
+    if resolved in ("nccl", "cupy"):
+        device = torch.device("cuda", local_rank)
+
+    owns = False
+    if not dist.is_initialized():
+        owns = True
+        _load_group_capturing_modules()
+        if world_size == 1:
+            # One process needs no port: an in-memory store is enough for a default group.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            for var in ("MASTER_ADDR", "MASTER_PORT"):
+                if var not in os.environ:
+                    raise InitError(f"WORLD_SIZE={world_size} but {var} is not set; launch with torchrun, "
+                                    "which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+            pg_backend = "cpu:gloo,cuda:nccl" if resolved == "nccl" else "gloo"
+            dist.init_process_group(pg_backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timeout)
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise InitError(f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                        f"but the environment says rank {rank} of {world_size}")
+
+    backend_comm: Communicator
+    if world_size == 1:
+        backend_comm = SingleProcessCommunicator(timeout)
+    elif resolved == "gloo":
+        # Each collective first checks that every rank runs the same one (a skipped block is named at
+        # once instead of hanging until the timeout); BMT_WRAP_CHECK_COLLECTIVES=0 turns that off.
+        check = os.environ.get("BMT_WRAP_CHECK_COLLECTIVES", "1") not in ("", "0", "false", "False")
+        backend_comm = GlooCommunicator(None, rank, world_size, timeout, check_order=check)
+    elif resolved == "nccl":
+        backend_comm = TorchCommunicator(None, rank, world_size, timeout, "nccl")
+    else:
+        backend_comm = CupyNcclCommunicator(default_store(), rank, world_size, timeout)
+    if debug and world_size > 1:
+        backend_comm = FingerprintCommunicator(backend_comm)
+
+    seed_everything(seed)
+    atexit.register(shutdown)
+    _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                       backend=resolved, seed=seed, timeout=timeout, debug=debug,
+                       comm=CountingCommunicator(backend_comm), requested=requested,
+                       group=weakref.ref(dist.group.WORLD), owns_group=owns)
+    # The runtime gets its communicator from here; it never reads this module's state.
+    from ..runtime.active_engine import install_engine
+    from ..runtime.engine import Engine  # the engine pulls in autograd machinery: load on use
+
+    install_engine(Engine(_STATE.comm, device, debug=debug))
+    get_logger().debug("initialised: %s", _STATE)
+    return _STATE
+
+
+def _load_group_capturing_modules() -> None:
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported.
+    # The first wrap imports it (torch.compiler.disable loads torch._dynamo, which loads it), and loaded while
+    # our group exists, those defaults keep the group alive after destroy_process_group: gloo's threads then
+    # run into interpreter teardown and abort jobs that finished (issue 22). Loaded before the group, the
+    # defaults are None ("the default group" at each call). Costs ~10 ms; shutdown() covers the rest.
+    import torch.distributed.nn  # noqa: F401
+
+
+def _check_parallel_sizes(pipe_size: int, tp_size: int) -> None:
+    for name, value, allowed in (("pipe_size", pipe_size, (1, -1)), ("tp_size", tp_size, (1,))):
+        if value not in allowed:
+            raise UnsupportedError(
+                f"init_distributed({name}={value}): bmt_wrap has no tensor or pipeline parallelism, only "
+                f"ZeRO-3 data parallelism over all ranks. Use {name}=1 (every rank holds a 1/N shard of "
+                "every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _stop_comm_thread() -> bool:
+    """Stop the backend's threads (gloo's worker once its queued ops are done, the NCCL watchdog); False if
+    one is stuck in a collective."""
+    inner = _STATE.comm.inner if _STATE is not None else None
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner.close() if inner is not None else True
+
+
+def shutdown() -> None:
+    """Tear down what ``init_distributed`` built; runs at exit by itself, call it to finish earlier."""
+    global _STATE
+    if _STATE is None:
+        return
+    # Order matters: the worker thread must leave gloo before its process group goes, and the group must be
+    # freed (its C++ destructor joins gloo's threads) before interpreter exit: gloo threads alive during
+    # finalisation abort the process ("terminate called without an active exception", SIGABRT) after a job
+    # that succeeded. Only a group init_distributed created is destroyed here, and not while a thread is
+    # stuck in a collective (a peer died): destroying it underneath would wait on that collective instead of
+    # exiting. A destroyed group, ours or the user's, is then freed: torch modules that the first wrap
+    # loaded may still hold it.
+    group = _STATE.group
+    if _stop_comm_thread():
+        if _STATE.owns_group and dist.is_initialized() and dist.group.WORLD is group():
+            dist.destroy_process_group()
+        if not dist.is_initialized() or dist.group.WORLD is not group():
+            _free_group(group)
+    from ..runtime.active_engine import install_engine
+
+    install_engine(None)
+    _STATE = None
+
+
+def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
+    """Drop what still holds the destroyed default group, so that it is freed now; warn if it cannot be."""
+    if group() is None:
+        return
+    holders = release_group_defaults(group())  # torch modules loaded after init_distributed hold it
+    if group() is None:
+        return
+    where = f"default arguments of {', '.join(holders)}" if holders else "a reference outside bmt_wrap"
+    get_logger().warning(
+        "the default process group was destroyed, but %s still hold(s) it, so gloo's threads keep running; "
+        "if they still run at interpreter exit, they can abort this finished job (SIGABRT, \"terminate "
+        "called without an active exception\"). Drop that reference before the script ends (wherever torch "
+        "takes a group, None means the default one), or import the module that holds it before "
+        "bmt.init_distributed().", where)
+
+
+def comm() -> CountingCommunicator:
+    """The job's communicator."""
+    return get_state().comm
+
+
+def rank() -> int:
+    """This process's rank."""
+    return get_state().rank
+
+
+def world_size() -> int:
+    """Number of ranks in the job."""
+    return get_state().world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its node."""
+    return get_state().local_rank
+
+
+def is_initialized() -> bool:
+    """True once ``init_distributed`` has run."""
+    return _STATE is not None
+
+
+def print_rank(*args: object, rank: int = 0) -> None:
+    """Log ``args`` (joined by spaces) from one rank only."""
+    if get_state().rank == rank:
+        get_logger().info(" ".join(str(a) for a in args))
+
+
+def barrier() -> None:
+    """Wait until every rank got here."""
+    get_state().comm.barrier()
+
+
+def synchronize() -> None:
+    """Finish this rank's queued GPU work, then wait for every rank."""
+    state = get_state()
+    if state.device.type == "cuda":
+        torch.cuda.synchronize()
+    state.comm.barrier(label="synchronize")
+
+
+def sum_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Mean of ``loss`` over ranks (BMTrain's name), detached; every rank gets the same value."""
+    state = get_state()
+    flat = loss.detach().reshape(1).to(torch.float32).clone()
+    state.comm.all_reduce(flat, "avg", label="sum_loss")
+    return flat.reshape(loss.shape).to(loss.dtype)
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Calls and algorithmic bytes per collective since the last reset: op -> {"calls", "bytes"}."""
+    return get_state().comm.snapshot()
+
+
+def reset_comm_stats() -> None:
+    """Zero the collective counters."""
+    get_state().comm.reset()
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Rank ``src``'s bytes on every rank (two broadcasts: length, then payload)."""
+    state = get_state()
+    if state.world_size == 1:
+        assert data is not None
+        return data
+    length = torch.tensor([len(data) if state.rank == src and data is not None else 0], dtype=torch.int64,
+                          device=state.device)
+    state.comm.broadcast(length, src, label="object length")
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=state.device)
+    if state.rank == src and data is not None:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    state.comm.broadcast(payload, src, label="object")
+    return bytes(payload.cpu().numpy().tobytes())
+
+
+def agree(error: BaseException | str | None, payload: list[int] | None = None, what: str = "verdict",
+          error_type: type[BMTError] = BMTError) -> list[list[int]]:
+    """Raise on every rank if any rank passes an ``error``; else return every rank's ``payload``.
+
+    A rank that failed on its own (planning on rank 0, a file it cannot read) must not leave the others
+    waiting in the next collective. One all-reduce; only on failure, the first failing rank's message is
+    broadcast (two more). That rank re-raises its own exception; the others raise the same bmt_wrap type
+    when it is one (else ``error_type``), with its message. A string ``error`` raises ``error_type``.
+    ``what`` labels the collective, so it must be the same on every rank (no path: see ``collective_purpose``).
+    """
+    state = get_state()
+    payload = payload or []
+    width = 1 + len(payload)
+    table = torch.zeros(state.world_size * width, dtype=torch.int64, device=state.device)
+    table[state.rank * width] = int(error is not None)
+    table[state.rank * width + 1:(state.rank + 1) * width] = torch.tensor(payload, dtype=torch.int64)
+    if state.world_size > 1:
+        state.comm.all_reduce(table, "sum", label=f"{what} verdict")
+    rows = table.cpu().view(state.world_size, width).tolist()
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if not failed:
+        return [row[1:] for row in rows]
+    first = failed[0]
+    mine = None
+    if state.rank == first:
+        mine = f"{type(error).__name__}\n{error}" if isinstance(error, BaseException) else f"\n{error}"
+    name, _, message = broadcast_bytes(mine.encode() if mine else None, src=first).decode().partition("\n")
+    if state.rank == first and isinstance(error, BaseException):
+        raise error
+    cls = getattr(errors, name, None)
+    cls = cls if isinstance(cls, type) and issubclass(cls, BMTError) else error_type
+    if state.rank != first:
+        message = f"rank {first}: {name + ': ' if cls is error_type and name else ''}{message}"
+    raise cls(message)
+
+
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "broadcast", "reduce_scatter"})
+
+
+def __getattr__(name: str) -> Any:
+    """BMTrain's differentiable ``bmt.distributed.*`` ops, from ``collectives`` (which builds on this module,
+    so it is loaded on first use rather than imported here)."""
+    if name in _COLLECTIVES:
+        from . import collectives
+
+        return getattr(collectives, name)
+    raise AttributeError(f"module 'bmt_wrap.distributed' has no attribute {name!r}")

@@ -1,0 +1,367 @@
+"""Resumable sharded checkpoints: each rank writes its slices; loadable at any world size.
+
+A directory holds, per rank, ``shard-R-of-N.<id>.safetensors`` (its parameter slices and optimizer state
+tensors, by parameter name) and ``state-R-of-N.<id>.pt`` (RNG states, plain optimizer values; rank 0's
+also holds param groups, loss scaler, schedulers, step and ``extra``), then ``metadata.json``, written
+last and atomically by rank 0: names, shapes, dtypes, each rank's element range of every tensor, world
+size, file sizes. A directory without it is an unfinished save and is refused; a new save replaces the
+old one only when its ``metadata.json`` lands, so a failed save leaves the previous checkpoint whole.
+
+Loading reshards by name: each rank reads, for each tensor, the overlap of its own range with every
+saved rank's range. The format is ours rather than ``torch.distributed.checkpoint``'s because a rank's
+slice is an arbitrary element range of a flattened parameter (aligned flat buffers), which neither
+DTensor placements nor DCP's row-chunk planner express; safetensors files keep each read a slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base.dtypes import dtype_name, to_dtype
+from ..errors import CheckpointError, listed
+from ..job.distributed import broadcast_bytes, get_state
+from ..runtime.comm import collective_purpose
+from ..wrapping.init import rebuild_lost_buffers
+from . import optim_state, rng
+from .agree import agree, agree_on_directory
+from .atomic import make_dirs, os_errors, require_directory, write_atomic
+from .entries import Entry, materialize, meta_names, model_entries
+from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
+
+METADATA = "metadata.json"
+FORMAT = "bmt_wrap.sharded"
+VERSION = 1
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``load_checkpoint`` restored besides tensors."""
+
+    step: int | None
+    extra: Any
+    saved_world_size: int
+    rng_restored: bool  # False: resumed at another world size, RNGs reseeded (see ``rng.reseed``)
+
+
+def _file_names(rank: int, world: int, save_id: str) -> tuple[str, str]:
+    return f"shard-{rank:05d}-of-{world:05d}.{save_id}.safetensors", f"state-{rank:05d}-of-{world:05d}.{save_id}.pt"
+
+
+def _ranges(e: Entry, world: int) -> list[list[int]]:
+    """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0)."""
+    if e.param is None:
+        return [[0, e.numel]] + [[0, 0]] * (world - 1)
+    return [list(e.param.source_range(r)) for r in range(world)]
+
+
+def _param_names(entries: list[Entry]) -> dict[int, str]:
+    return {id(e.param if e.param is not None else e.value): e.name for e in entries}
+
+
+def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manager: Any = None,
+                    optimizer: torch.optim.Optimizer | None = None, step: int | None = None, extra: Any = None) -> None:
+    """Write this rank's shard of ``model`` and optimizer state, plus RNG/scaler/scheduler state; a collective.
+
+    ``extra`` must be loadable with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists,
+    dicts). If any rank fails, every rank raises ``CheckpointError`` and the previous checkpoint in
+    ``directory`` stays loadable.
+    """
+    directory = Path(directory)
+    with collective_purpose("save_checkpoint", str(directory)):
+        agree_on_directory(directory, "bmt.save_checkpoint")
+        state = get_state()
+        rank, world = state.rank, state.world_size
+        entries = model_entries(model)
+        if meta := meta_names(entries):
+            raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
+                                  "initialise them first (bmt.init_parameters(model))")
+        names = _param_names(entries)
+        optimizers = optim_state.optimizers_of(optim_manager, optimizer)
+        save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
+        files = _file_names(rank, world, save_id)
+        tensors = [(f"model/{e.name}", e.local()) for e in entries if e.param is not None or rank == 0]
+        kinds, saved_groups, values = [], [], []
+        for k, opt in enumerate(optimizers):
+            t, v, kind, groups = optim_state.capture(k, opt, names)
+            tensors += t
+            values.append(v)
+            kinds.append(kind)
+            saved_groups.append(groups)
+        rank_state: dict[str, Any] = {"rng": rng.capture(), "values": values}
+        if rank == 0:
+            rank_state.update(step=step, extra=extra, param_groups=saved_groups, **_manager_state(optim_manager))
+        error, sizes = None, [0, 0]
+        try:
+            make_dirs(directory)
+            sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], torch_bytes(rank_state))]
+        except CheckpointError as exc:
+            error = str(exc)
+        try:
+            table = agree(error, sizes, what="save_checkpoint")
+            error = None
+            if rank == 0:
+                try:
+                    metadata = {
+                        "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
+                        "seed": state.seed,
+                        "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
+                                       state_bytes=row[1]) for r, row in enumerate(table)],
+                        "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
+                                   "ranges": _ranges(e, world)} for e in entries],
+                        "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
+                    }
+                    write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())
+                except CheckpointError as exc:
+                    error = str(exc)
+            agree(error, what="save_checkpoint")
+        except CheckpointError:
+            for name in files:  # this save's files are orphans without its metadata: the previous save still rules
+                with contextlib.suppress(OSError):  # best effort: the error being raised already says what failed
+                    (directory / name).unlink(missing_ok=True)
+            raise
+        if rank == 0:
+            _remove_stale(directory, save_id)
+
+
+def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    writer = SafetensorsWriter(path, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors],
+                               {"format": FORMAT})
+    try:
+        for n, t in tensors:
+            writer.put([n], t)
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _manager_state(mgr: Any) -> dict[str, Any]:
+    if mgr is None:
+        return {"loss_scaler": None, "lr_schedulers": []}
+    return {"loss_scaler": None if mgr.scaler is None else mgr.scaler.state_dict(),
+            "lr_schedulers": [None if s is None else s.state_dict() for s in mgr.lr_schedulers]}
+
+
+def _remove_stale(directory: Path, save_id: str) -> None:
+    """Files of earlier saves (and temp files of interrupted ones): unreachable from the new metadata."""
+    for f in directory.iterdir():
+        ours = f.name.lstrip(".").startswith(("shard-", "state-"))
+        if ours and f".{save_id}." not in f.name:
+            f.unlink(missing_ok=True)
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+class _Reader:
+    """The saved checkpoint as this rank needs it: metadata, and the saved ranks' files opened lazily."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        require_directory(directory)
+        path = directory / METADATA
+        if not path.is_file():
+            hint = (" It holds shard files: a save that did not finish." if directory.is_dir()
+                    and any(f.name.startswith("shard-") for f in directory.iterdir()) else "")
+            raise CheckpointError(f"{path} is missing: {directory} is not a complete bmt_wrap checkpoint.{hint} "
+                                  "Resume from an earlier checkpoint")
+        with os_errors(path, "read"):
+            text = path.read_text()
+        try:
+            meta = json.loads(text)
+            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
+            self.world = int(meta["world_size"])
+            self.files = meta["files"]
+            self.entries = {n: m for m in meta["model"] for n in m["names"]}
+            self.optimizers = meta["optimizers"]
+            self.meta = meta
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path} is not a bmt_wrap checkpoint's metadata ({exc}): it may be corrupted; "
+                                  "resume from an earlier checkpoint") from exc
+        self._tensors: dict[int, SafetensorsSource] = {}
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def _checked(self, rank: int, which: str) -> Path:
+        path = self.directory / self.files[rank][which]
+        with os_errors(path, "read"):
+            size = path.stat().st_size
+        if size != self.files[rank][f"{which}_bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, {self.files[rank][f'{which}_bytes']} were written: it "
+                                  "was truncated or replaced; resume from an earlier checkpoint")
+        return path
+
+    def tensors(self, rank: int) -> SafetensorsSource:
+        """Saved rank ``rank``'s tensor file (size checked, header parsed)."""
+        if rank not in self._tensors:
+            path = self._checked(rank, "tensors")
+            try:
+                self._tensors[rank] = SafetensorsSource(path)
+            except Exception as exc:  # noqa: BLE001 - any parse failure: the file is unusable
+                raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); resume from an "
+                                      "earlier checkpoint") from exc
+        return self._tensors[rank]
+
+    def state(self, rank: int) -> dict[str, Any]:
+        """Saved rank ``rank``'s small state (RNG, values; rank 0: groups, scaler, schedulers, step, extra)."""
+        if rank not in self._states:
+            path = self._checked(rank, "state")
+            try:
+                self._states[rank] = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unpickling failure: the file is unusable
+                raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); resume from an "
+                                      "earlier checkpoint") from exc
+        return self._states[rank]
+
+    def pieces(self, name: str, lo: int, hi: int, ranges: list[list[int]]) -> list[tuple[int, int, int]]:
+        """(saved rank, start, end) in that rank's tensor covering ``[lo, hi)``; checks the files hold them."""
+        out = []
+        for r, (s, e) in enumerate(ranges):
+            a, b = max(s, lo), min(e, hi)
+            if a < b:
+                src = self.tensors(r)
+                if name not in src.keys() or src.info(name)[0] != (e - s,):
+                    raise CheckpointError(f"{src.path} lacks {name!r} (or holds another shape): the checkpoint is "
+                                          "corrupted; resume from an earlier checkpoint")
+                out.append((r, a - s, b - s))
+        return out
+
+    def read(self, name: str, pieces: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
+        """The concatenated pieces (in rank order, hence in element order)."""
+        parts = [self.tensors(r).read(name, a, b) for r, a, b in pieces]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manager: Any = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> CheckpointInfo:
+    """Restore what ``save_checkpoint`` wrote, at any world size; a collective.
+
+    Everything is validated, and the verdict agreed by all ranks, before anything is read or changed.
+    At the saved world size each rank gets its own RNG states back; at another one every rank reseeds
+    with ``rng.reseed(saved seed, step, rank)``.
+    """
+    directory = Path(directory)
+    with collective_purpose("load_checkpoint", str(directory)):
+        state = get_state()
+        entries = model_entries(model)
+        names = _param_names(entries)
+        optimizers = optim_state.optimizers_of(optim_manager, optimizer)
+        error = None
+        try:
+            reader = _Reader(directory)
+            plan = _plan_model(reader, entries)
+            optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
+            same_world = reader.world == state.world_size
+            if same_world:
+                reader.state(state.rank)
+        except CheckpointError as exc:
+            error = str(exc)
+        agree(error, what="load_checkpoint")
+        materialize(entries, state.device)
+        error = None
+        try:
+            for e, name, pieces in plan:
+                e.assign(reader.read(name, pieces, e.dtype))
+            for k, opt in enumerate(optimizers):
+                optim_state.restore(opt, names, reader.state(0)["param_groups"][k], reader.optimizers[k]["state"],
+                                    lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind))
+            common = reader.state(0)
+            if optim_manager is not None:
+                if optim_manager.scaler is not None:
+                    optim_manager.scaler.load_state_dict(common["loss_scaler"])
+                for sched, saved in zip(optim_manager.lr_schedulers, common["lr_schedulers"], strict=True):
+                    if sched is not None and saved is not None:
+                        sched.load_state_dict(saved)
+        except Exception as exc:  # noqa: BLE001 - a failure on one rank must not leave the others waiting
+            error = f"cannot restore {directory}: {type(exc).__name__}: {exc}"
+        agree(error, what="load_checkpoint")
+        step = reader.meta["step"]
+        if same_world:
+            rng.restore(reader.state(state.rank)["rng"])
+        else:
+            rng.reseed(int(reader.meta["seed"]), step or 0, state.rank)
+        rebuild_lost_buffers(model)
+        return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
+
+
+def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str, list[tuple[int, int, int]]]]:
+    """For each model tensor, the saved pieces this rank reads; raises naming every mismatch."""
+    plan = []
+    missing: list[str] = []
+    mismatched: list[str] = []
+    used: set[str] = set()
+    for e in entries:
+        saved = next((reader.entries[n] for n in e.names if n in reader.entries), None)
+        if saved is None:
+            missing.append(e.name)
+            continue
+        used.update(saved["names"])
+        if tuple(saved["shape"]) != e.shape or to_dtype(saved["dtype"]) != e.dtype:
+            mismatched.append(f"{e.name!r} is {saved['dtype']} {saved['shape']} in the checkpoint but {e.dtype} "
+                              f"{list(e.shape)} in the model")
+            continue
+        name = f"model/{saved['names'][0]}"
+        plan.append((e, name, reader.pieces(name, *e.local_range(), saved["ranges"])))
+    unexpected = [m["names"][0] for m in reader.meta["model"] if m["names"][0] not in used]
+    problems = []
+    if missing:
+        problems.append(f"model tensors not in the checkpoint: {listed(missing)}")
+    if mismatched:
+        problems.append(listed(mismatched, 3, str, "; "))
+    if unexpected:
+        problems.append(f"the checkpoint has tensors the model lacks: {listed(unexpected)}")
+    if problems:
+        raise CheckpointError(f"{reader.directory} is not a checkpoint of this model: " + "; ".join(problems))
+    return plan
+
+
+def _plan_optimizers(reader: _Reader, optimizers: list[torch.optim.Optimizer], entries: list[Entry],
+                     names: dict[int, str], mgr: Any) -> dict[tuple[int, str, str], Any]:
+    """For each saved optimizer state value, a function reading this rank's part; raises on any mismatch."""
+    if len(optimizers) != len(reader.optimizers):
+        raise CheckpointError(f"{reader.directory} holds state of {len(reader.optimizers)} optimizer(s), "
+                              f"{len(optimizers)} were given: pass the same optimizers (optim_manager=, optimizer=)")
+    common = reader.state(0)
+    if mgr is not None:
+        if (mgr.scaler is None) != (common["loss_scaler"] is None):
+            raise CheckpointError(f"{reader.directory}: the saved OptimManager and this one disagree on loss scaling "
+                                  "(loss_scale=None on exactly one side): build it as the saved one was")
+        if len(mgr.lr_schedulers) != len(common["lr_schedulers"]):
+            raise CheckpointError(f"{reader.directory}: {len(common['lr_schedulers'])} lr schedulers were saved, "
+                                  f"this OptimManager has {len(mgr.lr_schedulers)}")
+    by_name = {e.name: e for e in entries}
+    readers: dict[tuple[int, str, str], Any] = {}
+    for k, opt in enumerate(optimizers):
+        why = optim_state.check_groups(k, opt, names, common["param_groups"][k])
+        if why:
+            raise CheckpointError(f"{reader.directory}: {why}")
+        for name, keys in reader.optimizers[k]["state"].items():
+            e = by_name[name]
+            saved_ranges = reader.entries[name]["ranges"]
+            for key, kind in keys.items():
+                tname = optim_state.tensor_key(k, name, key)
+                if kind == optim_state.SHARDED:
+                    pieces = reader.pieces(tname, *e.local_range(), saved_ranges)
+                    readers[(k, name, key)] = lambda _kind, t=tname, p=pieces, d=e.dtype: reader.read(t, p, d)
+                elif kind == optim_state.REPLICATED:
+                    src = reader.tensors(0)
+                    if tname not in src.keys():
+                        raise CheckpointError(f"{src.path} lacks {tname!r}: the checkpoint is corrupted")
+                    readers[(k, name, key)] = lambda _kind, t=tname, s=src: _whole(s, t)
+                else:
+                    value = common["values"][k][name][key]
+                    readers[(k, name, key)] = lambda _kind, v=value: v
+    return readers
+
+
+def _whole(src: SafetensorsSource, name: str) -> torch.Tensor:
+    shape, _ = src.info(name)
+    return src.read(name, 0, math.prod(shape)).reshape(shape).clone()

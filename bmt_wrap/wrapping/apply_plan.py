@@ -1,0 +1,253 @@
+"""Apply a ``WrapPlan`` to a model in place: shard every group, bind blocks, hook the root forward.
+
+This is where the plan (from ``passes/`` or a JSON file) meets the engine (``runtime/``); it knows the
+module tree but nothing of how the plan was made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base._compat import pytree
+from ..base.dtypes import to_dtype
+from ..base.mixed_precision import MixedPrecision
+from ..base.plan import WrapPlan
+from ..errors import PlanError, WrapError
+from ..explicit.block import CheckpointBlock, bind_block
+from ..optim import clip_grad_norm_, install_grad_scaler_guard
+from ..runtime.active_engine import get_engine
+from ..runtime.engine import Engine, storage_mode
+from ..runtime.group import Location, ShardGroup
+from ..runtime.model_runtime import ModelRuntime
+from ..runtime.module_params import ParamSite, check_single_device, param_sites
+from ..runtime.standalone import full_value
+from .compiled import compiled_wrapper, never_traced
+from .sharded_module import ShardedModuleMixin, install_state_hooks
+
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+class WrappedModule(ShardedModuleMixin, nn.Module):
+    """Mixed into a wrapped model's class: sharded state_dict, guarded ``.to()``, and ``.plan``."""
+
+    plan: WrapPlan
+    _bmt_root: ShardGroup | None
+    _bmt_mp: MixedPrecision | None
+    _bmt_runtime: ModelRuntime  # this model's groups and schedule
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
+        """Clip to the norm of the full gradient over every rank, as FSDP's ``clip_grad_norm_`` does (tools that
+        clip with ``torch.nn.utils.clip_grad_norm_`` clip each rank's shard alone: see docs/integrations.md)."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def hand_over_root(self) -> ShardGroup | None:
+        """A ``CheckpointBlock`` around this model takes its parameters: stop its root hooks, return its root group.
+
+        BMTrain code wraps small layers with ``BMTrainModelWrapper`` and puts their parent in a block; the
+        block then gathers and reduces those parameters with its own, so the layer is no model root any more.
+        """
+        if any(not g.is_root for g in self.plan.groups) or self._bmt_mp is not None:
+            raise WrapError(f"a CheckpointBlock cannot take over the wrapped {type(self).__name__}: it has blocks "
+                            "or mixed precision of its own. Put the block around the plain module and wrap the "
+                            "whole model once, or wrap only the parts outside the block.")
+        for hooks, fn in ((self._forward_pre_hooks, never_traced(_root_pre_hook)),
+                          (self._forward_hooks, never_traced(_root_post_hook))):
+            for key in [k for k, h in hooks.items() if h is fn]:
+                del hooks[key]
+                self._forward_pre_hooks_with_kwargs.pop(key, None)
+                self._forward_hooks_always_called.pop(key, None)
+        root, self._bmt_root = self._bmt_root, None
+        return root
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """True if ``model`` was already wrapped."""
+    return isinstance(model, WrappedModule)
+
+
+def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None) -> nn.Module:
+    """Shard ``model`` per ``plan`` in place and return it."""
+    if is_wrapped(model) or isinstance(model, CheckpointBlock):
+        raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
+                        "(BMTrainModelWrapper returns the same object, changed in place)")
+    plan.validate()
+    if plan.resident:
+        raise PlanError(f"the plan keeps {len(plan.resident)} parameter(s) resident (unsharded), which this "
+                        f"version cannot execute yet: {plan.resident[:3]}. Empty plan.resident to shard them.")
+    sites = param_sites(model)
+    check_single_device(sites, type(model).__name__)
+    _check_plan_covers(model, plan, sites)
+    _check_plan_precision(plan, mixed_precision)
+    by_name = {n: s for s in sites for n in s.names}
+    engine = get_engine()
+    runtime = engine.new_runtime(type(model).__name__)
+    device = check_single_device(sites, type(model).__name__)
+    root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
+
+    # Which root parameters each block uses is read off the original module tree, before any group
+    # replaces parameters with shards.
+    blocks = {spec.name: _submodule(model, spec.name) for spec in plan.groups if not spec.is_root}
+    ext = {name: [[loc for loc in by_name[n].locations if _inside(loc, module)]
+                  for n in _ext_names(module, root_params, by_name)] for name, module in blocks.items()}
+    root_group: ShardGroup | None = None
+    for spec in plan.groups:
+        if spec.is_root:
+            root_group = _build_root(engine, runtime, spec, by_name, device)
+            continue
+        module = blocks[spec.name]
+        bind_block(module, spec, sites, ext_locations=ext[spec.name], runtime=runtime,
+                   compiled_by=compiled_wrapper(model, spec.name))
+    engine.sync_buffers(model, 0)
+    _turn_off_self_checkpointing(model, plan)
+    _install_schedule(runtime, plan, {name: module._bmt_group for name, module in blocks.items()})
+
+    model.__class__ = _root_class(type(model))
+    model.plan = plan
+    model._bmt_root = root_group
+    model._bmt_runtime = runtime
+    model._bmt_mp = mixed_precision
+    # Dynamo never traces the hooks (gathers, the first forward's capture): see compiled.py.
+    model.register_forward_pre_hook(never_traced(_root_pre_hook), with_kwargs=True)
+    model.register_forward_hook(never_traced(_root_post_hook), always_call=True)
+    if engine.world_size > 1:
+        install_grad_scaler_guard()  # GradScaler would check inf/nan on this rank's slice only
+    return model
+
+
+def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:
+    """Adopt ``plan``'s schedule (order, prefetch depth, checkpoint and ZeRO level per block).
+
+    The layout must be the one already applied: groups, parameters and offsets never change after
+    wrapping (docs/design.md, contracts).
+    """
+    old = model.plan
+    if [(g.name, g.buffers) for g in old.groups] != [(g.name, g.buffers) for g in plan.groups]:
+        raise PlanError("a new schedule may not change the layout fixed at wrap time (groups, parameters, "
+                        "offsets); pass the layout-changing plan to BMTrainModelWrapper(model, plan=...) instead")
+    groups: dict[str, ShardGroup] = {}
+    for spec in plan.blocks():
+        group = model.get_submodule(spec.name)._bmt_group
+        if group.gathered and storage_mode(spec) != group.mode:
+            raise PlanError(f"cannot change how block {spec.name!r} is checkpointed while its parameters "
+                            "are gathered")
+        group.spec = spec
+        group.mode = storage_mode(spec)
+        groups[spec.name] = group
+    _install_schedule(model._bmt_runtime, plan, groups)
+    model.plan = plan
+
+
+# ---- building ---------------------------------------------------------------------------------------------
+def _check_plan_covers(model: nn.Module, plan: WrapPlan, sites: list[ParamSite]) -> None:
+    placed = set(plan.all_fqns())
+    canonical = {s.names[0] for s in sites}
+    names = {n for s in sites for n in s.names}
+    missing = sorted(canonical - placed)
+    unknown = sorted(n for n in placed if n not in names)
+    if missing or unknown:
+        raise PlanError(f"the plan does not match {type(model).__name__}: parameters not in the plan "
+                        f"{missing[:5]}, plan entries not in the model {unknown[:5]}. Regenerate the plan "
+                        "for this model (bmt-wrap dump --format json) or wrap without plan=.")
+
+
+def _check_plan_precision(plan: WrapPlan, mp: MixedPrecision | None) -> None:
+    """The plan's buffer dtypes (shard, gathered, reduced) are what the runtime executes: they must be
+    the ones ``mp`` implies, else inputs would be cast for parameters gathered in another dtype."""
+    for g in plan.groups:
+        for b in g.buffers:
+            want = mp.buffer_dtypes(b.dtype) if mp is not None else (b.dtype, None, None)
+            if (b.dtype, b.param_dtype, b.reduce_dtype) != want:
+                raise PlanError(
+                    f"group {g.name!r}: the plan stores {b.dtype} shards gathered in {b.gather_dtype} and "
+                    f"reduced in {b.grad_dtype}, which is not what mixed_precision={mp} implies. Pass the "
+                    "mixed_precision= the plan was made with, or rebuild the plan with this one "
+                    "(wrap without plan=).")
+
+
+def _install_schedule(runtime: ModelRuntime, plan: WrapPlan, groups: dict[str, ShardGroup]) -> None:
+    """The plan's block order and prefetch depth become what ``runtime`` executes."""
+    runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
+
+
+def _turn_off_self_checkpointing(model: nn.Module, plan: WrapPlan) -> None:
+    """The plan's checkpointing recomputes these modules' layers: their own would run them a third time."""
+    for name in plan.self_checkpointing_off:
+        try:
+            model.get_submodule(name).gradient_checkpointing = False
+        except AttributeError:
+            raise PlanError(f"the plan turns off gradient checkpointing of module {name!r}, which "
+                            f"{type(model).__name__} does not have; regenerate the plan for this "
+                            "model") from None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise PlanError(f"the plan names block {name!r}, which {type(model).__name__} does not have") from None
+
+
+def _inside(loc: Location, block: nn.Module) -> bool:
+    return any(m is loc[0] for m in block.modules())
+
+
+def _ext_names(block: nn.Module, root_params: set[int], by_name: dict[str, ParamSite]) -> list[str]:
+    """Canonical names of root-group parameters that ``block`` uses (shared with other blocks)."""
+    by_id = {id(s.param): s for s in by_name.values()}
+    return [by_id[id(p)].names[0] for p in block.parameters() if id(p) in root_params]
+
+
+def _build_root(engine: Engine, runtime: ModelRuntime, spec: Any, by_name: dict[str, ParamSite],
+                device: torch.device) -> ShardGroup:
+    locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
+    sources = [[full_value(by_name[slot.fqn].param).to(to_dtype(b.dtype)) for slot in b.slots]
+               for b in spec.buffers]
+    group = engine.build_group(spec, locations, sources, device, sync_from=0, runtime=runtime)
+    for locs in locations:
+        for slot_locs in locs:
+            for m, _ in slot_locs:
+                install_state_hooks(m)
+    return group
+
+
+def _root_class(cls: type) -> type:
+    if cls not in _ROOT_CLASSES:
+        _ROOT_CLASSES[cls] = type(f"Wrapped{cls.__name__}", (WrappedModule, cls), {"__module__": cls.__module__})
+    return _ROOT_CLASSES[cls]
+
+
+# ---- the root's forward ----------------------------------------------------------------------------------
+def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    engine = get_engine()
+    first = getattr(model, "_bmt_first_forward", None)
+    if first is not None:
+        first.before(model, args, kwargs)
+    model._bmt_outermost = not engine.in_forward
+    root = model._bmt_root
+    if model._bmt_outermost:
+        engine.begin_forward(model._bmt_runtime, lead=root)
+    if root is not None:
+        root.install(engine.gather_for_root(root))
+    mp = model._bmt_mp
+    if mp is not None and mp.cast_forward_inputs:
+        return pytree.tree_map(mp.cast_input, args), pytree.tree_map(mp.cast_input, kwargs)
+    return None
+
+
+def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
+    engine = get_engine()
+    if model._bmt_root is not None:
+        model._bmt_root.restore()
+    if getattr(model, "_bmt_outermost", True):
+        engine.end_forward(model._bmt_runtime)
+    first = getattr(model, "_bmt_first_forward", None)
+    if first is not None:
+        model._bmt_first_forward = None
+        first.after(model)
+    mp = model._bmt_mp
+    if mp is not None and mp.output_dtype is not None:
+        return pytree.tree_map(mp.cast_output, output)
+    return None

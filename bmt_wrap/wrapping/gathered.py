@@ -1,0 +1,60 @@
+"""``with bmt.gathered(model):`` — full parameters for a while (like FSDP's ``summon_full_params``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..runtime.group import ShardGroup
+from ..runtime.param import DistributedParameter
+
+
+def sharded_groups(model: nn.Module) -> list[ShardGroup]:
+    """Every shard group holding a parameter of ``model``, in parameter order."""
+    seen: dict[int, ShardGroup] = {}
+    for p in model.parameters():
+        if isinstance(p, DistributedParameter):
+            g = p.shard_group
+            seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
+@contextmanager
+def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
+    """Install full parameters in ``model`` (a collective); on exit, keep changes if ``writeback``.
+
+    Holds the whole model on every rank while inside: meant for inspection, evaluation tweaks and small
+    models. Use ``bmt.save`` to write big models.
+    """
+    groups = sharded_groups(model)
+    # Where each sharded parameter sits, found by walking the model: a bare DistributedParameter's
+    # group does not know the module it was assigned to.
+    sites: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if isinstance(p, DistributedParameter):
+                sites.setdefault(id(p), []).append((module, attr))
+    full: list[tuple[DistributedParameter, nn.Parameter]] = []
+    try:
+        for g in groups:
+            # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
+            # precision on writeback.
+            values = g.param_values()
+            for b in g.buffers:
+                for p in b.params:
+                    whole = nn.Parameter(values[id(p)], requires_grad=p.requires_grad)
+                    full.append((p, whole))
+                    for module, attr in sites.get(id(p), []):
+                        module._parameters[attr] = whole
+        yield model
+        if writeback:
+            with torch.no_grad():
+                for p, whole in full:
+                    p.load_full(whole)
+    finally:
+        for p, _ in full:
+            for module, attr in sites.get(id(p), []):
+                module._parameters[attr] = p

@@ -1,0 +1,171 @@
+"""What every module with sharded parameters does differently from plain torch, and nothing else:
+
+- ``state_dict()`` is a collective returning full CPU tensors under the original names (one group
+  gathered at a time), and ``load_state_dict`` takes full tensors and keeps this rank's slices. Inside
+  ``torch.distributed.checkpoint``'s ``get_state_dict`` (sharded, its default) each sharded parameter is
+  instead this rank's ``LocalShard`` (no communication), which DCP saves and loads at any world size;
+- ``.to()/.half()/.cuda()`` that would change a sharded parameter raise ``WrapError`` (cast before
+  wrapping, or use ``mixed_precision=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base._compat import dcp_state_dict_request, register_state_dict_hooks
+from ..errors import WrapError
+from ..optim.rebind import install_rebind_hook
+from ..runtime.active_engine import get_engine
+from ..runtime.group import ShardGroup
+from ..runtime.param import DistributedParameter
+from ..save_load.local_shard import LocalShard
+from ..save_load.optim_shards import install_step_hook
+
+
+class _StateDictScope:
+    """What the ``state_dict()`` being written asks for, and the one group gathered for it (groups are
+    visited in order, so one gathered group at a time suffices)."""
+
+    depth = 0
+    sharded = False  # DCP's sharded state dict: this rank's elements only, nothing gathered
+    to_cpu = False
+    rank0_only = False  # full values are copied out on rank 0 only (the others just join the gathers)
+    group: ShardGroup | None = None
+    values: dict[int, torch.Tensor] | None = None
+
+    @classmethod
+    def enter(cls, rank0_only: bool = False) -> None:
+        if cls.depth == 0:
+            request = dcp_state_dict_request()
+            cls.sharded = request is not None and not request.full_state_dict
+            cls.to_cpu = request is not None and bool(request.cpu_offload)
+            cls.rank0_only = rank0_only and get_engine().rank != 0
+        cls.depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.depth -= 1
+        if cls.depth == 0:
+            cls.group, cls.values, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
+
+    @classmethod
+    def value(cls, p: DistributedParameter) -> torch.Tensor:
+        """What the state dict holds for ``p``: its full value on CPU, or this rank's ``LocalShard`` of it."""
+        if cls.sharded:
+            local = p.to_local().detach()
+            local = local.to("cpu") if cls.to_cpu else local
+            return LocalShard.of(local, p.full_shape, p.source_range()[0])
+        group = p.shard_group
+        if cls.group is not group:
+            cls.group, cls.values = None, None  # the previous group's values go before the next gather
+            cls.group, cls.values = group, group.param_values()
+        assert cls.values is not None
+        if cls.rank0_only:
+            return p.to_local().detach()[:0]
+        return cls.values[id(p)].detach().to("cpu", copy=True)
+
+
+def _save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for attr, p in module._parameters.items():
+        key = prefix + attr
+        if isinstance(p, DistributedParameter) and key in state_dict and state_dict[key] is not p:
+            state_dict[key] = _StateDictScope.value(p)
+
+
+def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                   missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    for attr, p in module._parameters.items():
+        key = prefix + attr
+        if not isinstance(p, DistributedParameter) or key not in state_dict:
+            continue
+        value = state_dict[key]
+        why = _load_into(p, value)
+        if why:
+            error_msgs.append(f"{why} for {key}")
+        state_dict[key] = p.detach()  # what torch then copies is this rank's slice onto itself
+
+
+def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
+    """Set ``p``'s slice from a full tensor or from a ``LocalShard`` of the same range; why not, or None."""
+    if isinstance(value, LocalShard):
+        why = value.range_mismatch(p.full_shape, *p.source_range())
+        if why:
+            return f"cannot load this LocalShard: {why}"
+        local = value.local()
+        mine = p.to_local()
+        if local.data_ptr() != mine.data_ptr() or local.device != mine.device:
+            with torch.no_grad():
+                mine.copy_(local)
+        return None
+    if tuple(value.shape) != tuple(p.full_shape):
+        return (f"size mismatch: copying a param with shape {tuple(value.shape)} from checkpoint, the shape in "
+                f"current model is {tuple(p.full_shape)}.")
+    p.load_full(value.detach().to(p.device, p.dtype))
+    return None
+
+
+def install_state_hooks(module: nn.Module) -> None:
+    """Make ``module``'s own sharded parameters save as full tensors and load from full tensors."""
+    if getattr(module, "_bmt_state_hooks", False):
+        return
+    register_state_dict_hooks(module, _save_hook, _load_pre_hook)
+    module._bmt_state_hooks = True
+    install_rebind_hook()  # first: optimizers built before wrapping move onto these parameters
+    install_step_hook()  # optimizers over these parameters then save their state per rank (LocalShard)
+
+
+def _install_below(root: nn.Module) -> None:
+    # Bare DistributedParameters are assigned to modules after they are built, so their holders are
+    # found here rather than when the parameter is made.
+    for m in root.modules():
+        if any(isinstance(p, DistributedParameter) for p in m._parameters.values()):
+            install_state_hooks(m)
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with full CPU tensors on rank 0 only (``{}`` elsewhere, no copies made there),
+    or on every rank; a collective gathering one group at a time (FSDP's ``rank0_only`` full state dict)."""
+    _StateDictScope.enter(rank0_only=rank0_only)
+    try:
+        state = model.state_dict()
+    finally:
+        _StateDictScope.exit()
+    return {} if rank0_only and get_engine().rank != 0 else state
+
+
+class ShardedModuleMixin:
+    """Mixed into blocks, ``DistributedModule`` and wrapped roots (see the module docstring)."""
+
+    def hand_over_root(self) -> ShardGroup | None:
+        """Give a ``CheckpointBlock`` around this module its root group, if it has one (wrapped models do)."""
+        return None
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full tensors on CPU under the original names; a collective (every rank must call it)."""
+        _install_below(self)  # type: ignore[arg-type]
+        _StateDictScope.enter()
+        try:
+            return super().state_dict(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            _StateDictScope.exit()
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load full tensors; each rank keeps its slices of sharded parameters."""
+        _install_below(self)  # type: ignore[arg-type]
+        return super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        for p in self.parameters():  # type: ignore[attr-defined]
+            if isinstance(p, DistributedParameter):
+                moved = fn(p)
+                if moved is not p and (moved.dtype != p.dtype or moved.device != p.device):
+                    raise WrapError(
+                        f"cannot move or cast {p.fqn!r} after it was sharded ({p.dtype} on {p.device} -> "
+                        f"{moved.dtype} on {moved.device}). Call .to()/.half()/.cuda() before wrapping, or "
+                        "pass mixed_precision=bmt.MixedPrecision(...) to the wrapper.")
+        return super()._apply(lambda t: t if isinstance(t, DistributedParameter) else fn(t),  # type: ignore[misc]
+                              recurse)

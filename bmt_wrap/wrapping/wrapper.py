@@ -1,0 +1,148 @@
+"""``BMTrainModelWrapper``: the one-liner. Runs the passes, applies the plan, fixes the schedule at the
+first forward when the model could not be captured without inputs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from torch import nn
+
+from .. import passes
+from ..base.log import get_logger
+from ..base.mixed_precision import MixedPrecision
+from ..base.plan import WrapPlan
+from ..errors import PlanError, WrapError
+from ..explicit.block import CheckpointBlock
+from ..job.distributed import agree, broadcast_bytes, get_state
+from ..runtime.comm import collective_purpose
+from ..runtime.param import DistributedParameter
+from .apply_plan import apply_plan, is_wrapped, update_schedule
+from .consistency import check_same_wrap
+from .generate import attach_generate
+from .verify import attach_verify
+
+
+class _FirstForward:
+    """Captures the block order at the first call (export of a meta copy, else hooks on the real call)
+    and replaces the plan's schedule; rank 0 decides, every rank receives its choice."""
+
+    def __init__(self, skeleton: nn.Module, discovery: passes.Discovery, options: dict[str, Any]) -> None:
+        self.skeleton, self.discovery, self.options = skeleton, discovery, options
+        self.recorder: passes.EagerRecorder | None = None
+        self.notes: list[str] = []
+
+    def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Export a meta copy on these inputs; if that fails, record the real call about to run."""
+        cap = passes.capture(self.skeleton, self.discovery, (args, kwargs))
+        if cap.method != "none":
+            self._adopt(model, cap)
+        else:
+            self.notes = cap.notes
+            self.recorder = passes.EagerRecorder(model, self.discovery).__enter__()
+
+    def after(self, model: nn.Module) -> None:
+        """The recorded real call ended: its block order is the schedule."""
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self._adopt(model, passes.eager_capture(self.recorder, self.notes))
+
+    def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
+        state = get_state()
+        mine = passes.schedule(model.plan, cap, world_size=state.world_size, **self.options)
+        chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
+        update_schedule(model, chosen)
+        get_logger().debug("first forward: block order captured by %s", chosen.capture)
+
+
+def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level: int = 3, prefetch_depth: int = 1,
+                        memory_budget: int | None = None, plan: WrapPlan | None = None,
+                        example_inputs: Any = None, mixed_precision: MixedPrecision | None = None) -> nn.Module:
+    """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
+
+    Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
+    ``torch.export`` of a meta copy (with ``example_inputs=`` or at the first call) or hooks on the first
+    call. ``plan=`` re-applies a saved ``WrapPlan``; ``memory_budget=`` (bytes per rank) checkpoints only
+    as many blocks as needed. ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
+    """
+    state = get_state()
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"BMTrainModelWrapper expects an nn.Module, got {type(model).__name__}")
+    if is_wrapped(model):
+        raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
+                        "place and returns it, so call it once")
+    _refuse_sharded_parts(model)
+    with collective_purpose("wrap"):
+        check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
+        options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
+                   "memory_budget": memory_budget}
+        discovery = passes.discover_blocks(model)
+        if plan is None:
+            mine, failure = None, None
+            if state.rank == 0:
+                try:
+                    mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options)
+                except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
+                    failure = exc
+            agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
+            plan = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if mine else None).decode())
+            _warn_if_no_blocks(model, plan, discovery)
+        else:
+            if not isinstance(plan, WrapPlan):
+                raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
+            plan = copy.deepcopy(plan)
+        first = None
+        if plan.capture == "none":
+            first = _FirstForward(passes.meta_skeleton(model), discovery, options)
+        apply_plan(model, plan, mixed_precision)
+        model._bmt_first_forward = first
+        attach_verify(model)
+        attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
+        for note in plan.notes:
+            get_logger().debug("plan: %s", note)
+        return model
+
+
+def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
+                   mixed_precision: MixedPrecision | None, options: dict[str, Any]) -> WrapPlan:
+    """Capture and plan (rank 0 only; the others receive its plan)."""
+    cap = passes.capture(model, discovery, example_inputs)
+    return passes.build_plan(model, discovery, world_size=get_state().world_size, capture=cap,
+                             mixed_precision=mixed_precision, **options)
+
+
+wrap = BMTrainModelWrapper
+
+
+def _warn_if_no_blocks(model: nn.Module, plan: WrapPlan, discovery: passes.Discovery) -> None:
+    """Warn when discovery left a model that has children as one root group (nothing checkpointed or
+    prefetched); a single layer (BMTrain code wraps ``nn.Linear``s) has nothing to find."""
+    if plan.blocks() or next(model.children(), None) is None:
+        return
+    why = "; ".join(n for n in discovery.notes if "no repeated blocks" not in n)
+    warnings.warn(
+        f"BMTrainModelWrapper found no repeated blocks in {type(model).__name__}: all its parameters form one "
+        "root group that every forward gathers whole, so nothing is checkpointed or prefetched and each rank's "
+        "peak memory holds every parameter."
+        f"{f' Discovery: {why}.' if why else ''} Blocks are sibling modules of one structure, each with its own "
+        "forward and at least 0.5% of the parameters. To compile layers, wrap first and then call "
+        "`layer.compile()` on each (docs/compile.md); to choose blocks yourself, pass plan= (bmt-wrap dump "
+        "--format json writes one to edit).", UserWarning, stacklevel=3)
+
+
+def _refuse_sharded_parts(model: nn.Module) -> None:
+    """Raise, on every rank alike and before any collective, if ``model`` already holds sharded parts.
+
+    The passes plan plain parameters: tracing a ``CheckpointBlock`` would run its gather on rank 0 alone
+    (a hang), and its 1-D shards would be planned as if they were whole parameters.
+    """
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DistributedParameter)]
+    if sharded:
+        blocks = [n for n, m in model.named_modules() if isinstance(m, CheckpointBlock)]
+        raise WrapError(
+            f"{type(model).__name__} already holds sharded parts ({', '.join(blocks[:3] or sharded[:3])}"
+            f"{' ...' if len(blocks or sharded) > 3 else ''}): BMTrainModelWrapper shards a plain model. Either "
+            "wrap the plain model (it finds the blocks itself; a layer called twice is shared), or finish the "
+            "explicit API: make the root a bmt.DistributedModule whose own parameters are "
+            "bmt.DistributedParameters.")
