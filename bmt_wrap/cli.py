@@ -39,7 +39,7 @@ from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
-from .passes.schedule_graph import rewrite
+from .passes.schedule_graph import schedule_graph
 from .passes.util import describe
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
@@ -250,7 +250,7 @@ def _run(opts: argparse.Namespace) -> str:
                  *(f"N={n}: {summary_line(p)}" for n, p in zip(sizes, plans, strict=True)),
                  render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
         return "\n".join(lines)
-    graph = rewrite(captured, plans[0])
+    graph = schedule_graph(captured, plans[0])
     if opts.format == "text":
         return render_text(graph, plans[0], opts.verbose)
     return {"json": render_json, "dot": render_dot}[opts.format](graph, plans[0])

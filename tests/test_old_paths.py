@@ -81,3 +81,9 @@ def test_the_console_script_and_public_names_resolve() -> None:
     assert callable(main)
     missing = [n for n in bmt.__all__ if getattr(bmt, n, None) is None]
     assert not missing, missing
+
+
+def test_the_passes_old_names_are_the_new_ones() -> None:
+    from bmt_wrap import passes
+
+    assert passes.rewrite is passes.schedule_graph and passes.Block is passes.DiscoveredBlock

@@ -12,7 +12,7 @@ import torch
 from bmt_wrap.plan import WrapPlan
 
 from bmt_wrap.errors import PlanError
-from bmt_wrap.passes import Capture, Step, build_plan, capture, discover_blocks, rewrite, steps
+from bmt_wrap.passes import Capture, Step, build_plan, capture, discover_blocks, schedule_graph, steps
 from bmt_wrap.passes.render import graph_records, render_dot, render_json, render_text
 from bmt_wrap.passes.schedule_graph import MARKER_KINDS, step_of
 
@@ -32,7 +32,7 @@ def planned(name: str, **kw: object) -> tuple[Capture, WrapPlan]:
 
 
 def check_schedule(schedule: list[Step], plan: WrapPlan) -> None:
-    """The invariants of a schedule, stated independently of how rewrite builds it."""
+    """The invariants of a schedule, stated independently of how schedule_graph builds it."""
     depth, n = plan.prefetch_depth, len(plan.order)
     assert {s.kind for s in schedule} <= {"call", *MARKER_KINDS}
     for kind in ("prefetch", "wait", "call", "release"):
@@ -58,7 +58,7 @@ def check_schedule(schedule: list[Step], plan: WrapPlan) -> None:
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_one_prefetch_wait_release_per_block_call(name: str, depth: int) -> None:
     c, plan = planned(name, prefetch_depth=depth)
-    graph = rewrite(c, plan)
+    graph = schedule_graph(c, plan)
     check_schedule(steps(graph), plan)
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target in {g.name for g in plan.blocks()}]
     assert [str(n.target) for n in calls] == plan.order
@@ -66,17 +66,17 @@ def test_one_prefetch_wait_release_per_block_call(name: str, depth: int) -> None
 
 def test_shared_layer_gets_markers_for_each_call() -> None:
     c, plan = planned("shared_layer")
-    schedule = steps(rewrite(c, plan))
+    schedule = steps(schedule_graph(c, plan))
     check_schedule(schedule, plan)
     assert Counter((s.kind, s.group) for s in schedule)["wait", "layers.0"] == 2
 
 
 def test_checkpoint_markers_follow_the_plan() -> None:
     c, plan = planned("toy_gpt", checkpoint=False)
-    schedule = steps(rewrite(c, plan))
+    schedule = steps(schedule_graph(c, plan))
     assert not any(s.kind.startswith("checkpoint") for s in schedule)
     plan.group("layers.2").checkpoint = True
-    schedule = steps(rewrite(c, plan))
+    schedule = steps(schedule_graph(c, plan))
     assert [(s.kind, s.call) for s in schedule if s.kind.startswith("checkpoint")] == \
         [("checkpoint_begin", 2), ("checkpoint_end", 2)]
 
@@ -84,7 +84,7 @@ def test_checkpoint_markers_follow_the_plan() -> None:
 def test_rewrite_leaves_the_capture_untouched_and_keeps_model_code() -> None:
     c, plan = planned("gpt2")
     before = [(n.name, n.op, str(n.target)) for n in c.graph.nodes]
-    graph = rewrite(c, plan)
+    graph = schedule_graph(c, plan)
     assert [(n.name, n.op, str(n.target)) for n in c.graph.nodes] == before
     model_nodes = [(n.op, str(n.target)) for n in graph.nodes if step_of(n) is None or step_of(n).kind == "call"]
     assert model_nodes == [(op, t) for _, op, t in before]
@@ -94,19 +94,19 @@ def test_order_mismatch_raises_plan_error() -> None:
     c, plan = planned("toy_gpt")
     plan.order = list(reversed(plan.order))
     with pytest.raises(PlanError, match="re-plan"):
-        rewrite(c, plan)
+        schedule_graph(c, plan)
 
 
 def test_fx_and_module_order_graphs_rewrite_too() -> None:
     for name, with_inputs in (("encoder_decoder", False), ("llama", False)):
         model, c = captured(name, with_inputs)
         plan = build_plan(model, discover_blocks(model), world_size=4, capture=c)
-        check_schedule(steps(rewrite(c, plan)), plan)
+        check_schedule(steps(schedule_graph(c, plan)), plan)
 
 
 def test_json_render_holds_the_plan_and_the_schedule() -> None:
     c, plan = planned("t5")
-    graph = rewrite(c, plan)
+    graph = schedule_graph(c, plan)
     doc = json.loads(render_json(graph, plan))
     assert WrapPlan.from_json(json.dumps(doc["plan"])) == plan
     records = [r for r in doc["graph"] if r["step"] is not None]
@@ -116,7 +116,7 @@ def test_json_render_holds_the_plan_and_the_schedule() -> None:
 
 def test_dot_render_has_one_node_per_graph_node_and_valid_edges() -> None:
     c, plan = planned("llama")
-    graph = rewrite(c, plan)
+    graph = schedule_graph(c, plan)
     dot = render_dot(graph, plan)
     assert dot.startswith("digraph") and dot.rstrip().endswith("}")
     declared = {line.split('"')[1] for line in dot.splitlines() if "[" in line and "->" not in line
@@ -131,7 +131,7 @@ def test_dot_render_has_one_node_per_graph_node_and_valid_edges() -> None:
 
 def test_text_render_lists_each_marker_once_per_call() -> None:
     c, plan = planned("bert")
-    text = render_text(rewrite(c, plan), plan)
+    text = render_text(schedule_graph(c, plan), plan)
     assert text.splitlines()[0].startswith("capture: export")
     for i, block in enumerate(plan.order):
         for kind in ("prefetch", "wait", "release"):

@@ -1,7 +1,7 @@
 """The prefetch schedule: which block calls' parameters start gathering when, in forward and backward.
 
 One rule, read by everything that runs or shows a schedule: the runtime's prefetcher
-(runtime/prefetch.py) executes it, the rewritten graph ``bmt-wrap dump`` prints (passes/rewrite.py)
+(runtime/prefetch.py) executes it, the graph ``bmt-wrap dump`` prints (passes/schedule_graph.py)
 marks it, and the tests compare the collectives the runtime issues against it. Calls are indices into
 one forward's block calls (``WrapPlan.order``, or the order the explicit API learned at its first call).
 """

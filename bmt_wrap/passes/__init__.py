@@ -1,4 +1,5 @@
-"""The pure compiler passes: discover -> capture -> plan -> rewrite (no communication, no real storage)."""
+"""The pure compiler passes: discover -> capture -> plan -> estimate, and the schedule drawn for ``dump``
+(no communication, no real storage)."""
 
 from ..base.plan import render_estimates
 from .activations import ActivationProfile, BlockCallActivations
@@ -12,17 +13,22 @@ from .capture import (
     meta_skeleton,
     to_meta,
 )
-from .discover import Block, BlockList, Discovery, discover_blocks
+from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
-from .schedule_graph import Step, rewrite, steps
+from .schedule_graph import Step, schedule_graph, steps
 from .util import self_checkpointing_modules
 
 __all__ = [
-    "CAPTURE_METHODS", "ActivationProfile", "Block", "BlockCallActivations", "BlockList", "Capture", "Discovery",
-    "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph", "discover_blocks",
+    "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
+    "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph", "discover_blocks",
     "eager_capture", "estimate", "meta_skeleton", "place_parameters", "render_dot", "render_estimates",
-    "render_json", "render_text", "rewrite", "schedule", "self_checkpointing_modules", "steps", "to_meta",
+    "render_json", "render_text", "schedule", "schedule_graph", "self_checkpointing_modules", "steps", "to_meta",
 ]
+
+# The names before issue 23, for callers that import them: ``rewrite`` never rewrote the model (apply_plan
+# does), and ``Block`` read like ``bmt.Block`` (= ``CheckpointBlock``).
+Block = DiscoveredBlock
+rewrite = schedule_graph

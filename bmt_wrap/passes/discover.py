@@ -26,8 +26,9 @@ MIN_BLOCK_FRACTION = 0.005
 
 
 @dataclass(frozen=True)
-class Block:
-    """One discovered block: a module gathered, checkpointed and released as a unit."""
+class DiscoveredBlock:
+    """One discovered block: a module gathered, checkpointed and released as a unit (the wrapper then binds
+    it as a ``CheckpointBlock``, which ``bmt.Block`` names)."""
 
     fqn: str  # canonical name (first in ``named_modules(remove_duplicate=False)``)
     container: str  # FQN of the module whose child it is ("" for the model itself)
@@ -53,7 +54,7 @@ class BlockList:
 class Discovery:
     """Blocks of a model in module order, and why the tree was read the way it was."""
 
-    blocks: list[Block]
+    blocks: list[DiscoveredBlock]
     total_numel: int
     notes: list[str] = field(default_factory=list)
 
@@ -102,7 +103,7 @@ def discover_blocks(model: nn.Module) -> Discovery:
     for fqn, m in model.named_modules(remove_duplicate=False):
         names[id(m)].append(fqn)
 
-    blocks: list[Block] = []
+    blocks: list[DiscoveredBlock] = []
     notes: list[str] = []
     seen: set[int] = set()  # modules already made blocks or descended into (an alias is read once)
 
@@ -117,7 +118,7 @@ def discover_blocks(model: nn.Module) -> Discovery:
         if id(m) not in seen:
             seen.add(id(m))
             fqn, *aliases = names[id(m)]
-            blocks.append(Block(fqn, container, signature(m), numel(m), tuple(aliases)))
+            blocks.append(DiscoveredBlock(fqn, container, signature(m), numel(m), tuple(aliases)))
 
     def visit(prefix: str, module: nn.Module) -> None:
         seen.add(id(module))

@@ -1,6 +1,7 @@
-"""Rewrite: insert ``prefetch``/``wait``/``release`` and checkpoint markers around every block call.
+"""The schedule drawn into the captured graph: ``prefetch``/``wait``/``release`` and checkpoint markers
+around every block call, for ``bmt-wrap dump`` (the model itself is changed by ``wrapping/apply_plan.py``).
 
-The markers show ``PrefetchSchedule`` (prefetch_schedule.py), the rule the runtime executes: each
+The markers show ``PrefetchSchedule`` (base/prefetch_schedule.py), the rule the runtime executes: each
 ``prefetch`` stands where the schedule first requests a call's gather (the first ``depth`` as soon as
 the inputs exist, then call i + depth just before call i), then ``wait(i)``; ``release(i)`` follows it.
 Every block call gets exactly one of each. The graph is for display; it is never executed (the model's
@@ -55,7 +56,7 @@ class Step:
     call: int  # index into ``plan.order``
 
 
-def rewrite(capture: Capture, plan: WrapPlan) -> fx.Graph:
+def schedule_graph(capture: Capture, plan: WrapPlan) -> fx.Graph:
     """A copy of ``capture.graph`` with the schedule's markers inserted around each block call."""
     blocks = {g.name: g for g in plan.blocks()}
     calls = [n for n in capture.graph.nodes if n.op == "call_module" and n.target in blocks]
