@@ -3,7 +3,7 @@
 A block stays the same object: its class is swapped for a generated subclass of both ``CheckpointBlock``
 and its own class (as FSDP2's ``fully_shard`` does), so attribute access, ``state_dict`` keys (no extra
 infix), ``isinstance`` checks and the forward signature are unchanged, while calls go through the engine.
-``block.compile(...)`` compiles the block's own code, never the engine around it (``compiled.py``).
+``block.compile(...)`` compiles the block's own code, never the engine around it (``wrapping/compiled.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from ..base.plan import ShardGroupSpec, layout_buffers
 from ..errors import BlockListError, WrapError
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import collective_purpose
-from ..runtime.group import Location, ShardGroup
+from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
-from ..runtime.module_params import ParamSite, check_single_device, param_sites
+from ..runtime.module_params import Location, ParamSite, check_single_device, param_sites
 from ..runtime.param import DistributedParameter
 from ..runtime.standalone import full_value
 from ..wrapping.compiled import adopt_compile, never_traced

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import WrapError
 from ..runtime.active_engine import get_engine
+from ..runtime.module_params import registrations
 from ..runtime.param import DistributedParameter
 from ..wrapping.sharded_module import ShardedModuleMixin
 
@@ -45,22 +46,20 @@ def _check_parameters(root: nn.Module, world_size: int) -> None:
     """Refuse parameter placements the engine would get silently wrong, naming the parameter."""
     if getattr(root, "_bmt_checked", False):
         return
-    for mod_name, module in root.named_modules(remove_duplicate=False):
-        for attr, p in module._parameters.items():
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            if isinstance(p, DistributedParameter):
-                group = p.shard_group
-                if not group.standalone and not any(m is module and a == attr
-                                                    for locs in group.locations for slot in locs
-                                                    for m, a in slot):
-                    raise WrapError(
-                        f"parameter {name!r} belongs to block {group.name!r} ({p.fqn!r}) but is also used "
-                        "outside it; a block owns its parameters. Share it through a "
-                        "bmt.DistributedParameter outside every block instead.")
-            elif p is not None and p.requires_grad and world_size > 1:
-                # Trained replicated with un-averaged gradients: a silent divergence across ranks.
+    for name, module, attr, p in registrations(root):
+        if isinstance(p, DistributedParameter):
+            group = p.shard_group
+            if not group.standalone and not any(m is module and a == attr
+                                                for locs in group.locations for slot in locs
+                                                for m, a in slot):
                 raise WrapError(
-                    f"parameter {name!r} is a plain nn.Parameter outside every CheckpointBlock, so its "
-                    "gradient would not be averaged across ranks. Make it a bmt.DistributedParameter, put "
-                    "its module inside a CheckpointBlock, or wrap the model with bmt.BMTrainModelWrapper.")
+                    f"parameter {name!r} belongs to block {group.name!r} ({p.fqn!r}) but is also used "
+                    "outside it; a block owns its parameters. Share it through a "
+                    "bmt.DistributedParameter outside every block instead.")
+        elif p.requires_grad and world_size > 1:
+            # Trained replicated with un-averaged gradients: a silent divergence across ranks.
+            raise WrapError(
+                f"parameter {name!r} is a plain nn.Parameter outside every CheckpointBlock, so its "
+                "gradient would not be averaged across ranks. Make it a bmt.DistributedParameter, put "
+                "its module inside a CheckpointBlock, or wrap the model with bmt.BMTrainModelWrapper.")
     object.__setattr__(root, "_bmt_checked", True)

@@ -28,7 +28,8 @@ from torch import nn
 
 from ..base._compat import pytree, tensor_version
 from ..errors import RecomputeError, WrapError
-from .group import Location, ShardGroup
+from .group import ShardGroup
+from .module_params import Location, installed
 from .replay import Replay, ReplayMemory
 
 
@@ -272,7 +273,7 @@ class BlockCall:
 
         with self.state.restored(), self.replay.buffers_swapped(), \
                 torch.autograd.graph.saved_tensors_hooks(keep, lambda i: saved[i]), \
-                self.group.installed(params), _installed_ext(self.ext_locations, ext), \
+                self.group.installed(params), installed(_ext_entries(self.ext_locations, ext)), \
                 self.engine.inside_block(recompute=True):
             self.forward_fn(self.module, *args, **kwargs)
         self._check_recompute(saved)
@@ -339,18 +340,10 @@ class BlockParams(torch.autograd.Function):
         return (None, *([None] * n_shards))
 
 
-@contextmanager
-def _installed_ext(locations: list[list[Location]], tensors: list[torch.Tensor]) -> Iterator[None]:
-    saved = [[(m, a, m._parameters[a]) for m, a in locs] for locs in locations]
-    for locs, t in zip(locations, tensors, strict=True):
-        for m, a in locs:
-            m._parameters[a] = t
-    try:
-        yield
-    finally:
-        for entries in saved:
-            for m, a, old in entries:
-                m._parameters[a] = old
+def _ext_entries(locations: list[list[Location]],
+                 tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The root-owned tensors a recompute installs, at every location each one is used in the block."""
+    return [(m, a, t) for locs, t in zip(locations, tensors, strict=True) for m, a in locs]
 
 
 def _second_backward(block: str) -> WrapError:

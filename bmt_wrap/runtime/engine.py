@@ -4,7 +4,7 @@ One engine per process holds what every wrapped model shares: the communicator i
 pool, the gradient reducer with its end-of-backward callback, and the phase, so a backward that spans
 several models (teacher and student, or an explicit block list beside a wrapped model) ends once. Each
 model's groups and prefetch schedule live in its own ``ModelRuntime`` (model_runtime.py). The layer that
-initialises communication installs the engine (process_engine.py); nothing here reads global state.
+initialises communication installs the engine (active_engine.py); nothing here reads global state.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from .comm import Communicator
 from .flat_buffer import FlatBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
-from .group import Location, ShardGroup, StorageMode
+from .group import ShardGroup, StorageMode
 from .model_runtime import ModelRuntime
+from .module_params import Location
 from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
 from .standalone import shard_standalone

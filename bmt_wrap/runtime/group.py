@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from ..base._compat import set_version_counters, tensor_version
 from ..base.plan import ShardGroupSpec
@@ -32,8 +31,7 @@ from ..errors import UninitializedParameterError, WrapError
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
-
-Location = tuple[nn.Module, str]
+from .module_params import Location, put
 
 
 class StorageMode(enum.Enum):
@@ -248,17 +246,13 @@ class ShardGroup:
 
     def install(self, tensors: list[list[torch.Tensor]]) -> None:
         """Put full tensors where the sharded parameters are, at every location (tied aliases too)."""
-        for per_buffer, locs in zip(tensors, self.locations, strict=True):
-            for t, slot_locs in zip(per_buffer, locs, strict=True):
-                for module, attr in slot_locs:
-                    module._parameters[attr] = t  # bypasses __setattr__: a plain tensor while running
+        put((module, attr, t) for per_buffer, locs in zip(tensors, self.locations, strict=True)
+            for t, slot_locs in zip(per_buffer, locs, strict=True) for module, attr in slot_locs)
 
     def restore(self) -> None:
         """Put the sharded parameters back at every location."""
-        for b, locs in zip(self.buffers, self.locations, strict=True):
-            for p, slot_locs in zip(b.params, locs, strict=True):
-                for module, attr in slot_locs:
-                    module._parameters[attr] = p
+        put((module, attr, p) for b, locs in zip(self.buffers, self.locations, strict=True)
+            for p, slot_locs in zip(b.params, locs, strict=True) for module, attr in slot_locs)
 
     @contextmanager
     def installed(self, tensors: list[list[torch.Tensor]]) -> Iterator[None]:

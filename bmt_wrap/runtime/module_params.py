@@ -1,7 +1,10 @@
-"""Where a module tree keeps its parameters: every name and (module, attribute) of each Parameter object."""
+"""Where a module tree keeps its parameters: every name and (module, attribute) of each Parameter object,
+and the one way to put other tensors there for a while."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -28,20 +31,44 @@ class ParamSite:
                          requires_grad=self.param.requires_grad, aliases=self.names[1:])
 
 
+def registrations(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """Each registered parameter under ``root`` as (name, module, attribute, parameter), tied names included,
+    in ``named_modules(remove_duplicate=False)`` order."""
+    for mod_name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                yield (f"{mod_name}.{attr}" if mod_name else attr), module, attr, p
+
+
 def param_sites(root: nn.Module, prefix: str = "") -> list[ParamSite]:
     """Every distinct Parameter under ``root`` in ``named_parameters`` order, with all its names."""
     sites: dict[int, ParamSite] = {}
-    for mod_name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
-        for attr, p in module._parameters.items():
-            if p is None:
-                continue
-            site = sites.setdefault(id(p), ParamSite(p))
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            if name not in site.names:
-                site.names.append(name)
-            if not any(m is module and a == attr for m, a in site.locations):
-                site.locations.append((module, attr))
+    for name, module, attr, p in registrations(root, prefix):
+        site = sites.setdefault(id(p), ParamSite(p))
+        if name not in site.names:
+            site.names.append(name)
+        if not any(m is module and a == attr for m, a in site.locations):
+            site.locations.append((module, attr))
     return list(sites.values())
+
+
+def put(entries: Iterable[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Register each tensor at its (module, attribute). Through ``_parameters``, not ``__setattr__``: a plain
+    tensor (a gathered view, a full temporary) stands where the Parameter is while a block runs."""
+    for module, attr, t in entries:
+        module._parameters[attr] = t
+
+
+@contextmanager
+def installed(entries: Iterable[tuple[nn.Module, str, torch.Tensor]]) -> Iterator[None]:
+    """``put`` the tensors for the duration; then what was registered before is back."""
+    entries = list(entries)
+    saved = [(module, attr, module._parameters[attr]) for module, attr, _ in entries]
+    put(entries)
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 def check_single_device(sites: list[ParamSite], what: str) -> torch.device:

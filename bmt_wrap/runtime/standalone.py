@@ -11,7 +11,8 @@ from torch import nn
 from ..base.dtypes import dtype_name
 from ..base.plan import ParamInfo, ShardGroupSpec, layout_buffers
 from ..errors import WrapError
-from .group import Location, ShardGroup
+from .group import ShardGroup
+from .module_params import Location
 from .param import DistributedParameter
 
 

@@ -20,9 +20,9 @@ from ..explicit.block import CheckpointBlock, bind_block
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.engine import Engine, storage_mode
-from ..runtime.group import Location, ShardGroup
+from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
-from ..runtime.module_params import ParamSite, check_single_device, param_sites
+from ..runtime.module_params import Location, ParamSite, check_single_device, param_sites
 from ..runtime.standalone import full_value
 from .compiled import compiled_wrapper, never_traced
 from .sharded_module import ShardedModuleMixin, install_state_hooks

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..runtime.group import ShardGroup
+from ..runtime.module_params import installed, registrations
 from ..runtime.param import DistributedParameter
 
 
@@ -33,28 +34,18 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
     # Where each sharded parameter sits, found by walking the model: a bare DistributedParameter's
     # group does not know the module it was assigned to.
     sites: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for attr, p in module._parameters.items():
-            if isinstance(p, DistributedParameter):
-                sites.setdefault(id(p), []).append((module, attr))
+    for _, module, attr, p in registrations(model):
+        if isinstance(p, DistributedParameter):
+            sites.setdefault(id(p), []).append((module, attr))
     full: list[tuple[DistributedParameter, nn.Parameter]] = []
-    try:
-        for g in groups:
-            # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
-            # precision on writeback.
-            values = g.param_values()
-            for b in g.buffers:
-                for p in b.params:
-                    whole = nn.Parameter(values[id(p)], requires_grad=p.requires_grad)
-                    full.append((p, whole))
-                    for module, attr in sites.get(id(p), []):
-                        module._parameters[attr] = whole
+    for g in groups:
+        # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
+        # precision on writeback.
+        values = g.param_values()
+        full += [(p, nn.Parameter(values[id(p)], requires_grad=p.requires_grad)) for b in g.buffers for p in b.params]
+    with installed((module, attr, whole) for p, whole in full for module, attr in sites.get(id(p), [])):
         yield model
         if writeback:
             with torch.no_grad():
                 for p, whole in full:
                     p.load_full(whole)
-    finally:
-        for p, _ in full:
-            for module, attr in sites.get(id(p), []):
-                module._parameters[attr] = p

@@ -30,6 +30,7 @@ from ..base._compat import hf_initialize_weights, hf_initialize_weights_replaced
 from ..errors import InitError
 from ..job.distributed import get_state
 from ..runtime.flat_buffer import FlatBuffer
+from ..runtime.module_params import installed, registrations
 from ..runtime.param import DistributedParameter
 
 Temps = dict[str, nn.Parameter]
@@ -87,11 +88,10 @@ class _Replay:
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.canonical: dict[int, tuple[int, str]] = {}  # id(param) -> (id(module), attr) of its first name
         self.params: dict[int, tuple[str, nn.Parameter]] = {}
-        for mod_name, m in model.named_modules(remove_duplicate=False):
-            for attr, p in m._parameters.items():
-                if p is not None and id(p) not in self.canonical:
-                    self.canonical[id(p)] = (id(m), attr)
-                    self.params[id(p)] = (f"{mod_name}.{attr}" if mod_name else attr, p)
+        for name, m, attr, p in registrations(model):
+            if id(p) not in self.canonical:
+                self.canonical[id(p)] = (id(m), attr)
+                self.params[id(p)] = (name, p)
         buffers = {id(p.flat_buffer): p.flat_buffer for _, p in self.params.values()
                    if isinstance(p, DistributedParameter)}
         self.buffers: list[FlatBuffer] = list(buffers.values())
@@ -173,20 +173,17 @@ class _Replay:
         fresh = [_blank(b.shape, b.dtype, self.device) for _, _, b in meta]
         versions = {id(t): tensor_version(t) for t in [*by_param.values(), *fresh]}
         shards = [(b, tensor_version(b.shard)) for b in self.buffers]
-        for m, a, p in originals:
-            m._parameters[a] = by_param[id(p)]
         for (m, n, _), t in zip(meta, fresh, strict=True):
             m._buffers[n] = t
         try:
-            call({a: by_param[id(p)] for m, a, p in originals if m is module})
+            with installed((m, a, by_param[id(p)]) for m, a, p in originals):
+                call({a: by_param[id(p)] for m, a, p in originals if m is module})
         except InitError:
             raise
         except Exception as exc:
             raise InitError(f"{what} of {self.where(module)} failed on full tensors: {type(exc).__name__}: {exc}. "
                             "Pass init_fn= to initialise this module yourself") from exc
         finally:
-            for m, a, p in originals:
-                m._parameters[a] = p
             for (m, n, b), t in zip(meta, fresh, strict=True):
                 if not _written(t, versions[id(t)]):
                     m._buffers[n] = b  # not rebuilt: stays meta, reported at the end
