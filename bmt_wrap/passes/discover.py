@@ -7,7 +7,7 @@ A module without a forward of its own (``ModuleList``, ``ModuleDict``) is never 
 block: it is read as the container it is (Funnel's encoder keeps its layers in a list of lists).
 A layer compiled with ``torch.compile(layer)`` is read as the layer it wraps: it is the same block as its
 uncompiled siblings, and the block is the inner module (``layers.0._orig_mod``, the names plain torch
-gives its parameters), whose compiled code the executor then runs (``bmt_wrap/compiled.py``).
+gives its parameters), whose compiled code the executor then runs (``bmt_wrap/wrapping/compiled.py``).
 """
 
 from __future__ import annotations

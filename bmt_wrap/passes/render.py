@@ -1,5 +1,5 @@
 """Renderers for ``bmt-wrap dump``: the rewritten graph as text, JSON or Graphviz dot (the plan's own tables are
-``plan.py``'s)."""
+``base/plan.py``'s)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class ParamBuffer(ShardStorage, Protocol):
 
 
 # BMTrain's ``DistributedParameter(data)`` shards ``data`` into a group of its own, which only the engine
-# can build; the engine layer installs how (process_engine.install_engine), so this module never reaches up.
+# can build; the engine layer installs how (active_engine.install_engine), so this module never reaches up.
 _standalone: Callable[..., DistributedParameter] | None = None
 
 

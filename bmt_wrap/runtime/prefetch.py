@@ -1,4 +1,4 @@
-"""Which groups to gather ahead: ``PrefetchSchedule`` (prefetch_schedule.py) over the forward's block
+"""Which groups to gather ahead: ``PrefetchSchedule`` (base/prefetch_schedule.py) over the forward's block
 order, and over this step's calls replayed in reverse for backward.
 
 The order comes from the plan, or is learned from the first forward (the explicit API). Every decision
