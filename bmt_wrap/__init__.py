@@ -30,11 +30,13 @@ _FROM = {
     "base.plan": ["WrapPlan"],
     "bmtrain.global_var": ["config"],
     "bmtrain.inspect": ["see_memory"],
-    "bmtrain.synchronize": ["gather_result", "synchronize", "wait_loader"],  # the module's name means the function
+    # ``bmt.synchronize`` is the function, as in BMTrain, not the module of that name.
+    "bmtrain.synchronize": ["gather_result", "synchronize", "wait_loader"],
     "explicit.block": ["Block", "CheckpointBlock", "PipelineTransformerBlockList", "TransformerBlockList"],
     "explicit.module": ["DistributedModule"],
-    "job.distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized", "local_rank",
-                        "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss", "world_size"],
+    "job.distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized",
+                        "local_rank", "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss",
+                        "world_size"],
     "runtime.param": ["DistributedParameter"],
     "save_load": ["load", "load_checkpoint", "save", "save_checkpoint"],
     "wrapping.apply_plan": ["is_wrapped"],

@@ -64,7 +64,8 @@ def new_path(name: str) -> str | None:
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old path as the module at its new one."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
         """A spec for an old path (ahead of the path finder, which would load a package's file twice)."""
         new = new_path(fullname)
         return None if new is None else importlib.machinery.ModuleSpec(fullname, self, loader_state=new)

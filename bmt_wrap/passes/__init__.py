@@ -23,9 +23,10 @@ from .util import self_checkpointing_modules
 
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
-    "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph", "discover_blocks",
-    "eager_capture", "estimate", "meta_skeleton", "place_parameters", "render_dot", "render_estimates",
-    "render_json", "render_text", "schedule", "schedule_graph", "self_checkpointing_modules", "steps", "to_meta",
+    "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph",
+    "discover_blocks", "eager_capture", "estimate", "meta_skeleton", "place_parameters", "render_dot",
+    "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
+    "self_checkpointing_modules", "steps", "to_meta",
 ]
 
 # The names before issue 23, for callers that import them: ``rewrite`` never rewrote the model (apply_plan

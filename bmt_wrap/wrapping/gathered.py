@@ -42,7 +42,8 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
         # precision on writeback.
         values = g.param_values()
-        full += [(p, nn.Parameter(values[id(p)], requires_grad=p.requires_grad)) for b in g.buffers for p in b.params]
+        full += [(p, nn.Parameter(values[id(p)], requires_grad=p.requires_grad))
+                 for b in g.buffers for p in b.params]
     with installed((module, attr, whole) for p, whole in full for module, attr in sites.get(id(p), [])):
         yield model
         if writeback:
