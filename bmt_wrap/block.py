@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from .compiled import adopt_compile, never_traced
 from .consistency import check_same_block
 from .errors import BlockListError, WrapError
+from .grad_sync import no_sync
 from .plan import ShardGroupSpec, layout_buffers
 from .runtime.comm import collective_purpose
 from .runtime.process_engine import get_engine
@@ -202,6 +204,10 @@ class TransformerBlockList(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside reduce none of the blocks' gradients; the first one outside reduces them all."""
+        return no_sync(self)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
