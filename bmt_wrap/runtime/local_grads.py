@@ -10,7 +10,7 @@ accumulator is freed, never pooled, when reduced, so the pool does not grow to t
 The window's sums live here, not in ``.grad``; so that ``zero_grad()`` inside the window still discards
 them as torch's would, each parameter that got a gradient is given a ``.grad`` viewing its buffer's
 gradient shard (zeros when it had none), and before the accumulator is used again a ``.grad`` set to
-None, replaced, or zeroed in place drops that parameter's part (``reconcile``).
+None or replaced drops that parameter's part, and one changed in place raises (``reconcile``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from .._compat import tensor_version
 from ..errors import GradSyncError
 from .flat_buffer import FlatBuffer
-from .grad_reduce import _adopt_existing_grads, _is_view_of
+from .grad_reduce import _adopt_existing_grads
 from .group import ShardGroup
 
 
@@ -35,55 +35,48 @@ class LocalGrad:
     buffer: FlatBuffer
     full: torch.Tensor  # full_numel elements in the buffer's gradient dtype, laid out as the gathered buffer
     used: list[bool]  # slots that got a gradient on this rank during the window
-    marked: list[bool] = field(default_factory=list)  # slots whose .grad we pointed at the gradient shard
-    shard: weakref.ref[torch.Tensor] | None = None  # the gradient shard those .grad views view
-    version: int = 0  # its version counter when marked: an in-place change after that was the user's
+    # Per slot, the ``.grad`` we left at the last backward's end and its version counter then: a different
+    # object, or a bumped version, was the user's doing. (The wrapper's own counter: in-place ops on a
+    # sharded tensor run on its local range below autograd, which bumps no counter of the shard.)
+    marked: list[weakref.ref[torch.Tensor] | None] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     def reconcile(self) -> None:
         """Drop the part of every parameter whose ``.grad`` the user cleared since the last backward."""
-        if not any(self.marked):
-            return
-        shard = self.shard() if self.shard is not None else None
-        changed = shard is None or tensor_version(shard) != self.version
         cleared: list[int] = []
-        kept: list[int] = []
-        for i, p in enumerate(self.buffer.params):
-            if not self.marked[i]:
+        for i, (p, ref) in enumerate(zip(self.buffer.params, self.marked, strict=False)):
+            if ref is None:
                 continue
-            a, b = self.buffer.local_ranges[i]
-            if shard is None or p.grad is None or not _is_view_of(p.grad, shard[a:b]):
+            if p.grad is None or p.grad is not ref():
                 cleared.append(i)  # set to None (zero_grad) or replaced
-            else:
-                kept.append(i)
-        if changed and kept:
-            if any(bool(shard[slice(*self.buffer.local_ranges[i])].any()) for i in kept):  # type: ignore[index]
-                names = [self.buffer.spec.slots[i].fqn for i in kept]
+            elif tensor_version(p.grad) != self.versions[i]:
+                # Changed in place: the same on every rank (values are not, each holds its own range), so
+                # every rank raises alike. Zeroing is such a change too: its intent cannot be told apart here.
                 raise GradSyncError(
-                    f"the .grad of {names[0]!r} (and {len(names) - 1} more) was changed in place inside "
-                    "model.no_sync(): the window's gradients are held unreduced outside .grad, so an in-place "
-                    "change cannot apply to them. Change gradients after the synchronising backward (the first "
-                    "one outside no_sync), or clear them with zero_grad().")
-            cleared += kept  # zero_grad(set_to_none=False)
+                    f"the .grad of {self.buffer.spec.slots[i].fqn!r} was changed in place inside model.no_sync() "
+                    "(zero_grad(set_to_none=False) does this too): the window's gradients are held unreduced "
+                    "outside .grad, so an in-place change cannot apply to them. Change gradients after the "
+                    "synchronising backward (the first one outside no_sync); to discard the window, call "
+                    "zero_grad() with set_to_none=True (the default) or model.zero_grad().")
         for i in cleared:
             slot = self.buffer.spec.slots[i]
             self.full[slot.offset:slot.offset + slot.numel].zero_()
             self.used[i] = False
-            self.marked[i] = False
+            self.marked[i] = None
 
     def mark(self) -> None:
         """Point ``.grad`` of every parameter with a gradient here at the gradient shard (zeros if new)."""
         buf = self.buffer
         if not any(self.used) and not any(p.grad is not None for p in buf.params):
             return
-        shard = buf.ensure_grad_shard()
+        buf.ensure_grad_shard()
         _adopt_existing_grads(buf)
-        self.marked = [False] * len(buf.params)
+        self.marked, self.versions = [], []
         for i, p in enumerate(buf.params):
             if p.grad is None and self.used[i]:
                 p.grad = buf.grad_tensor(i)
-            self.marked[i] = p.grad is not None
-        self.shard = weakref.ref(shard)
-        self.version = tensor_version(shard)
+            self.marked.append(weakref.ref(p.grad) if p.grad is not None else None)
+            self.versions.append(tensor_version(p.grad) if p.grad is not None else 0)
 
 
 class LocalGrads:
