@@ -18,6 +18,7 @@ from toy import ToyGPT, manual_plan
 import bmt_wrap as bmt
 from bmt_wrap.apply_plan import apply_plan
 from bmt_wrap.distributed import get_state
+from bmt_wrap.runtime.process_engine import get_engine
 
 WORLD_SIZES = [1, 2, 4]
 MICRO = 4
@@ -278,3 +279,20 @@ def test_ranks_that_disagree_on_no_sync_all_raise() -> None:
     assert [name for name, _ in results] == ["CollectiveMismatchError"] * 2, results
     for _, message in results:
         assert "no_sync" in message, message
+
+
+def _window_memory_body() -> tuple[int, int]:
+    """(bytes the window's accumulators hold, the plan's estimate of them) after one no_sync backward."""
+    torch.manual_seed(0)
+    model = bmt.BMTrainModelWrapper(ToyGPT(), example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
+    x = torch.randint(0, 64, (2, 8))
+    with model.no_sync():
+        model(x, x).backward()
+    held = sum(loc.full.numel() * loc.full.element_size() for loc in get_engine().local_grads.pending())
+    return held, model.plan.estimates[str(bmt.world_size())].no_sync_grads
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_plan_states_what_a_window_holds(world_size: int) -> None:
+    for held, estimated in run_distributed(_window_memory_body, world_size):
+        assert held == estimated > 0, (held, estimated)
