@@ -296,3 +296,28 @@ def _window_memory_body() -> tuple[int, int]:
 def test_the_plan_states_what_a_window_holds(world_size: int) -> None:
     for held, estimated in run_distributed(_window_memory_body, world_size):
         assert held == estimated > 0, (held, estimated)
+
+
+def _lightning_body() -> list[tuple[int, int]]:
+    """Reduce-scatter (calls, bytes) of a backward inside ShardedStrategy's block_backward_sync (what
+    Lightning's loop enters on accumulating batches), then of one outside it."""
+    from bmt_wrap.integrations.lightning import ShardedStrategy
+
+    _, network = _build("plain", {})
+    holder = torch.nn.Module()
+    holder.net = network  # a LightningModule holds the wrapped network
+    strategy = ShardedStrategy()
+    strategy.model = holder
+    x = torch.randint(0, 64, (2, 8))
+    seen = []
+    for block in (True, False):
+        bmt.reset_comm_stats()
+        with strategy.block_backward_sync() if block else contextlib.nullcontext():
+            network(x, x).backward()
+        seen.append(_reduce_scatters())
+    return seen
+
+
+def test_lightning_accumulating_batches_communicate_no_gradient() -> None:
+    for inside, outside in run_distributed(_lightning_body, 2):
+        assert inside == (0, 0) and outside[1] > 0, (inside, outside)
