@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_harness import raised, run_distributed
 from parity import LOSS_RTOL, compare_grads, compare_params, lm_batches
+from test_engine_memory_comm import _live_bytes
 from test_explicit_api import BmtGPT, PlainGPT
 from toy import ToyGPT, manual_plan
 
@@ -281,21 +282,30 @@ def test_ranks_that_disagree_on_no_sync_all_raise() -> None:
         assert "no_sync" in message, message
 
 
-def _window_memory_body() -> tuple[int, int]:
-    """(bytes the window's accumulators hold, the plan's estimate of them) after one no_sync backward."""
+def _window_memory_body() -> tuple[int, int, int]:
+    """(bytes the window's accumulators hold, the plan's estimate of them, how much more every live
+    storage holds inside a window than after synchronised steps: an independent gc count) after two
+    micro-batches under no_sync."""
     torch.manual_seed(0)
-    model = bmt.BMTrainModelWrapper(ToyGPT(), example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
+    model = bmt.BMTrainModelWrapper(ToyGPT(d=64), example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
     x = torch.randint(0, 64, (2, 8))
-    with model.no_sync():
+    for _ in range(2):  # the pool and the gradient shards reach their steady size
         model(x, x).backward()
+    before = _live_bytes([])[0]
+    with model.no_sync():
+        for _ in range(2):
+            model(x, x).backward()
+    grown = _live_bytes([])[0] - before
     held = sum(loc.full.numel() * loc.full.element_size() for loc in get_engine().local_grads.pending())
-    return held, model.plan.estimates[str(bmt.world_size())].no_sync_grads
+    return held, model.plan.estimates[str(bmt.world_size())].no_sync_grads, grown
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_plan_states_what_a_window_holds(world_size: int) -> None:
-    for held, estimated in run_distributed(_window_memory_body, world_size):
+    for held, estimated, grown in run_distributed(_window_memory_body, world_size):
         assert held == estimated > 0, (held, estimated)
+        # Buffers the pool keeps between steps (as large as a block's gradient) absorb part of it.
+        assert 0 < grown <= estimated, (grown, estimated)
 
 
 def _lightning_body() -> list[tuple[int, int]]:
