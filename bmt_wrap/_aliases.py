@@ -2,7 +2,7 @@
 
 BMTrain code imports ``bmtrain.store``, ``bmtrain.nccl``, ``bmtrain.nn`` ...; our own users import
 ``bmt_wrap.plan``, ``bmt_wrap.checkpoint``, ``bmt_wrap.distributed``. Those paths name the modules that
-now live in ``bmtrain/``, ``base/``, ``wrap/`` ... A meta-path finder answers an old path with the new
+now live in ``bmtrain/``, ``base/``, ``wrapping/`` ... A meta-path finder answers an old path with the new
 module itself (not a copy: one class object, one ``_STATE``), loading it only when first imported, so
 ``import bmt_wrap.plan`` still loads no runtime.
 """

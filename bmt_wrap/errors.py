@@ -77,6 +77,11 @@ class OptimizerError(BMTError):
     """An optimizer or loss scaler was misused."""
 
 
+class GradSyncError(BMTError):
+    """Gradients accumulated unreduced under ``no_sync`` would be lost or misused (an optimizer step or
+    clipping before the synchronising backward, an in-place change to ``.grad`` inside the window)."""
+
+
 class CheckpointError(BMTError):
     """A checkpoint file or directory cannot be written or read."""
 

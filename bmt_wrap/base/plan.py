@@ -204,6 +204,9 @@ class MemoryEstimate:
     comm_reduce_scatter: int = 0
     comm_all_reduce: int = 0
     zero3_bound: int = 0  # 3 * Psi * (N-1) / N in bytes (2 gathers + 1 reduce-scatter, each in its dtype)
+    # Extra while a ``model.no_sync()`` window holds gradients unreduced: every trainable buffer's full
+    # gradient in the gradient dtype (not in ``total``: only accumulation without communication pays it).
+    no_sync_grads: int = 0
 
     @property
     def total(self) -> int:
@@ -367,6 +370,7 @@ _ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("gradients in flight", lambda e: e.grads_in_flight),
     ("activations", lambda e: e.activations),
     ("= total per rank", lambda e: e.total),
+    ("+ inside model.no_sync()", lambda e: e.no_sync_grads),
     ("all-gather / step", lambda e: e.comm_all_gather),
     ("reduce-scatter / step", lambda e: e.comm_reduce_scatter),
     ("= communicated / step", lambda e: e.comm_total),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..runtime.param import DistributedParameter
 from ..runtime.standalone import full_value
 from ..wrapping.compiled import adopt_compile, never_traced
 from ..wrapping.consistency import check_same_block
+from ..wrapping.grad_sync import no_sync
 from ..wrapping.sharded_module import ShardedModuleMixin, install_state_hooks
 
 _CLASSES: dict[type, type] = {}
@@ -202,6 +204,10 @@ class TransformerBlockList(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside reduce none of the blocks' gradients; the first one outside reduces them all."""
+        return no_sync(self)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())

@@ -7,6 +7,8 @@ whole optimizer. ``ShardedStrategy`` keeps the first part and replaces the rest:
 
 - the model is used as it is (it reduces its own gradients); ``gradient_clip_val`` needs nothing:
   ``torch.nn.utils.clip_grad_norm_`` on sharded parameters takes the norm over every rank;
+- ``accumulate_grad_batches``: the accumulating batches' backwards run under the wrapped networks'
+  ``no_sync()`` (DDP's strategy does this only for a DDP module), so they communicate no gradient;
 - a checkpoint (``ModelCheckpoint``, ``trainer.save_checkpoint``) is a directory: the module's and the
   optimizers' state written with ``torch.distributed.checkpoint`` (every rank its own part), and
   ``meta.pt`` with the rest (loops, callbacks, schedulers, hyperparameters). ``fit(ckpt_path=...)``
@@ -18,6 +20,8 @@ LightningModule (in ``__init__`` or ``configure_model``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from ..errors import CheckpointError, WrapError
 from ..job.distributed import is_initialized
 from ..save_load.atomic import require_directory
 from ..save_load.dcp import holds_sharded_parameters, load_directory, save_directory
+from ..wrapping.grad_sync import no_sync
 
 #: The file, inside a checkpoint directory, holding everything but the module and optimizer states.
 META = "meta.pt"
@@ -62,6 +67,13 @@ class ShardedStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     # ---- checkpoints --------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulating batches: backwards under ``no_sync()`` of every network in the module."""
+        assert self.model is not None
+        with no_sync(self.model):
+            yield
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Load after the optimizers exist: their sharded state is read straight into them."""

@@ -18,6 +18,7 @@ from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
 from ..job.distributed import current_state
 from ..runtime.sharded_tensor import local_view
+from ..wrapping.grad_sync import check_synced
 from .fusion import PlanCache
 from .sharding import is_replicated
 from .torch_adam import SCRATCH_ELEMS
@@ -143,5 +144,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
                     eps: float = 1e-6) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for sharded parameters: clips to the norm of the full gradient
     over every rank (one all-reduce) and returns that norm. Call it on every rank."""
+    parameters = list(parameters)
+    check_synced(parameters, "clip_grad_norm_")
     sharded, replicated = GradRanges()(parameters)
     return clip_grads_(sharded, replicated, float(max_norm), float(norm_type), eps, 1.0)

@@ -9,6 +9,7 @@ import torch
 from ..base._compat import foreach_div_
 from ..base.log import get_logger
 from ..errors import OptimizerError
+from ..wrapping.grad_sync import check_synced
 from .grad_norm import GradRanges, any_rank, clip_grads_, local_overflow
 from .loss_scaler import DynamicLossScaler
 
@@ -74,6 +75,7 @@ class OptimManager:
 
     def step(self) -> bool:
         """Unscale, check for overflow on every rank, step every optimizer and scheduler; False if skipped."""
+        check_synced(self._params(), "OptimManager.step()")
         if self.scaler is not None:
             sharded, replicated = self._ranges(self._params())
             if any_rank(local_overflow(sharded + replicated)):
@@ -110,6 +112,7 @@ class OptimManager:
             raise OptimizerError("clip_grad_norm needs max_norm: clip_grad_norm(max_norm=1.0), or "
                                  "clip_grad_norm(optimizer.param_groups, 1.0)")
         params = self._params() if param_groups is None else _params_of(param_groups)
+        check_synced(params, "OptimManager.clip_grad_norm()")
         sharded, replicated = self._ranges(params)
         return clip_grads_(sharded, replicated, float(max_norm), float(norm_type), eps, self.loss_scale)
 

@@ -60,6 +60,7 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     est.gathered = (sum(_held_gathered(g, n) for g in root) + (plan.prefetch_depth + 1) * largest
                     + sum(_held_gathered(g, n) for g in blocks if g.zero_level == 2))
     est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
+    est.no_sync_grads = sum(_grad_bytes(g, n) for g in plan.groups)  # runtime/local_grads.py
     if activations is not None:
         est.activations = activations.total({g.name for g in blocks if g.checkpoint})
 

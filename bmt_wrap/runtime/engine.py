@@ -26,6 +26,7 @@ from .flat_buffer import FlatBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
 from .group import ShardGroup, StorageMode
+from .local_grads import LocalGrads
 from .model_runtime import ModelRuntime
 from .module_params import Location
 from .param import DistributedParameter, mark_replaced
@@ -66,6 +67,8 @@ class Engine:
         self.pool = BufferPool()
         self.reducer = GradReducer(comm, self.pool, device)
         self.reducer.on_finalize.append(self._end_backward)
+        self.local_grads = LocalGrads()  # what no_sync windows accumulate unreduced
+        self.reducer.before_finalize.append(self._settle_local_grads)
         # Wrapped models hold their runtime; a model that is gone takes its groups with it.
         self._runtimes: weakref.WeakSet[ModelRuntime] = weakref.WeakSet()
         # The explicit API's blocks and bare parameters have no model to belong to: they share this one.
@@ -320,10 +323,29 @@ class Engine:
             if not any(used) and self.world_size == 1:
                 continue
             dtype = buf.grad_dtype
-            self.reducer.make_room()
+            syncing = self.local_grads.syncing(group)
+            if syncing:
+                self.reducer.make_room()
             full, release = self._full_grad_buffer(group, i, dtype)
             buf.flatten_grads_into(full, per_slot)
+            if not syncing:
+                self.local_grads.keep(buf, full, used, release)  # no_sync: no communication
+                continue
+            local = self.local_grads.take(buf)
+            if local is not None:  # the first synchronising backward reduces the window's sum with its own
+                full.add_(local.full)
+                used = [a or b for a, b in zip(used, local.used, strict=True)]
             self.reducer.reduce(buf, full, used, release)
+
+    def _settle_local_grads(self) -> None:
+        """Before a backward's end: one that reduced anything synchronises, so it also reduces what no_sync
+        windows left in buffers it did not reach (in the order they were kept, alike on every rank); then
+        ``.grad`` of what stays accumulated is pointed where ``zero_grad()`` is seen."""
+        if self.reducer.reduced_any:
+            for local in self.local_grads.take_syncing():
+                self.reducer.make_room()
+                self.reducer.reduce(local.buffer, local.full, local.used, lambda: None)
+        self.local_grads.mark_all()
 
     def _full_grad_buffer(self, group: ShardGroup, i: int, dtype: torch.dtype
                           ) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -66,6 +66,7 @@ class GradReducer:
     pool: BufferPool
     device: torch.device = torch.device("cpu")  # where the communicator takes tensors (NCCL: the GPU)
     on_finalize: list[Callable[[], None]] = field(default_factory=list)
+    before_finalize: list[Callable[[], None]] = field(default_factory=list)  # may still call ``reduce``
     _pending: deque = field(default_factory=deque)
     _touched: dict[int, _Touched] = field(default_factory=dict)
     callback_queued: bool = False
@@ -129,6 +130,11 @@ class GradReducer:
         handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
         self._pending.append(_Pending(handle, done, discard))
 
+    @property
+    def reduced_any(self) -> bool:
+        """True when this backward has started a reduce-scatter (it synchronises gradients)."""
+        return bool(self._touched)
+
     def make_room(self) -> None:
         """Before taking another full-gradient buffer: at most ``MAX_IN_FLIGHT`` exist at once."""
         while len(self._pending) >= MAX_IN_FLIGHT:
@@ -161,6 +167,8 @@ class GradReducer:
     def finalize(self) -> None:
         """End of backward: finish reductions, agree on used parameters, set ``.grad`` views."""
         try:
+            for fn in self.before_finalize:
+                fn()
             self.wait_all()
             touched = list(self._touched.values())
             if touched:

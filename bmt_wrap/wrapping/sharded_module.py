@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from ..runtime.group import ShardGroup
 from ..runtime.param import DistributedParameter
 from ..save_load.local_shard import LocalShard
 from ..save_load.optim_shards import install_step_hook
+from .grad_sync import discard_unsynced, no_sync
 
 
 class _StateDictScope:
@@ -143,6 +145,16 @@ class ShardedModuleMixin:
     def hand_over_root(self) -> ShardGroup | None:
         """Give a ``CheckpointBlock`` around this module its root group, if it has one (wrapped models do)."""
         return None
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside accumulate gradients on each rank with no communication; the first backward
+        outside reduces them all (DDP's ``no_sync``; costs the unsharded gradients' memory, docs/api.md)."""
+        return no_sync(self)  # type: ignore[arg-type]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, which also discards gradients a ``no_sync`` window holds unreduced."""
+        discard_unsynced(self)  # type: ignore[arg-type]
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors on CPU under the original names; a collective (every rank must call it)."""

@@ -118,6 +118,10 @@ def mismatch_message(sequence: int, sides: dict[int, OpDescription]) -> str:
     calls = list(dict.fromkeys(d.call for _, d in sorted(sides.items())))
     if calls == [""]:
         hint = _RUNNING
+        reducing = {d.text.startswith("reduce_scatter") for d in sides.values()}
+        if len(reducing) == 2:  # gradients reduced on some ranks only
+            hint += (" A gradient reduce-scatter ran on some ranks only: if some ranks ran a backward inside "
+                     "model.no_sync() and others outside it, enter no_sync on every rank alike.")
     elif len(calls) == 1:
         call = _CALLS[calls[0]]
         hint = f"Every rank was in {call.shown}, but they ran different collectives: {call.note}."
