@@ -1,7 +1,9 @@
 """Reduce-scatter of gradients during backward, and the end-of-backward callback that finishes them.
 
 Every group's full gradient goes through ``reduce``: an async reduce-scatter (rank average, DDP
-semantics) into the group's gradient shard, overlapping the next block's backward. When backward
+semantics) into the group's gradient shard, overlapping the next block's backward. Under HSDP the
+reduce-scatter runs within the shard group and the shard is then averaged across the replicas (one
+all-reduce of the shard), so every rank holds the world average. When backward
 returns, an autograd callback has waited for all of them, agreed across ranks which parameters got a
 gradient (one small all-reduce), and set each parameter's ``.grad`` to its view of the gradient shard;
 a parameter no rank used keeps ``.grad is None``, as in torch.
@@ -46,6 +48,22 @@ class _Pending:
     handle: Handle
     done: Callable[[], None]  # apply the reduced gradient and give the buffers back
     discard: Callable[[], None]  # only give the buffers back (the backward was aborted)
+
+
+class _ThenAverage(Handle):
+    """A reduce-scatter within the shard group, then the average of its result across replicas.
+
+    The all-reduce starts when the reduce-scatter is waited for: backends run each group's ops on their own
+    thread or stream, so posting it earlier could read the shard before the reduce-scatter wrote it.
+    """
+
+    def __init__(self, first: Handle, replicas: Communicator, shard: torch.Tensor, label: str) -> None:
+        self._first, self._replicas, self._shard, self._label = first, replicas, shard, label
+
+    def wait(self) -> None:
+        """Finish the reduce-scatter, then average the shard across replicas."""
+        self._first.wait()
+        self._replicas.all_reduce(self._shard, "avg", label=f"{self._label} replicas")
 
 
 class _EndOfBackward:
@@ -126,7 +144,9 @@ class GradReducer:
                 self.pool.release(out)
                 release()
         touched.accumulate = True  # a second call of the same block in this step adds to the first
-        handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
+        handle = buffer.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
+        if buffer.replicas is not None:
+            handle = _ThenAverage(handle, buffer.replicas, out, buffer.group_name)
         self._pending.append(_Pending(handle, done, discard))
 
     def make_room(self) -> None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
+from .single import SingleProcessCommunicator
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
@@ -70,9 +73,11 @@ class GlooCommunicator(Communicator):
     backend_name = "gloo"
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
-                 check_order: bool = True) -> None:
+                 check_order: bool = True, global_ranks: Sequence[int] | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
+        # torch's point-to-point calls and broadcast name peers by their rank in the default group
+        self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
         self._sequence = 0  # collectives run so far (worker thread only)
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], _Future] | None] = queue.SimpleQueue()
@@ -86,6 +91,21 @@ class GlooCommunicator(Communicator):
             self._queue.put(None)
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        if len(ranks) == 1:
+            return SingleProcessCommunicator(self.timeout)
+        if group is None:
+            raise CommError(f"a gloo sub-group of ranks {ranks} needs its torch process group (group=)")
+        # Its own worker thread: each group's ops stay in one order on every member, so two FIFOs that
+        # interleave differently across ranks cannot deadlock each other.
+        return GlooCommunicator(group, ranks.index(self.rank), len(ranks), self.timeout, self.check_order,
+                                global_ranks=[self._global[r] for r in ranks])
+
+    def describe(self) -> str:
+        """The group, with its global ranks when it is a sub-group."""
+        text = super().describe()
+        return text if self._global == tuple(range(self.world_size)) else f"{text} (global ranks {list(self._global)})"
 
     # ---- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -125,8 +145,8 @@ class GlooCommunicator(Communicator):
         theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
         works = []
         for peer, buf in theirs.items():
-            works.append(dist.isend(mine, peer, group=self._group, tag=_TAG_ORDER))
-            works.append(dist.irecv(buf, peer, group=self._group, tag=_TAG_ORDER))
+            works.append(dist.isend(mine, self._global[peer], group=self._group, tag=_TAG_ORDER))
+            works.append(dist.irecv(buf, self._global[peer], group=self._group, tag=_TAG_ORDER))
         return theirs, works
 
     def _verify(self, posted: tuple[dict[int, torch.Tensor], list], op: OpDescription) -> None:
@@ -164,9 +184,9 @@ class GlooCommunicator(Communicator):
             works = []
             for peer in range(n):
                 if peer != r:
-                    works.append(dist.isend(shard, peer, group=self._group, tag=tag))
-                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], peer, group=self._group,
-                                            tag=tag))
+                    works.append(dist.isend(shard, self._global[peer], group=self._group, tag=tag))
+                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], self._global[peer],
+                                            group=self._group, tag=tag))
             out[r * size:(r + 1) * size].copy_(shard)
             verify()
             self._wait_all(works, desc.text)
@@ -190,8 +210,8 @@ class GlooCommunicator(Communicator):
             send = piece(r - 1)
             for step in range(n - 1):
                 recv = out if (n - 2 - step) % 2 == 0 else scratch
-                works = [dist.isend(send, nxt, group=self._group, tag=tag),
-                         dist.irecv(recv, prv, group=self._group, tag=tag)]
+                works = [dist.isend(send, self._global[nxt], group=self._group, tag=tag),
+                         dist.irecv(recv, self._global[prv], group=self._group, tag=tag)]
                 if step == 0:
                     verify()
                 self._wait_all(works, desc.text)
@@ -219,7 +239,7 @@ class GlooCommunicator(Communicator):
         desc = describe_op("broadcast", tensor, label, f"from rank {src}")
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.broadcast(tensor, src, group=self._group, async_op=True)
+            work = dist.broadcast(tensor, self._global[src], group=self._group, async_op=True)
             verify()
             self._wait_all([work], desc.text)
 

@@ -1,0 +1,165 @@
+"""HSDP: ``mesh=`` a 2-D (replicate, shard) DeviceMesh shards within each row and replicates across rows.
+
+At 4 ranks as 2x2: parity with plain PyTorch (the Contracts' tolerances), all-gather bytes equal to ZeRO-3
+over 2 ranks (both counted), the replicas' gradient all-reduce counted, norms over the shard group only,
+a 1-D mesh identical to none, and mesh errors raised on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+from dist_harness import raised, run_distributed
+from parity import lm_batches, train_side_by_side
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from toy import ToyGPT
+
+import bmt_wrap as bmt
+from bmt_wrap.errors import MeshError
+
+HSDP = (2, 2)
+NAMES = ("replicate", "shard")
+
+
+def _mesh(shape: tuple[int, ...] = HSDP, names: tuple[str, ...] | None = NAMES) -> DeviceMesh:
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+# ---- parity -----------------------------------------------------------------------------------------------
+def _parity_body(model: str, optimizer: str, mixed: bool = False) -> dict:
+    mesh = _mesh()
+    if model == "toy":
+        build, batches, loss_fn = ToyGPT, lm_batches(4, 8), None
+    else:
+        g = torch.Generator().manual_seed(3)
+        build = models.llama
+        batches = [(torch.randint(0, models.VOCAB, (4, 8), generator=g),) for _ in range(3)]
+        loss_fn = _hf_loss
+    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, mesh=mesh), batches,
+                                optimizer=optimizer, loss_fn=loss_fn)
+    return {"losses": result["losses"]}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("model", ["toy", "llama"])
+def test_hsdp_2x2_matches_plain_pytorch(model: str, optimizer: str) -> None:
+    # train_side_by_side asserts losses, gradients and parameters at every step on every rank
+    results = run_distributed(_parity_body, 4, model, optimizer)
+    assert all(len(r["losses"]) == len(results[0]["losses"]) > 0 for r in results)
+
+
+# ---- counted bytes ----------------------------------------------------------------------------------------
+def _one_step_stats(use_mesh: bool) -> dict:
+    torch.manual_seed(0)
+    model = bmt.BMTrainModelWrapper(ToyGPT(), mesh=_mesh() if use_mesh else None)
+    x, y = lm_batches(1, 2 * bmt.world_size())[0]
+    n, r = bmt.world_size(), bmt.rank()
+    bmt.reset_comm_stats()
+    model(x.chunk(n)[r], y.chunk(n)[r]).backward()
+    return {"by_group": bmt.comm_stats(by_group=True), "total": bmt.comm_stats(),
+            "grad_shard_bytes": sum(p.grad.to_local().numel() * 4 for p in model.parameters())}
+
+
+def test_hsdp_gathers_what_zero3_over_the_shard_group_gathers_and_counts_the_replica_all_reduce() -> None:
+    hsdp = run_distributed(_one_step_stats, 4, True)
+    zero3 = run_distributed(_one_step_stats, 2, False)
+    for r in hsdp:
+        shard, replicate = r["by_group"]["shard"], r["by_group"]["replicate"]
+        z = zero3[0]["by_group"]["world"]
+        assert shard["all_gather"] == z["all_gather"], (shard, z)
+        assert shard["reduce_scatter"] == z["reduce_scatter"], (shard, z)
+        # One average per reduce-scatter, of the reduced shard: 2·b·(R−1)/R = b bytes for R = 2 replicas.
+        assert replicate["all_reduce"]["calls"] == shard["reduce_scatter"]["calls"]
+        assert replicate["all_reduce"]["bytes"] >= r["grad_shard_bytes"] > 0
+        assert "all_gather" not in replicate and "reduce_scatter" not in replicate
+        assert r["total"]["all_gather"] == shard["all_gather"]
+
+
+# ---- norms over the shard group ---------------------------------------------------------------------------
+def _clip_body() -> dict:
+    torch.manual_seed(0)
+    ref = ToyGPT()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), mesh=_mesh())
+    x, y = lm_batches(1, 8)[0]
+    ref(x, y).backward()
+    n, r = bmt.world_size(), bmt.rank()
+    model(x.chunk(n)[r], y.chunk(n)[r]).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    bmt_norm = model.clip_grad_norm_(1e9)
+    mgr = bmt.optim.OptimManager()
+    opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
+    mgr.add_optimizer(opt)
+    mgr_norm = mgr.clip_grad_norm(opt.param_groups, 1e9)
+    weight = next(p for p in model.parameters() if p.ndim == 2)
+    ref_weight = dict(ref.named_parameters())[next(n for n, p in model.named_parameters() if p is weight)]
+    return {"want": float(want), "torch": float(torch_norm), "bmt": float(bmt_norm), "mgr": float(mgr_norm),
+            "param_norm": (float(weight.norm()), float(ref_weight.norm())),
+            "sum": (float(weight.sum()), float(ref_weight.sum()))}
+
+
+def test_clip_grad_norm_and_reductions_on_hsdp_give_plain_pytorch_values() -> None:
+    for r in run_distributed(_clip_body, 4):
+        for key in ("torch", "bmt", "mgr"):
+            assert r[key] == pytest.approx(r["want"], rel=1e-5), (key, r)
+        assert r["param_norm"][0] == pytest.approx(r["param_norm"][1], rel=1e-5)
+        assert r["sum"][0] == pytest.approx(r["sum"][1], rel=1e-4, abs=1e-5)
+
+
+# ---- a 1-D mesh is no mesh ------------------------------------------------------------------------------
+def _trace_body(mesh_shape: tuple[int, ...] | None) -> dict:
+    torch.manual_seed(0)
+    mesh = _mesh(mesh_shape, None) if mesh_shape else None
+    model = bmt.BMTrainModelWrapper(ToyGPT(), mesh=mesh)
+    x, y = lm_batches(1, 8)[0]
+    n, r = bmt.world_size(), bmt.rank()
+    with bmt.get_state().comm.trace() as ops:
+        loss = model(x.chunk(n)[r], y.chunk(n)[r])
+        loss.backward()
+    return {"ops": list(ops), "loss": float(loss),
+            "grads": [p.grad.to_local().clone() for p in model.parameters()]}
+
+
+def test_one_dimensional_mesh_over_the_world_equals_no_mesh() -> None:
+    plain = run_distributed(_trace_body, 4, None)
+    one_d = run_distributed(_trace_body, 4, (4,))
+    for a, b in zip(plain, one_d, strict=True):
+        assert a["ops"] == b["ops"] and a["loss"] == b["loss"]
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
+
+
+# ---- mesh validation --------------------------------------------------------------------------------------
+def _bad_mesh_body(case: str) -> tuple[str, str]:
+    rank = bmt.rank()
+    if case == "names":
+        mesh = _mesh(HSDP, ("shard", "replicate"))
+    elif case == "3d":
+        mesh = DeviceMesh("cpu", torch.arange(4).view(1, 2, 2), _init_backend=False)
+    elif case == "differs":
+        grid = [[0, 1], [2, 3]] if rank < 2 else [[0, 2], [1, 3]]
+        mesh = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=NAMES, _init_backend=False)
+    elif case == "1d-order":
+        mesh = DeviceMesh("cpu", torch.tensor([1, 0, 2, 3]), _init_backend=False)
+    else:
+        mesh = "2x2"
+    return raised(lambda: bmt.BMTrainModelWrapper(ToyGPT(), mesh=mesh))
+
+
+@pytest.mark.parametrize("case,words", [
+    ("names", "mesh_dim_names=('replicate', 'shard')"),
+    ("3d", "1-D mesh"),
+    ("differs", "differs across ranks"),
+    ("1d-order", "in order"),
+    ("not-a-mesh", "init_device_mesh"),
+])
+def test_bad_meshes_raise_mesh_error_on_every_rank(case: str, words: str) -> None:
+    for name, message in run_distributed(_bad_mesh_body, 4, case):
+        assert name == MeshError.__name__, message
+        assert words in message, message
