@@ -300,6 +300,34 @@ def rank_layout(mesh: Any = None) -> RankLayout:
     return state.layouts[key]
 
 
+def _active_layout() -> RankLayout:
+    """The layout this process's wrapped models are sharded over (the engine adopted it at wrap time)."""
+    from .runtime.process_engine import get_engine  # the engine loads autograd machinery: load on use
+
+    return get_engine().layout
+
+
+def writes_for_all() -> bool:
+    """True on the one rank that writes files every rank's data goes into (rank 0 of the first replica)."""
+    layout = _active_layout()
+    return layout.shard_rank == 0 and layout.replica_rank == 0 if layout.replicate else get_state().rank == 0
+
+
+def in_first_replica() -> bool:
+    """True on the ranks of the first replica: gathering the whole model there is enough to write it."""
+    return _active_layout().replica_rank == 0
+
+
+def refuse_under_mesh(what: str) -> None:
+    """Raise ``UnsupportedError`` for ``what`` when models are sharded over a mesh (HSDP) it cannot handle yet."""
+    layout = _active_layout()
+    if layout.replicate is not None or layout.shard is not get_state().comm:
+        raise UnsupportedError(
+            f"{what} is not supported yet for models wrapped with mesh= (HSDP, {layout.describe()}): its files "
+            "assume one shard per rank. Save with bmt.save(model, path) (consolidated; loads at any mesh) and "
+            "torch.save of the optimizer's state_dict() per rank, or wrap without mesh=.")
+
+
 def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:
     """The mesh's ranks as rows of shard groups (one row for a 1-D mesh); raises ``MeshError`` unless
     it is a 1-D or (replicate, shard) 2-D mesh over every rank."""

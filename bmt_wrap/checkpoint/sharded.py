@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import broadcast_bytes, get_state
+from ..distributed import broadcast_bytes, get_state, refuse_under_mesh
 from ..dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
 from ..init import rebuild_lost_buffers
@@ -77,6 +77,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     ``directory`` stays loadable.
     """
     directory = Path(directory)
+    refuse_under_mesh("bmt.save_checkpoint")
     with collective_purpose("save_checkpoint", str(directory)):
         agree_on_directory(directory, "bmt.save_checkpoint")
         state = get_state()
@@ -249,6 +250,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     with ``rng.reseed(saved seed, step, rank)``.
     """
     directory = Path(directory)
+    refuse_under_mesh("bmt.load_checkpoint")
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()
         entries = model_entries(model)
