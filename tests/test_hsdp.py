@@ -19,6 +19,7 @@ from toy import ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import MeshError
+from bmt_wrap.passes import estimate_mesh
 
 HSDP = (2, 2)
 NAMES = ("replicate", "shard")
@@ -63,8 +64,10 @@ def _one_step_stats(use_mesh: bool) -> dict:
     n, r = bmt.world_size(), bmt.rank()
     bmt.reset_comm_stats()
     model(x.chunk(n)[r], y.chunk(n)[r]).backward()
+    est = estimate_mesh(model.plan, n, n // 2, n // 2) if use_mesh else None
     return {"by_group": bmt.comm_stats(by_group=True), "total": bmt.comm_stats(),
-            "grad_shard_bytes": sum(p.grad.to_local().numel() * 4 for p in model.parameters())}
+            "grad_shard_bytes": sum(p.grad.to_local().numel() * 4 for p in model.parameters()),
+            "estimate": None if est is None else (est.comm_all_gather, est.comm_reduce_scatter, est.comm_replicas)}
 
 
 def test_hsdp_gathers_what_zero3_over_the_shard_group_gathers_and_counts_the_replica_all_reduce() -> None:
@@ -80,6 +83,8 @@ def test_hsdp_gathers_what_zero3_over_the_shard_group_gathers_and_counts_the_rep
         assert replicate["all_reduce"]["bytes"] >= r["grad_shard_bytes"] > 0
         assert "all_gather" not in replicate and "reduce_scatter" not in replicate
         assert r["total"]["all_gather"] == shard["all_gather"]
+        counted = (shard["all_gather"]["bytes"], shard["reduce_scatter"]["bytes"], replicate["all_reduce"]["bytes"])
+        assert counted == r["estimate"], "estimate_mesh predicts the counted bytes"
 
 
 # ---- norms over the shard group ---------------------------------------------------------------------------

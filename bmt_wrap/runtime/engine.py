@@ -90,7 +90,7 @@ class Engine:
     def adopt_layout(self, layout: RankLayout) -> None:
         """Build new groups over ``layout``; refused while groups of another layout live (the optimizer's
         norm and overflow reductions assume one layout for every parameter)."""
-        if layout is self.layout:
+        if layout == self.layout:  # the same communicators
             return
         if self.groups:
             raise UnsupportedError(

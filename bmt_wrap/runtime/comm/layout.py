@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .base import Communicator
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class RankLayout:
     """This rank's shard group and, when there are several replicas, its replicate group."""
 
