@@ -150,6 +150,8 @@ def _bad_mesh_body(case: str) -> tuple[str, str]:
     elif case == "differs":
         grid = [[0, 1], [2, 3]] if rank < 2 else [[0, 2], [1, 3]]
         mesh = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=NAMES, _init_backend=False)
+    elif case == "partial":
+        mesh = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=NAMES, _init_backend=False)
     elif case == "1d-order":
         mesh = DeviceMesh("cpu", torch.tensor([1, 0, 2, 3]), _init_backend=False)
     else:
@@ -162,6 +164,7 @@ def _bad_mesh_body(case: str) -> tuple[str, str]:
     ("3d", "1-D mesh"),
     ("differs", "differs across ranks"),
     ("1d-order", "in order"),
+    ("partial", "cover every rank exactly once"),
     ("not-a-mesh", "init_device_mesh"),
 ])
 def test_bad_meshes_raise_mesh_error_on_every_rank(case: str, words: str) -> None:
