@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
-from .single import SingleProcessCommunicator
+from .subgroups import process_group_subgroup
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
@@ -93,14 +92,10 @@ class GlooCommunicator(Communicator):
         return not self._thread.is_alive()
 
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
-        if len(ranks) == 1:
-            return SingleProcessCommunicator(self.timeout)
-        if group is None:
-            raise CommError(f"a gloo sub-group of ranks {ranks} needs its torch process group (group=)")
         # Its own worker thread: each group's ops stay in one order on every member, so two FIFOs that
         # interleave differently across ranks cannot deadlock each other.
-        return GlooCommunicator(group, ranks.index(self.rank), len(ranks), self.timeout, self.check_order,
-                                global_ranks=[self._global[r] for r in ranks])
+        return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: GlooCommunicator(
+            g, rank, size, self.timeout, self.check_order, global_ranks=glob))
 
     def describe(self) -> str:
         """The group, with its global ranks when it is a sub-group."""

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import CommError
 from .base import Communicator, Handle
-from .single import SingleProcessCommunicator
+from .subgroups import process_group_subgroup
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
@@ -49,12 +48,8 @@ class TorchCommunicator(Communicator):
         self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
 
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
-        if len(ranks) == 1:
-            return SingleProcessCommunicator(self.timeout)
-        if group is None:
-            raise CommError(f"a {self.backend_name} sub-group of ranks {ranks} needs its torch process group (group=)")
-        return TorchCommunicator(group, ranks.index(self.rank), len(ranks), self.timeout, self._name,
-                                 global_ranks=[self._global[r] for r in ranks])
+        return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: TorchCommunicator(
+            g, rank, size, self.timeout, self._name, global_ranks=glob))
 
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
         work = _all_gather(out, shard, group=self._group, async_op=True)
