@@ -232,3 +232,16 @@ def test_mixed_precision_composes_with_hsdp() -> None:
     # the fp32 gradient sums differs (two-stage average against one ring).
     torch.testing.assert_close(torch.tensor(hsdp[0]), torch.tensor(zero3[0]), rtol=1e-3, atol=0)
     assert all(h == hsdp[0] for h in hsdp)
+
+
+def _two_layouts_body() -> tuple[str, str]:
+    first = bmt.BMTrainModelWrapper(ToyGPT(), mesh=_mesh())
+    outcome = raised(lambda: bmt.BMTrainModelWrapper(ToyGPT()))
+    del first
+    return outcome
+
+
+def test_a_second_layout_beside_a_live_hsdp_model_is_refused() -> None:
+    for name, message in run_distributed(_two_layouts_body, 4):
+        assert name == "UnsupportedError" and "same mesh=" in message, message
+
