@@ -320,6 +320,8 @@ def in_first_replica() -> bool:
 
 def refuse_under_mesh(what: str) -> None:
     """Raise ``UnsupportedError`` for ``what`` when models are sharded over a mesh (HSDP) it cannot handle yet."""
+    if _STATE is None:
+        return  # nothing is sharded yet: the caller's own checks speak
     layout = _active_layout()
     if layout.replicate is not None or layout.shard is not get_state().comm:
         raise UnsupportedError(

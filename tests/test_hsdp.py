@@ -34,7 +34,7 @@ def _hf_loss(model, ids):
 
 
 # ---- parity -----------------------------------------------------------------------------------------------
-def _parity_body(model: str, optimizer: str, mixed: bool = False) -> dict:
+def _parity_body(model: str, optimizer: str, micro: int = 1) -> dict:
     mesh = _mesh()
     if model == "toy":
         build, batches, loss_fn = ToyGPT, lm_batches(4, 8), None
@@ -44,7 +44,7 @@ def _parity_body(model: str, optimizer: str, mixed: bool = False) -> dict:
         batches = [(torch.randint(0, models.VOCAB, (4, 8), generator=g),) for _ in range(3)]
         loss_fn = _hf_loss
     result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, mesh=mesh), batches,
-                                optimizer=optimizer, loss_fn=loss_fn)
+                                optimizer=optimizer, loss_fn=loss_fn, micro=micro)
     return {"losses": result["losses"]}
 
 
@@ -54,6 +54,10 @@ def test_hsdp_2x2_matches_plain_pytorch(model: str, optimizer: str) -> None:
     # train_side_by_side asserts losses, gradients and parameters at every step on every rank
     results = run_distributed(_parity_body, 4, model, optimizer)
     assert all(len(r["losses"]) == len(results[0]["losses"]) > 0 for r in results)
+
+
+def test_hsdp_accumulates_micro_batches_like_plain_pytorch() -> None:
+    run_distributed(_parity_body, 4, "toy", "sgd", 2)
 
 
 # ---- counted bytes ----------------------------------------------------------------------------------------
