@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import get_state, refuse_under_mesh
+from ..distributed import get_state
 from ..errors import CheckpointError
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
@@ -52,7 +52,6 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
     """
     import torch.distributed.checkpoint as dcp
 
-    refuse_under_mesh("a sharded (torch.distributed.checkpoint) save")
     target = Path(directory)
     saving, old = target.parent / f".{target.name}.saving", target.parent / f".{target.name}.old"
     with collective_purpose("save_directory", str(target)):
@@ -86,7 +85,6 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     """Read a complete ``save_directory`` save into ``state``'s tensors, in place (at any world size); a collective."""
     import torch.distributed.checkpoint as dcp
 
-    refuse_under_mesh("a sharded (torch.distributed.checkpoint) load")
     require_directory(Path(directory))
     if not (Path(directory) / ".metadata").is_file():
         raise CheckpointError(f"{directory} holds no torch.distributed.checkpoint metadata (.metadata): it is not a "
