@@ -326,8 +326,9 @@ def refuse_under_mesh(what: str) -> None:
     if layout.replicate is not None or layout.shard is not get_state().comm:
         raise UnsupportedError(
             f"{what} is not supported yet for models wrapped with mesh= (HSDP, {layout.describe()}): its files "
-            "assume one shard per rank. Save with bmt.save(model, path) (consolidated; loads at any mesh) and "
-            "torch.save of the optimizer's state_dict() per rank, or wrap without mesh=.")
+            "assume one shard per rank. Save with bmt.save(model, path) (consolidated; loads at any mesh) or "
+            "torch.distributed.checkpoint (bmt_wrap.checkpoint.dcp.save_sharded: model and optimizer, "
+            "resharded on load), or wrap without mesh=.")
 
 
 def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:
