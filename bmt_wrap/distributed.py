@@ -318,17 +318,14 @@ def in_first_replica() -> bool:
     return _active_layout().replica_rank == 0
 
 
-def refuse_under_mesh(what: str) -> None:
-    """Raise ``UnsupportedError`` for ``what`` when models are sharded over a mesh (HSDP) it cannot handle yet."""
-    if _STATE is None:
-        return  # nothing is sharded yet: the caller's own checks speak
+def shard_placement(what: str) -> list[tuple[int, int]] | None:
+    """Every rank's (shard rank, replica rank) under a mesh (one all-reduce), or None without one, where
+    rank r holds shard r; ``what`` labels the collective."""
     layout = _active_layout()
-    if layout.replicate is not None or layout.shard is not get_state().comm:
-        raise UnsupportedError(
-            f"{what} is not supported yet for models wrapped with mesh= (HSDP, {layout.describe()}): its files "
-            "assume one shard per rank. Save with bmt.save(model, path) (consolidated; loads at any mesh) or "
-            "torch.distributed.checkpoint (bmt_wrap.checkpoint.dcp.save_sharded: model and optimizer, "
-            "resharded on load), or wrap without mesh=.")
+    if layout.replicate is None and layout.shard is get_state().comm:
+        return None
+    table = agree(None, [layout.shard_rank, layout.replica_rank], what=what)
+    return [(shard, replica) for shard, replica in table]
 
 
 def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:

@@ -179,8 +179,6 @@ def test_bad_meshes_raise_mesh_error_on_every_rank(case: str, words: str) -> Non
 
 # ---- wrap-time broadcast, state_dict, consolidated checkpoints, refusals ---------------------------------
 def _checkpoint_body(directory: str) -> dict:
-    from bmt_wrap.errors import UnsupportedError
-
     mesh = _mesh()
     torch.manual_seed(0)
     reference = ToyGPT()
@@ -198,18 +196,13 @@ def _checkpoint_body(directory: str) -> dict:
     bmt.load(other, path)
     reloaded = other.state_dict()
     return {"wrap_broadcast": same_as_rank0,
-            "reloaded": all(torch.equal(reloaded[k], v) for k, v in state.items()),
-            "sharded_save": raised(lambda: bmt.save_checkpoint(f"{directory}/ckpt", model)),
-            "sharded_load": raised(lambda: bmt.load_checkpoint(f"{directory}/ckpt", model)),
-            "unsupported": UnsupportedError.__name__}
+            "reloaded": all(torch.equal(reloaded[k], v) for k, v in state.items())}
 
 
-def test_hsdp_state_dict_consolidated_save_load_and_refused_sharded_checkpoints(tmp_path) -> None:
+def test_hsdp_state_dict_and_consolidated_save_load(tmp_path) -> None:
     results = run_distributed(_checkpoint_body, 4, str(tmp_path))
     for r in results:
         assert r["wrap_broadcast"] and r["reloaded"], r
-        for key in ("sharded_save", "sharded_load"):
-            assert r[key][0] == r["unsupported"] and "mesh=" in r[key][1], r[key]
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"], "one file, written by one rank"
 
 
@@ -252,9 +245,16 @@ def test_a_second_layout_beside_a_live_hsdp_model_is_refused() -> None:
 
 
 
-def _dcp_body(directory: str, load_shape: tuple[int, int] | None) -> tuple[bool, bool]:
+def _sharded_body(directory: str, load_shape: tuple[int, int] | None, fmt: str) -> tuple[bool, bool]:
     from bmt_wrap.checkpoint.dcp import load_sharded, save_sharded
     from bmt_wrap.runtime.process_engine import reset_engine
+
+    if fmt == "bmt":
+        def save_sharded(directory, model, opt):
+            bmt.save_checkpoint(directory, model, optimizer=opt)
+
+        def load_sharded(directory, model, opt):
+            bmt.load_checkpoint(directory, model, optimizer=opt)
 
     def trained(mesh, seed):
         torch.manual_seed(seed)
@@ -281,7 +281,13 @@ def _dcp_body(directory: str, load_shape: tuple[int, int] | None) -> tuple[bool,
             all(torch.equal(a, b) for a, b in zip(got_state, want_state, strict=True)))
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "bmt"])
 @pytest.mark.parametrize("load_shape", [HSDP, None, (4, 1)])
-def test_dcp_sharded_save_under_hsdp_loads_at_any_layout(tmp_path, load_shape) -> None:
-    # Replicas hold the same boxes; DCP keeps one writer per box, and each rank reads its own on load.
-    assert all(r == (True, True) for r in run_distributed(_dcp_body, 4, str(tmp_path / "ckpt"), load_shape))
+def test_sharded_save_under_hsdp_loads_at_any_layout(tmp_path, load_shape, fmt: str) -> None:
+    # DCP: replicas offer the same boxes, written once. bmt.save_checkpoint: the first replica writes the
+    # shards, the others' ranges are empty. Either way each rank reads its own range on load.
+    results = run_distributed(_sharded_body, 4, str(tmp_path / "ckpt"), load_shape, fmt)
+    assert all(r == (True, True) for r in results)
+    if fmt == "bmt":
+        sizes = sorted(p.stat().st_size for p in (tmp_path / "ckpt").glob("shard-*.safetensors"))
+        assert len(sizes) == 4 and sizes[1] < sizes[2], "two replicas' files hold no shards"
