@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from toy import ToyGPT
 
 import bmt_wrap as bmt
+from bmt_wrap.distributed import rank_layout
 from bmt_wrap.errors import MeshError
 from bmt_wrap.passes import estimate_mesh
 
@@ -63,7 +64,9 @@ def test_hsdp_accumulates_micro_batches_like_plain_pytorch() -> None:
 # ---- counted bytes ----------------------------------------------------------------------------------------
 def _one_step_stats(use_mesh: bool) -> dict:
     torch.manual_seed(0)
-    model = bmt.BMTrainModelWrapper(ToyGPT(), mesh=_mesh() if use_mesh else None)
+    mesh = _mesh() if use_mesh else None
+    model = bmt.BMTrainModelWrapper(ToyGPT(), mesh=mesh)
+    layout = rank_layout(mesh)
     x, y = lm_batches(1, 2 * bmt.world_size())[0]
     n, r = bmt.world_size(), bmt.rank()
     bmt.reset_comm_stats()
@@ -71,7 +74,9 @@ def _one_step_stats(use_mesh: bool) -> dict:
     est = estimate_mesh(model.plan, n, n // 2, n // 2) if use_mesh else None
     return {"by_group": bmt.comm_stats(by_group=True), "total": bmt.comm_stats(),
             "grad_shard_bytes": sum(p.grad.to_local().numel() * 4 for p in model.parameters()),
-            "estimate": None if est is None else (est.comm_all_gather, est.comm_reduce_scatter, est.comm_replicas)}
+            "estimate": None if est is None else (est.comm_all_gather, est.comm_reduce_scatter, est.comm_replicas),
+            # gloo: both groups on one worker, so each replicas' average is posted with its reduce-scatter
+            "posted_together": layout.replicate is not None and layout.replicate.runs_after(layout.shard)}
 
 
 def test_hsdp_gathers_what_zero3_over_the_shard_group_gathers_and_counts_the_replica_all_reduce() -> None:
@@ -89,6 +94,7 @@ def test_hsdp_gathers_what_zero3_over_the_shard_group_gathers_and_counts_the_rep
         assert r["total"]["all_gather"] == shard["all_gather"]
         counted = (shard["all_gather"]["bytes"], shard["reduce_scatter"]["bytes"], replicate["all_reduce"]["bytes"])
         assert counted == r["estimate"], "estimate_mesh predicts the counted bytes"
+        assert r["posted_together"]
 
 
 # ---- norms over the shard group ---------------------------------------------------------------------------

@@ -50,11 +50,32 @@ class _Pending:
     discard: Callable[[], None]  # only give the buffers back (the backward was aborted)
 
 
+def _then_average(first: Handle, shard_comm: Communicator, replicas: Communicator, shard: torch.Tensor,
+                  label: str) -> Handle:
+    """The reduce-scatter ``first`` into ``shard``, then the average of ``shard`` across replicas."""
+    if replicas.runs_after(shard_comm):  # one FIFO worker (gloo): post it now, it runs once ``first`` is done
+        return _Both(first, replicas.all_reduce(shard, "avg", async_op=True, label=f"{label} replicas"))
+    return _ThenAverage(first, replicas, shard, label)
+
+
+class _Both(Handle):
+    """Two ops posted in order; done when both are."""
+
+    def __init__(self, first: Handle, second: Handle | None) -> None:
+        self._first, self._second = first, second
+
+    def wait(self) -> None:
+        """Wait for both, in order."""
+        self._first.wait()
+        if self._second is not None:
+            self._second.wait()
+
+
 class _ThenAverage(Handle):
     """A reduce-scatter within the shard group, then the average of its result across replicas.
 
-    The all-reduce starts when the reduce-scatter is waited for: backends run each group's ops on their own
-    thread or stream, so posting it earlier could read the shard before the reduce-scatter wrote it.
+    The all-reduce starts when the reduce-scatter is waited for: backends that run each group's ops on
+    their own stream could otherwise read the shard before the reduce-scatter wrote it.
     """
 
     def __init__(self, first: Handle, replicas: Communicator, shard: torch.Tensor, label: str) -> None:
@@ -146,7 +167,7 @@ class GradReducer:
         touched.accumulate = True  # a second call of the same block in this step adds to the first
         handle = buffer.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
         if buffer.replicas is not None:
-            handle = _ThenAverage(handle, buffer.replicas, out, buffer.group_name)
+            handle = _then_average(handle, buffer.comm, buffer.replicas, out, buffer.group_name)
         self._pending.append(_Pending(handle, done, discard))
 
     def make_room(self) -> None:

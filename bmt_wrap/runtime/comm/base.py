@@ -111,6 +111,11 @@ class Communicator(abc.ABC):
                             "this one")
         return self._subgroup(ranks, group)
 
+    def runs_after(self, other: Communicator) -> bool:
+        """True when an op posted here after an op posted on ``other`` is guaranteed to start after that one
+        finished (one FIFO worker for both); False by default: wait for it first."""
+        return False
+
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
         raise CommError(f"the {self.backend_name} backend has no sub-group communicators")
 
@@ -211,6 +216,12 @@ class CommunicatorWrapper(Communicator):
     def describe(self) -> str:
         """The wrapped backend's description."""
         return self.inner.describe()
+
+    def runs_after(self, other: Communicator) -> bool:
+        """The wrapped backends' answer (wrappers post in call order, on the calling thread)."""
+        while isinstance(other, CommunicatorWrapper):
+            other = other.inner
+        return self.inner.runs_after(other)
 
 
 def _at(label: str) -> str:

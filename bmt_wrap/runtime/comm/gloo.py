@@ -72,30 +72,44 @@ class GlooCommunicator(Communicator):
     backend_name = "gloo"
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
-                 check_order: bool = True, global_ranks: Sequence[int] | None = None) -> None:
+                 check_order: bool = True, global_ranks: Sequence[int] | None = None,
+                 worker: GlooCommunicator | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
         # torch's point-to-point calls and broadcast name peers by their rank in the default group
         self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
         self._sequence = 0  # collectives run so far (worker thread only)
+        # Sub-groups share their parent's worker: every op of the process then runs in the order it was
+        # posted, which all ranks share, so no two groups can wait on each other, and an op posted after
+        # another one's (the replicas' average after its reduce-scatter) runs after it.
+        self._owner = worker._owner if worker is not None else self
+        if worker is not None:
+            self._queue, self._thread = worker._queue, worker._thread
+            return
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], _Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
         self._thread.start()
 
+    def runs_after(self, other: Communicator) -> bool:
+        """True when ``other`` is a gloo communicator on this worker: an op posted here after one posted
+        there starts once that one finished."""
+        return isinstance(other, GlooCommunicator) and other._owner is self._owner
+
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the worker thread once queued ops are done (before the process group is destroyed);
-        False if it is still inside a collective after ``timeout`` seconds."""
+        False if it is still inside a collective after ``timeout`` seconds. A sub-group leaves the shared
+        worker to its owner."""
+        if self._owner is not self:
+            return True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
-        # Its own worker thread: each group's ops stay in one order on every member, so two FIFOs that
-        # interleave differently across ranks cannot deadlock each other.
         return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: GlooCommunicator(
-            g, rank, size, self.timeout, self.check_order, global_ranks=glob))
+            g, rank, size, self.timeout, self.check_order, global_ranks=glob, worker=self))
 
     def describe(self) -> str:
         """The group, with its global ranks when it is a sub-group."""
@@ -109,8 +123,8 @@ class GlooCommunicator(Communicator):
             if item is None:
                 return
             fn, fut = item
-            if self.broken is not None:
-                fut._set(self.unusable_error(fut._what))
+            if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
+                fut._set(fut._comm.unusable_error(fut._what))
                 continue
             try:
                 fn()
