@@ -2,7 +2,7 @@
 
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
-                  [--memory-budget 40GiB] [--input SPEC ...] [-v]
+                  [--memory-budget 40GiB] [--shard-size S] [--input SPEC ...] [-v]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -10,6 +10,8 @@ FACTORY is called with no arguments under ``with torch.device("meta")``. An inpu
 ``torch.export`` and the activation estimate need. ``--dtype`` estimates BMTrain's design (the model cast
 before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-precision`` estimates
 ``mixed_precision=bmt.MixedPrecision(param_dtype=...)`` (fp32 shards, gathers and compute in that dtype).
+``--shard-size S`` adds, per world size, HSDP with shards over S ranks (one node) beside ZeRO-3 over
+every rank, each with its traffic split into intra-node and inter-node bytes for nodes of S ranks.
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -33,10 +35,11 @@ from torch import nn
 from .base._compat import pytree
 from .base.dtypes import to_dtype
 from .base.mixed_precision import MixedPrecision
-from .base.plan import WrapPlan, fmt_bytes, render_estimates, shown_notes, summary_line
+from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
 from .errors import BMTError, CLIError
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
+from .passes.estimate import estimate_mesh
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
@@ -217,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", parents=[common], help="print per-rank memory and communication estimates")
     plan.add_argument("--world-size", type=int, nargs="+", required=True, metavar="N",
                       help="one or more world sizes, a column each")
+    plan.add_argument("--shard-size", type=int, default=None, metavar="S",
+                      help="also estimate HSDP (mesh= (N/S, S): shards within nodes of S ranks, replicas across "
+                           "them) and split each column's traffic into intra- and inter-node bytes")
     return parser
 
 
@@ -239,6 +245,8 @@ def _run(opts: argparse.Namespace) -> str:
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     plans = [build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
                         mixed_precision=mp, capture=captured) for n in sizes]
+    if opts.command == "plan" and opts.shard_size is not None:
+        sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
     if budget is not None:
         check_budget(budget, plans)
     if opts.command == "plan":
@@ -247,13 +255,36 @@ def _run(opts: argparse.Namespace) -> str:
                          for g in plans[0].groups for b in g.buffers})
         lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
                  f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
-                 *(f"N={n}: {summary_line(p)}" for n, p in zip(sizes, plans, strict=True)),
+                 *(f"N={n}{''.join(map(layout_label, p.estimates.values()))}: {summary_line(p)}"
+                   for n, p in zip(sizes, plans, strict=True)),
                  render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
         return "\n".join(lines)
     graph = schedule_graph(captured, plans[0])
     if opts.format == "text":
         return render_text(graph, plans[0], opts.verbose)
     return {"json": render_json, "dot": render_dot}[opts.format](graph, plans[0])
+
+
+def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],
+               plans: list[WrapPlan], budget: int | None, mp: MixedPrecision | None, captured: object
+               ) -> tuple[list[int], list[WrapPlan]]:
+    """Per world size, ZeRO-3 over every rank then HSDP with shards over ``--shard-size`` ranks, both split
+    by nodes of that many ranks."""
+    s = opts.shard_size
+    bad = [n for n in sizes if s < 1 or n % s]
+    if bad:
+        raise CLIError(f"--shard-size {s} must divide every --world-size (replicas x shard size); {bad} do not")
+    hsdp = build_plan(model, discovery, world_size=s, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
+                      mixed_precision=mp, capture=captured)
+    activations = captured.activations  # type: ignore[attr-defined]
+    out_sizes, out_plans = [], []
+    for n, zero3 in zip(sizes, plans, strict=True):
+        for plan, shard in ((zero3, n), (hsdp, s)):
+            column = copy.copy(plan)
+            column.estimates = {f"{n}/{shard}": estimate_mesh(plan, n, shard, s, activations)}
+            out_sizes.append(n)
+            out_plans.append(column)
+    return out_sizes, out_plans
 
 
 def _dtype_option(text: str | None, option: str) -> torch.dtype | None:

@@ -47,6 +47,11 @@ class WrapError(BMTError):
     """A model cannot be wrapped as asked, or a wrapped model was used in an unsupported way."""
 
 
+class MeshError(WrapError):
+    """A ``mesh=`` that cannot shard this job: wrong dimensions or names, not covering every rank, or built
+    differently on different ranks."""
+
+
 class ShardedTensorError(WrapError):
     """An operation a sharded parameter (one rank's range of the full tensor) cannot answer locally."""
 

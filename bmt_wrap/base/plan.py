@@ -207,6 +207,11 @@ class MemoryEstimate:
     # Extra while a ``model.no_sync()`` window holds gradients unreduced: every trainable buffer's full
     # gradient in the gradient dtype (not in ``total``: only accumulation without communication pays it).
     no_sync_grads: int = 0
+    # HSDP (passes.estimate_mesh): shards over shard_size ranks, world_size / shard_size replicas
+    shard_size: int | None = None
+    comm_replicas: int | None = None  # gradient all-reduce across replicas (included in comm_all_reduce)
+    comm_intra_node: int | None = None  # of comm_total: collectives whose group lies within one node
+    comm_inter_node: int | None = None  # of comm_total: collectives whose group spans nodes
 
     @property
     def total(self) -> int:
@@ -373,9 +378,24 @@ _ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("+ inside model.no_sync()", lambda e: e.no_sync_grads),
     ("all-gather / step", lambda e: e.comm_all_gather),
     ("reduce-scatter / step", lambda e: e.comm_reduce_scatter),
+    ("all-reduce / step", lambda e: e.comm_all_reduce),
     ("= communicated / step", lambda e: e.comm_total),
     ("ZeRO-3 bound 3Ψ(N-1)/N", lambda e: e.zero3_bound),
 ]
+
+
+_NODE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
+    ("  of which across replicas", lambda e: e.comm_replicas),
+    ("  of which intra-node", lambda e: e.comm_intra_node),
+    ("  of which inter-node", lambda e: e.comm_inter_node),
+]
+
+
+def layout_label(e: MemoryEstimate) -> str:
+    """`` ZeRO-3`` or `` HSDP RxS`` for estimates made for a mesh (``estimate_mesh``), else nothing."""
+    if e.shard_size is None:
+        return ""
+    return " ZeRO-3" if e.shard_size == e.world_size else f" HSDP {e.world_size // e.shard_size}x{e.shard_size}"
 
 
 def render_estimates(plans: list[WrapPlan]) -> str:
@@ -383,9 +403,12 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     estimates = [est for p in plans for est in p.estimates.values()]
     # Activations need an input shape; a total without them must not pass for the whole footprint.
     partial = " without activations" if any(e.activations is None for e in estimates) else ""
-    rows = [("per rank", *(f"N={e.world_size}" for e in estimates))]
+    rows = [("per rank", *(f"N={e.world_size}{layout_label(e)}" for e in estimates))]
     rows += [(label + (partial if label == "= total per rank" else ""), *(fmt_bytes(get(e)) for e in estimates))
              for label, get in _ESTIMATE_ROWS]
+    if any(e.comm_inter_node is not None for e in estimates):
+        rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
+                 for label, get in _NODE_ROWS]
     return _table(rows)
 
 

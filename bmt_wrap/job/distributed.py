@@ -9,6 +9,7 @@ import atexit
 import os
 import random
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,13 +21,14 @@ import torch.distributed as dist
 from .. import errors
 from ..base._compat import default_store, release_group_defaults
 from ..base.log import get_logger, set_rank_source
-from ..errors import NOT_INITIALIZED, BMTError, InitError, NotInitializedError, UnsupportedError
+from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError, UnsupportedError
 from ..runtime.comm import (
     Communicator,
     CountingCommunicator,
     CupyNcclCommunicator,
     FingerprintCommunicator,
     GlooCommunicator,
+    RankLayout,
     SingleProcessCommunicator,
     TorchCommunicator,
     cupy_available,
@@ -53,6 +55,8 @@ class DistState:
     group: weakref.ref[dist.ProcessGroup] = field(repr=False)
     requested: tuple = field(repr=False, default=())
     owns_group: bool = False  # init_distributed created it, so shutdown() destroys it
+    # Rank layouts built from device meshes, by the mesh's ranks: each mesh's sub-group communicators once.
+    layouts: dict[tuple, RankLayout] = field(repr=False, default_factory=dict)
 
 
 _STATE: DistState | None = None
@@ -205,12 +209,18 @@ def seed_everything(seed: int) -> None:
 
 
 def _stop_comm_thread() -> bool:
-    """Stop the backend's threads (gloo's worker once its queued ops are done, the NCCL watchdog); False if
-    one is stuck in a collective."""
-    inner = _STATE.comm.inner if _STATE is not None else None
-    while hasattr(inner, "inner"):
-        inner = inner.inner
-    return inner.close() if inner is not None else True
+    """Stop the backend's threads (gloo's worker once its queued ops are done, the NCCL watchdog), the
+    mesh sub-groups' first; False if one is stuck in a collective."""
+    if _STATE is None:
+        return True
+    comms = [c for layout in _STATE.layouts.values() for c in (layout.shard, layout.replicate) if c is not None]
+    closed = True
+    for comm in [*comms, _STATE.comm]:
+        inner = comm
+        while hasattr(inner, "inner"):
+            inner = inner.inner
+        closed = inner.close() and closed
+    return closed
 
 
 def shutdown() -> None:
@@ -251,6 +261,113 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
         "called without an active exception\"). Drop that reference before the script ends (wherever torch "
         "takes a group, None means the default one), or import the module that holds it before "
         "bmt.init_distributed().", where)
+
+
+# ---- the rank layout: the one place that reads a device mesh ------------------------------------------------
+MESH_DIMS = ("replicate", "shard")
+
+
+def rank_layout(mesh: Any = None) -> RankLayout:
+    """This rank's shard and replicate groups for ``mesh`` (a collective on first use of a mesh).
+
+    None, or a 1-D mesh over every rank: ZeRO-3 over the whole job. A 2-D ``DeviceMesh`` with dims
+    (replicate, shard), FSDP2's convention: parameters sharded over the shard dim (ranks in one row),
+    replicated across the replicate dim (one column). Checked on every rank before any group is built.
+    """
+    state = get_state()
+    if mesh is None:
+        return RankLayout(state.comm)
+    ranks = _mesh_ranks(mesh, state.world_size)
+    key = (tuple(map(tuple, ranks)), tuple(mesh.mesh_dim_names or ()))
+    digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    seen = agree(None, [digest], what="device mesh", error_type=MeshError)
+    if any(row != [digest] for row in seen):
+        other = next(r for r, row in enumerate(seen) if row != [digest])
+        raise MeshError(f"the device mesh differs across ranks (rank {state.rank} has {key[0]}, names "
+                        f"{key[1]}; rank {other} differs): build it identically on every rank, e.g. "
+                        "init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')).")
+    if ranks == [list(range(state.world_size))]:
+        return RankLayout(state.comm)
+    if key not in state.layouts:
+        row = next(r for r in ranks if state.rank in r)
+        column = [r[row.index(state.rank)] for r in ranks]
+        # Shard group first, then replicate, on every rank: NCCL backends build them in that order.
+        shard = state.comm.subgroup_counted(tuple(row), _mesh_group(mesh, 1, row), "shard")
+        replicate = None
+        if len(column) > 1:
+            replicate = state.comm.subgroup_counted(tuple(column), _mesh_group(mesh, 0, column), "replicate")
+        state.layouts[key] = RankLayout(shard, replicate)
+    return state.layouts[key]
+
+
+def _active_layout() -> RankLayout:
+    """The layout this process's wrapped models are sharded over (the engine adopted it at wrap time)."""
+    from ..runtime.active_engine import get_engine  # the engine loads autograd machinery: load on use
+
+    return get_engine().layout
+
+
+def writes_for_all() -> bool:
+    """True on the one rank that writes files every rank's data goes into (rank 0 of the first replica)."""
+    layout = _active_layout()
+    return layout.shard_rank == 0 and layout.replica_rank == 0 if layout.replicate else get_state().rank == 0
+
+
+def in_first_replica() -> bool:
+    """True on the ranks of the first replica: gathering the whole model there is enough to write it."""
+    return _active_layout().replica_rank == 0
+
+
+def shard_placement(what: str) -> list[tuple[int, int]] | None:
+    """Every rank's (shard rank, replica rank) under a mesh (one all-reduce), or None without one, where
+    rank r holds shard r; ``what`` labels the collective."""
+    layout = _active_layout()
+    if layout.replicate is None and layout.shard is get_state().comm:
+        return None
+    table = agree(None, [layout.shard_rank, layout.replica_rank], what=what)
+    return [(shard, replica) for shard, replica in table]
+
+
+def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:
+    """The mesh's ranks as rows of shard groups (one row for a 1-D mesh); raises ``MeshError`` unless
+    it is a 1-D or (replicate, shard) 2-D mesh over every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: "
+                        "build one with init_device_mesh('cpu' or 'cuda', (replicas, shard_size), "
+                        "mesh_dim_names=('replicate', 'shard'))")
+    names = tuple(mesh.mesh_dim_names or ())
+    grid = mesh.mesh.tolist()
+    if mesh.ndim == 1:
+        rows = [grid]
+    elif mesh.ndim == 2:
+        if names and names != MESH_DIMS:
+            raise MeshError(f"a 2-D mesh's dims are (replicate, shard), FSDP2's order; this mesh names them "
+                            f"{names}. Build it with mesh_dim_names=('replicate', 'shard') and the shard "
+                            "dim last (ranks of one node in a row).")
+        rows = grid
+    else:
+        raise MeshError(f"mesh= has {mesh.ndim} dims {names or ''}; bmt_wrap takes a 1-D mesh (ZeRO-3 over it) "
+                        "or a 2-D (replicate, shard) mesh (HSDP). Flatten the other dims into those two.")
+    flat = sorted(r for row in rows for r in row)
+    if flat != list(range(world)):
+        raise MeshError(f"mesh= covers ranks {flat[:8]}{' ...' if len(flat) > 8 else ''} ({len(flat)} ranks), but "
+                        f"the job has {world}: the mesh must cover every rank exactly once "
+                        f"(replicas x shard_size = {world}).")
+    if mesh.ndim == 1 and grid != list(range(world)):
+        raise MeshError(f"a 1-D mesh= must list the ranks in order (0..{world - 1}), got {grid}: it means ZeRO-3 "
+                        "over the whole job, whose shards follow the rank order. Pass mesh=None.")
+    return rows
+
+
+def _mesh_group(mesh: Any, dim: int, ranks: list[int]) -> dist.ProcessGroup:
+    """The mesh's process group along ``dim`` that holds this rank, checked to be ``ranks``."""
+    group = mesh.get_group(dim)
+    if dist.get_process_group_ranks(group) != ranks:
+        raise MeshError(f"the mesh's group along dim {dim} holds ranks {dist.get_process_group_ranks(group)}, "
+                        f"expected {ranks}")
+    return group
 
 
 def comm() -> CountingCommunicator:
@@ -305,9 +422,11 @@ def sum_loss(loss: torch.Tensor) -> torch.Tensor:
     return flat.reshape(loss.shape).to(loss.dtype)
 
 
-def comm_stats() -> dict[str, dict[str, int]]:
-    """Calls and algorithmic bytes per collective since the last reset: op -> {"calls", "bytes"}."""
-    return get_state().comm.snapshot()
+def comm_stats(by_group: bool = False) -> dict[str, Any]:
+    """Calls and algorithmic bytes per collective since the last reset: op -> {"calls", "bytes"}; with
+    ``by_group``, per group scope first ("world", and under a mesh "shard" and "replicate")."""
+    comm = get_state().comm
+    return comm.by_scope() if by_group else comm.snapshot()
 
 
 def reset_comm_stats() -> None:

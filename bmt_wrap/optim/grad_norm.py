@@ -4,6 +4,8 @@ Reductions run over covering views of the flat gradient buffers (adjacent views 
 optimizer), so a shard costs one call rather than one per parameter; alignment gaps and padding are
 zero and contribute nothing. Shards partition the full gradient, so summing each rank's share gives
 the whole; a parameter every rank holds in full (marked replicated) contributes 1/world_size per rank.
+Under HSDP every replica holds the same shards, so each rank's shards count 1/replicas: the one
+all-reduce still spans the job (as does the inf/nan flag, where a replica's verdict is its shard's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..base._compat import foreach_mul_
 from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
 from ..job.distributed import current_state
+from ..runtime.active_engine import get_engine
 from ..runtime.sharded_tensor import local_view
 from ..wrapping.grad_sync import check_synced
 from .fusion import PlanCache
@@ -48,6 +51,11 @@ class GradRanges:
 def _world() -> tuple[int, torch.device | None]:
     state = current_state()
     return (1, None) if state is None else (state.world_size, state.device)
+
+
+def _replicas() -> int:
+    """How many ranks hold each shard (HSDP's replicas; 1 for ZeRO-3 over the job)."""
+    return 1 if current_state() is None else get_engine().layout.num_replicas
 
 
 def _stack(values: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
@@ -89,7 +97,7 @@ def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor]
         if world > 1:
             current_state().comm.all_reduce(local, "max", label="grad norm")
         return local[0]
-    local = (parts.sum() + shared.sum() / world).reshape(1)
+    local = (parts.sum() / _replicas() + shared.sum() / world).reshape(1)
     if world > 1:
         current_state().comm.all_reduce(local, "sum", label="grad norm")
     return local[0] ** (1.0 / norm_type)

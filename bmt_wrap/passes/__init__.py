@@ -14,7 +14,7 @@ from .capture import (
     to_meta,
 )
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
-from .estimate import estimate
+from .estimate import estimate, estimate_mesh
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
@@ -24,7 +24,7 @@ from .util import self_checkpointing_modules
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph",
-    "discover_blocks", "eager_capture", "estimate", "meta_skeleton", "place_parameters", "render_dot",
+    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "meta_skeleton", "place_parameters", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
     "self_checkpointing_modules", "steps", "to_meta",
 ]

@@ -13,6 +13,7 @@ from collections import Counter
 
 from ..base.dtypes import LOW_PRECISION, itemsize, to_dtype
 from ..base.plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
+from ..errors import PlanError
 from .activations import ActivationProfile
 
 
@@ -75,4 +76,35 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)
+    return est
+
+
+def estimate_mesh(plan: WrapPlan, world_size: int, shard_size: int, ranks_per_node: int,
+                  activations: ActivationProfile | None = None) -> MemoryEstimate:
+    """``estimate`` for shards over ``shard_size`` ranks and ``world_size // shard_size`` replicas (HSDP; a
+    shard size equal to the world is ZeRO-3), with its traffic split by nodes of ``ranks_per_node`` ranks.
+
+    Memory and the all-gathers and reduce-scatters are ZeRO-3's over the shard group. Each reduce-scatter's
+    shard is then averaged across replicas: one all-reduce of the gradient shard. A collective over a
+    group that lies within one node counts as intra-node; over a group that spans nodes, every byte counts
+    as inter-node (ZeRO++'s accounting: a ring over several nodes moves its whole volume across them).
+    """
+    if shard_size < 1 or world_size % shard_size:
+        raise PlanError(f"shard size {shard_size} must divide the world size {world_size} (replicas x shard size)")
+    if ranks_per_node < 1:
+        raise PlanError(f"ranks per node must be >= 1, got {ranks_per_node}")
+    est = estimate(plan, shard_size, activations)
+    replicas = world_size // shard_size
+    grad_shards = sum(b.shard_numel(shard_size) * itemsize(b.grad_dtype)
+                      for g in plan.groups for b in g.buffers if b.requires_grad)
+    trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
+    est.world_size, est.shard_size = world_size, shard_size
+    est.comm_replicas = 2 * grad_shards * (replicas - 1) // replicas
+    mask = round(2 * trainable * USED_MASK_BYTES * (world_size - 1) / world_size)  # over the whole job
+    est.comm_all_reduce = est.comm_replicas + mask
+    sharded = est.comm_all_gather + est.comm_reduce_scatter
+    shard_spans_nodes = shard_size > ranks_per_node
+    job_spans_nodes = world_size > ranks_per_node  # the replicate group and the mask's group: the whole job's span
+    est.comm_inter_node = (sharded if shard_spans_nodes else 0) + (est.comm_all_reduce if job_spans_nodes else 0)
+    est.comm_intra_node = est.comm_total - est.comm_inter_node
     return est

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..base.plan import ShardGroupSpec
+from ..errors import UnsupportedError
 from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
-from .comm import Communicator
+from .comm import Communicator, RankLayout
 from .flat_buffer import FlatBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
@@ -60,9 +61,11 @@ class Engine:
     """Owns the communicator view, buffer pool and reducer of this process, and its models' runtimes."""
 
     def __init__(self, comm: Communicator, device: torch.device, debug: bool = False) -> None:
-        self.comm = comm
+        self.comm = comm  # the whole job's: wrap-time broadcasts, the used-parameter mask
         self.debug = debug  # BMT_WRAP_DEBUG: also compare recomputed outputs' values
         self.rank, self.world_size = comm.rank, comm.world_size
+        # Which ranks new groups shard over and replicate across; one per process (see adopt_layout).
+        self.layout = RankLayout(comm)
         self.device = device
         self.pool = BufferPool()
         self.reducer = GradReducer(comm, self.pool, device)
@@ -88,6 +91,18 @@ class Engine:
         self._runtimes.add(runtime)
         return runtime
 
+    def adopt_layout(self, layout: RankLayout) -> None:
+        """Build new groups over ``layout``; refused while groups of another layout live (the optimizer's
+        norm and overflow reductions assume one layout for every parameter)."""
+        if layout == self.layout:  # the same communicators
+            return
+        if self.groups:
+            raise UnsupportedError(
+                f"this process already holds models sharded as {self.layout.describe()}; a model sharded as "
+                f"{layout.describe()} beside them is not supported (gradient norms would mix layouts). Wrap "
+                "every model of the process with the same mesh= (or none), or drop the others first.")
+        self.layout = layout
+
     @property
     def groups(self) -> list[ShardGroup]:
         """Every live group of every model."""
@@ -106,14 +121,17 @@ class Engine:
         ``used_outside_blocks``: gathered for code outside any block (the root, a bare parameter).
         """
         buffers: list[FlatBuffer] = []
+        layout = self.layout
         for bspec, tensors in zip(spec.buffers, sources, strict=True):
             meta = any(t is not None and t.is_meta for t in tensors)
-            buf = FlatBuffer.empty(bspec, spec.name, self.rank, self.world_size, "meta" if meta else device)
+            buf = FlatBuffer.empty(bspec, spec.name, layout.shard_rank, layout.shard_size,
+                                   "meta" if meta else device)
             if not meta:
                 if sync_from is not None and self.world_size > 1:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
+                    # Over the whole job, not the shard group: every replica must start from rank 0's values.
                     self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
                     buf.load_full_flat(full)
                     del full
@@ -123,7 +141,7 @@ class Engine:
                             buf.load_slot(i, t.to(buf.dtype))
             buffers.append(buf)
         mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
-        group = ShardGroup(spec, buffers, locations, self.comm, self.pool, mode)
+        group = ShardGroup(spec, buffers, locations, layout.shard, self.pool, mode, replicas=layout.replicate)
         originals = [[locs[0][0]._parameters.get(locs[0][1]) if locs else None for locs in per_buffer]
                      for per_buffer in locations]
         group.restore()

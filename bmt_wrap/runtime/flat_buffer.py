@@ -48,6 +48,11 @@ class FlatBuffer:
         return self.group.comm
 
     @property
+    def replicas(self) -> Communicator | None:
+        """The ranks holding this same shard (HSDP's replicate group), or None."""
+        return self.group.replicas
+
+    @property
     def device(self) -> torch.device:
         """Where the shard lives."""
         return self.shard.device

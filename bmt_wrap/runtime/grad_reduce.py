@@ -1,7 +1,9 @@
 """Reduce-scatter of gradients during backward, and the end-of-backward callback that finishes them.
 
 Every group's full gradient goes through ``reduce``: an async reduce-scatter (rank average, DDP
-semantics) into the group's gradient shard, overlapping the next block's backward. When backward
+semantics) into the group's gradient shard, overlapping the next block's backward. Under HSDP the
+reduce-scatter runs within the shard group and the shard is then averaged across the replicas (one
+all-reduce of the shard), so every rank holds the world average. When backward
 returns, an autograd callback has waited for all of them, agreed across ranks which parameters got a
 gradient (one small all-reduce), and set each parameter's ``.grad`` to its view of the gradient shard;
 a parameter no rank used keeps ``.grad is None``, as in torch.
@@ -46,6 +48,43 @@ class _Pending:
     handle: Handle
     done: Callable[[], None]  # apply the reduced gradient and give the buffers back
     discard: Callable[[], None]  # only give the buffers back (the backward was aborted)
+
+
+def _then_average(first: Handle, shard_comm: Communicator, replicas: Communicator, shard: torch.Tensor,
+                  label: str) -> Handle:
+    """The reduce-scatter ``first`` into ``shard``, then the average of ``shard`` across replicas."""
+    if replicas.runs_after(shard_comm):  # one FIFO worker (gloo): post it now, it runs once ``first`` is done
+        return _Both(first, replicas.all_reduce(shard, "avg", async_op=True, label=f"{label} replicas"))
+    return _ThenAverage(first, replicas, shard, label)
+
+
+class _Both(Handle):
+    """Two ops posted in order; done when both are."""
+
+    def __init__(self, first: Handle, second: Handle | None) -> None:
+        self._first, self._second = first, second
+
+    def wait(self) -> None:
+        """Wait for both, in order."""
+        self._first.wait()
+        if self._second is not None:
+            self._second.wait()
+
+
+class _ThenAverage(Handle):
+    """A reduce-scatter within the shard group, then the average of its result across replicas.
+
+    The all-reduce starts when the reduce-scatter is waited for: backends that run each group's ops on
+    their own stream could otherwise read the shard before the reduce-scatter wrote it.
+    """
+
+    def __init__(self, first: Handle, replicas: Communicator, shard: torch.Tensor, label: str) -> None:
+        self._first, self._replicas, self._shard, self._label = first, replicas, shard, label
+
+    def wait(self) -> None:
+        """Finish the reduce-scatter, then average the shard across replicas."""
+        self._first.wait()
+        self._replicas.all_reduce(self._shard, "avg", label=f"{self._label} replicas")
 
 
 class _EndOfBackward:
@@ -127,7 +166,9 @@ class GradReducer:
                 self.pool.release(out)
                 release()
         touched.accumulate = True  # a second call of the same block in this step adds to the first
-        handle = self.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
+        handle = buffer.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
+        if buffer.replicas is not None:
+            handle = _then_average(handle, buffer.comm, buffer.replicas, out, buffer.group_name)
         self._pending.append(_Pending(handle, done, discard))
 
     @property

@@ -61,12 +61,14 @@ class ShardGroup:
     """Flat buffers of one block (or the root) plus the module attributes their parameters occupy."""
 
     def __init__(self, spec: ShardGroupSpec, buffers: list[FlatBuffer], locations: list[list[list[Location]]],
-                 comm: Communicator, pool: BufferPool, mode: StorageMode) -> None:
+                 comm: Communicator, pool: BufferPool, mode: StorageMode,
+                 replicas: Communicator | None = None) -> None:
         self.spec = spec
         self.name = spec.name
         self.buffers = buffers
         self.locations = locations  # [buffer][slot] -> every (module, attribute) holding the parameter
-        self.comm = comm
+        self.comm = comm  # the shard group: gathers, reduce-scatters, reductions over sharded tensors
+        self.replicas = replicas  # ranks holding the same shards (HSDP), or None: gradients averaged over it
         self.pool = pool
         self.mode = mode
         self.state = GroupState.RELEASED

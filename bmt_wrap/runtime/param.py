@@ -26,6 +26,7 @@ class ParamGroup(Protocol):
 
     name: str
     comm: Communicator
+    replicas: Communicator | None
     buffers: Sequence[ParamBuffer]
 
     def gather_values(self, only: Any = None) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, listed
-from ..job.distributed import get_state
+from ..job.distributed import get_state, in_first_replica, writes_for_all
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from .agree import agree
@@ -47,8 +47,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
                                   "(bmt.init_parameters(model)) or load them (bmt.load(model, path)) first")
         groups, replicated = by_buffer(entries)
         ordered = [e for _, members in groups for e in members] + replicated
-        out = _RankZeroWriter(path, kind, ordered, entries) if get_state().rank == 0 else None
-        for buffer, members in groups:
+        out = _RankZeroWriter(path, kind, ordered, entries) if writes_for_all() else None
+        # Under HSDP every replica holds the same shards: the writer's replica gathers, the others wait.
+        for buffer, members in groups if in_first_replica() else []:
             full = buffer.group.gather_values(only=buffer)[0]
             for e in members:
                 slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]

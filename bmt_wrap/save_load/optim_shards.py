@@ -131,7 +131,9 @@ def gather_full(items: list[tuple[DistributedParameter, torch.Tensor]]) -> list[
     """Whole tensors from every rank's slices (``(parameter, slice)`` pairs in the same order on every rank):
     one all-gather per dtype; a collective."""
     state = current_state()
-    world = 1 if state is None else state.world_size
+    # Slices partition each tensor over its shard group (the whole job, or one row under HSDP).
+    comm = items[0][0].shard_group.comm if items and state is not None else None
+    world = 1 if comm is None else comm.world_size
     out: list[torch.Tensor | None] = [None] * len(items)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, (_, v) in enumerate(items):
@@ -147,7 +149,7 @@ def gather_full(items: list[tuple[DistributedParameter, torch.Tensor]]) -> list[
         mine[:local.numel()] = local
         gathered = mine if world == 1 else torch.empty(width * world, dtype=dtype, device=device)
         if world > 1:
-            state.comm.all_gather_into(gathered, mine, label="full optimizer state")
+            comm.all_gather_into(gathered, mine, label="full optimizer state")
         cursor = [r * width for r in range(world)]
         for i, rs in zip(idx, ranges, strict=True):
             p = items[i][0]

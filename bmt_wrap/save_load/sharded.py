@@ -29,7 +29,7 @@ from torch import nn
 
 from ..base.dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
-from ..job.distributed import broadcast_bytes, get_state
+from ..job.distributed import broadcast_bytes, get_state, shard_placement
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
@@ -57,11 +57,14 @@ def _file_names(rank: int, world: int, save_id: str) -> tuple[str, str]:
     return f"shard-{rank:05d}-of-{world:05d}.{save_id}.safetensors", f"state-{rank:05d}-of-{world:05d}.{save_id}.pt"
 
 
-def _ranges(e: Entry, world: int) -> list[list[int]]:
-    """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0)."""
+def _ranges(e: Entry, world: int, placement: list[tuple[int, int]] | None) -> list[list[int]]:
+    """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0). Under
+    a mesh only the first replica's ranks hold (and wrote) theirs; the others' are empty."""
     if e.param is None:
         return [[0, e.numel]] + [[0, 0]] * (world - 1)
-    return [list(e.param.source_range(r)) for r in range(world)]
+    if placement is None:
+        return [list(e.param.source_range(r)) for r in range(world)]
+    return [list(e.param.source_range(shard)) if replica == 0 else [0, 0] for shard, replica in placement]
 
 
 def _param_names(entries: list[Entry]) -> dict[int, str]:
@@ -89,11 +92,17 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
         files = _file_names(rank, world, save_id)
-        tensors = [(f"model/{e.name}", e.local()) for e in entries if e.param is not None or rank == 0]
+        placement = shard_placement("save_checkpoint layout")
+        # Under HSDP the replicas hold the same shards: only the first replica writes them.
+        shards_here = placement is None or placement[rank][1] == 0
+        tensors = [(f"model/{e.name}", e.local()) for e in entries
+                   if (e.param is not None and shards_here) or (e.param is None and rank == 0)]
         kinds, saved_groups, values = [], [], []
         for k, opt in enumerate(optimizers):
             t, v, kind, groups = optim_state.capture(k, opt, names)
-            tensors += t
+            sharded = {optim_state.tensor_key(k, n, key) for n, keys in kind.items()
+                       for key, what in keys.items() if what == optim_state.SHARDED}
+            tensors += [(name, x) for name, x in t if shards_here or name not in sharded]
             values.append(v)
             kinds.append(kind)
             saved_groups.append(groups)
@@ -117,7 +126,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                         "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
                                        state_bytes=row[1]) for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
-                                   "ranges": _ranges(e, world)} for e in entries],
+                                   "ranges": _ranges(e, world, placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
                     }
                     write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())

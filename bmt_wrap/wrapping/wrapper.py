@@ -15,7 +15,7 @@ from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..errors import PlanError, WrapError
 from ..explicit.block import CheckpointBlock
-from ..job.distributed import agree, broadcast_bytes, get_state
+from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
@@ -28,8 +28,10 @@ class _FirstForward:
     """Captures the block order at the first call (export of a meta copy, else hooks on the real call)
     and replaces the plan's schedule; rank 0 decides, every rank receives its choice."""
 
-    def __init__(self, skeleton: nn.Module, discovery: passes.Discovery, options: dict[str, Any]) -> None:
+    def __init__(self, skeleton: nn.Module, discovery: passes.Discovery, options: dict[str, Any],
+                 shard_size: int) -> None:
         self.skeleton, self.discovery, self.options = skeleton, discovery, options
+        self.shard_size = shard_size
         self.recorder: passes.EagerRecorder | None = None
         self.notes: list[str] = []
 
@@ -50,7 +52,7 @@ class _FirstForward:
 
     def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
         state = get_state()
-        mine = passes.schedule(model.plan, cap, world_size=state.world_size, **self.options)
+        mine = passes.schedule(model.plan, cap, world_size=self.shard_size, **self.options)
         chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
         update_schedule(model, chosen)
         get_logger().debug("first forward: block order captured by %s", chosen.capture)
@@ -58,13 +60,16 @@ class _FirstForward:
 
 def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level: int = 3, prefetch_depth: int = 1,
                         memory_budget: int | None = None, plan: WrapPlan | None = None,
-                        example_inputs: Any = None, mixed_precision: MixedPrecision | None = None) -> nn.Module:
+                        example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
+                        mesh: Any = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
     ``torch.export`` of a meta copy (with ``example_inputs=`` or at the first call) or hooks on the first
     call. ``plan=`` re-applies a saved ``WrapPlan``; ``memory_budget=`` (bytes per rank) checkpoints only
     as many blocks as needed. ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
+    ``mesh=``: a 2-D ``DeviceMesh`` with dims (replicate, shard) shards within each row and replicates
+    across rows (HSDP); None or a 1-D mesh over every rank is ZeRO-3 over the whole job.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -74,6 +79,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
     with collective_purpose("wrap"):
+        layout = rank_layout(mesh)  # mesh errors first, on every rank alike
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget}
@@ -82,7 +88,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             mine, failure = None, None
             if state.rank == 0:
                 try:
-                    mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options)
+                    mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options,
+                                          layout.shard_size)
                 except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                     failure = exc
             agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -94,8 +101,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             plan = copy.deepcopy(plan)
         first = None
         if plan.capture == "none":
-            first = _FirstForward(passes.meta_skeleton(model), discovery, options)
-        apply_plan(model, plan, mixed_precision)
+            first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size)
+        apply_plan(model, plan, mixed_precision, layout=layout)
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
@@ -105,10 +112,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
-                   mixed_precision: MixedPrecision | None, options: dict[str, Any]) -> WrapPlan:
-    """Capture and plan (rank 0 only; the others receive its plan)."""
+                   mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int) -> WrapPlan:
+    """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
-    return passes.build_plan(model, discovery, world_size=get_state().world_size, capture=cap,
+    return passes.build_plan(model, discovery, world_size=shard_size, capture=cap,
                              mixed_precision=mixed_precision, **options)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -95,6 +97,27 @@ class Communicator(abc.ABC):
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the backend's own threads before its process group goes; False if one is stuck."""
         return True
+
+    def subgroup(self, ranks: Sequence[int], group: Any = None) -> Communicator:
+        """A communicator over ``ranks`` (ranks of this communicator, this one among them), the same backend
+        carried by ``group`` (torch's process group of exactly those ranks; backends without one ignore it).
+
+        Every rank of ``ranks`` must call it, in the same order as its other sub-group creations (NCCL
+        exchanges an id); backends give a group of one rank the single-process communicator.
+        """
+        ranks = tuple(int(r) for r in ranks)
+        if self.rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise CommError(f"subgroup{ranks}: ranks must be distinct ranks of the {self.describe()} and include "
+                            "this one")
+        return self._subgroup(ranks, group)
+
+    def runs_after(self, other: Communicator) -> bool:
+        """True when an op posted here after an op posted on ``other`` is guaranteed to start after that one
+        finished (one FIFO worker for both); False by default: wait for it first."""
+        return False
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        raise CommError(f"the {self.backend_name} backend has no sub-group communicators")
 
     def describe(self) -> str:
         """A short description of the group for error messages."""
@@ -193,6 +216,12 @@ class CommunicatorWrapper(Communicator):
     def describe(self) -> str:
         """The wrapped backend's description."""
         return self.inner.describe()
+
+    def runs_after(self, other: Communicator) -> bool:
+        """The wrapped backends' answer (wrappers post in call order, on the calling thread)."""
+        while isinstance(other, CommunicatorWrapper):
+            other = other.inner
+        return self.inner.runs_after(other)
 
 
 def _at(label: str) -> str:

@@ -5,49 +5,82 @@ backend implements the op (gloo's native reduce-scatter is an all-reduce on the 
 all-gather and reduce-scatter ``shard_bytes * (N-1)``, all-reduce ``2 * bytes * (N-1) / N``,
 broadcast ``bytes``. ``trace()`` also records the ops themselves, in the order they are issued (tests
 compare one model's collectives with and without another model beside it, and against its plan).
+
+Sub-group communicators (HSDP's shard and replicate groups) count into their parent's ledger, each bytes
+figure at its own group size, and also under their scope name (``by_scope()``), so traffic within a node
+and across nodes can be told apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .base import Communicator, CommunicatorWrapper, Handle
 
 
+@dataclass
+class _Ledger:
+    """Counts shared by a communicator and its sub-groups."""
+
+    stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    scopes: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    trace: list[tuple[str, str, int]] | None = None
+
+
 class CountingCommunicator(CommunicatorWrapper):
     """Forwards every op to ``inner`` and counts it."""
 
-    def __init__(self, inner: Communicator) -> None:
+    def __init__(self, inner: Communicator, scope: str = "world", ledger: _Ledger | None = None) -> None:
         super().__init__(inner)
-        self.stats: dict[str, dict[str, int]] = {}
-        self._trace: list[tuple[str, str, int]] | None = None
+        self.scope = scope
+        self._ledger = ledger if ledger is not None else _Ledger()
+
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Calls and bytes per op, every group of this ledger together."""
+        return self._ledger.stats
 
     def reset(self) -> None:
-        """Forget every count."""
-        self.stats = {}
+        """Forget every count (the sub-groups' too)."""
+        self._ledger.stats.clear()
+        self._ledger.scopes.clear()
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """A copy of the counts: op -> {"calls", "bytes"}."""
-        return {op: dict(v) for op, v in self.stats.items()}
+        return {op: dict(v) for op, v in self._ledger.stats.items()}
+
+    def by_scope(self) -> dict[str, dict[str, dict[str, int]]]:
+        """A copy of the counts per group scope ("world", "shard", "replicate"): scope -> op -> counts."""
+        return {scope: {op: dict(v) for op, v in ops.items()} for scope, ops in self._ledger.scopes.items()}
+
+    def subgroup_counted(self, ranks: tuple[int, ...], group: Any, scope: str) -> CountingCommunicator:
+        """``subgroup(ranks, group)``, counted into this ledger under ``scope``."""
+        return CountingCommunicator(self.inner.subgroup(ranks, group), scope, self._ledger)
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        return self.subgroup_counted(ranks, group, f"ranks {list(ranks)}")
 
     @contextmanager
     def trace(self) -> Iterator[list[tuple[str, str, int]]]:
         """Record every op issued inside the ``with`` block as (op, label, elements), in issue order."""
-        outer, self._trace = self._trace, []
+        outer, self._ledger.trace = self._ledger.trace, []
         try:
-            yield self._trace
+            yield self._ledger.trace
         finally:
-            self._trace = outer
+            self._ledger.trace = outer
 
     def _count(self, op: str, nbytes: float, label: str = "", numel: int = 0) -> None:
-        if self._trace is not None:
-            self._trace.append((op, label, numel))
-        entry = self.stats.setdefault(op, {"calls": 0, "bytes": 0})
-        entry["calls"] += 1
-        entry["bytes"] += int(round(nbytes))
+        if self._ledger.trace is not None:
+            self._ledger.trace.append((op, label, numel))
+        for table in (self._ledger.stats, self._ledger.scopes.setdefault(self.scope, {})):
+            entry = table.setdefault(op, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += int(round(nbytes))
 
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
         self._count("all_gather", _nbytes(shard) * (self.world_size - 1), label, shard.numel())

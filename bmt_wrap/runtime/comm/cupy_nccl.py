@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ...errors import CommError, InitError
 from .base import Communicator, Handle
+from .single import SingleProcessCommunicator
 from .watchdog import CompletionWatchdog
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable since NCCL 2.10; bf16 and avg need >= 2.10).
@@ -46,8 +47,13 @@ class CupyNcclCommunicator(Communicator):
 
     backend_name = "cupy-nccl"
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                 global_ranks: tuple[int, ...] | None = None) -> None:
         super().__init__(rank, world_size, timeout)
+        self._store = store
+        self._global = global_ranks if global_ranks is not None else tuple(range(world_size))
+        # Each communicator's id has its own key: a sub-group's first rank publishes it for its members.
+        key = _UID_KEY if global_ranks is None else f"{_UID_KEY}/{'-'.join(map(str, global_ranks))}"
         try:
             import cupy
             from cupy.cuda import nccl
@@ -57,8 +63,8 @@ class CupyNcclCommunicator(Communicator):
         self._cupy, self._nccl = cupy, nccl
         if rank == 0:
             uid = nccl.get_unique_id()
-            store.set(_UID_KEY, bytes(b % 256 for b in uid))
-        raw = store.get(_UID_KEY)
+            store.set(key, bytes(b % 256 for b in uid))
+        raw = store.get(key)
         uid = tuple(b if b < 128 else b - 256 for b in raw)  # NCCL's id is a char[128]
         with cupy.cuda.Device(torch.cuda.current_device()):
             self._comm = nccl.NcclCommunicator(world_size, uid, rank)
@@ -66,6 +72,13 @@ class CupyNcclCommunicator(Communicator):
         self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr)
         self._failure: CommError | None = None
         self._watchdog = CompletionWatchdog(self._fail, probe=self._comm.check_async_error)
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        # NCCL needs no torch process group: its own communicator over these ranks, id through the store.
+        if len(ranks) == 1:
+            return SingleProcessCommunicator(self.timeout)
+        return CupyNcclCommunicator(self._store, ranks.index(self.rank), len(ranks), self.timeout,
+                                    global_ranks=tuple(self._global[r] for r in ranks))
 
     def _fail(self, what: str, why: str) -> None:
         """Watchdog thread: ``what`` timed out or NCCL failed; abort so no stream waits forever."""

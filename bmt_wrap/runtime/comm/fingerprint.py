@@ -8,6 +8,8 @@ whether all ranks agree, so every rank raises ``CollectiveMismatchError`` naming
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...errors import CollectiveMismatchError
@@ -21,6 +23,9 @@ class FingerprintCommunicator(CommunicatorWrapper):
     def __init__(self, inner: Communicator) -> None:
         super().__init__(inner)
         self._sequence = 0
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        return FingerprintCommunicator(self.inner.subgroup(ranks, group))
 
     def _check(self, op: str, t: torch.Tensor | None, label: str, arg: str | int = "") -> None:
         mine = describe_op(op, t, label, arg)

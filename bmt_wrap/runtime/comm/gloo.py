@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
+from .subgroups import process_group_subgroup
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
@@ -70,22 +72,49 @@ class GlooCommunicator(Communicator):
     backend_name = "gloo"
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
-                 check_order: bool = True) -> None:
+                 check_order: bool = True, global_ranks: Sequence[int] | None = None,
+                 worker: GlooCommunicator | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
+        # torch's point-to-point calls and broadcast name peers by their rank in the default group
+        self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
         self._sequence = 0  # collectives run so far (worker thread only)
+        # Sub-groups share their parent's worker: every op of the process then runs in the order it was
+        # posted, which all ranks share, so no two groups can wait on each other, and an op posted after
+        # another one's (the replicas' average after its reduce-scatter) runs after it.
+        self._owner = worker._owner if worker is not None else self
+        if worker is not None:
+            self._queue, self._thread = worker._queue, worker._thread
+            return
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], _Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bmt_wrap-gloo", daemon=True)
         self._thread.start()
 
+    def runs_after(self, other: Communicator) -> bool:
+        """True when ``other`` is a gloo communicator on this worker: an op posted here after one posted
+        there starts once that one finished."""
+        return isinstance(other, GlooCommunicator) and other._owner is self._owner
+
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the worker thread once queued ops are done (before the process group is destroyed);
-        False if it is still inside a collective after ``timeout`` seconds."""
+        False if it is still inside a collective after ``timeout`` seconds. A sub-group leaves the shared
+        worker to its owner."""
+        if self._owner is not self:
+            return True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: GlooCommunicator(
+            g, rank, size, self.timeout, self.check_order, global_ranks=glob, worker=self))
+
+    def describe(self) -> str:
+        """The group, with its global ranks when it is a sub-group."""
+        text = super().describe()
+        return text if self._global == tuple(range(self.world_size)) else f"{text} (global ranks {list(self._global)})"
 
     # ---- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -94,8 +123,8 @@ class GlooCommunicator(Communicator):
             if item is None:
                 return
             fn, fut = item
-            if self.broken is not None:
-                fut._set(self.unusable_error(fut._what))
+            if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
+                fut._set(fut._comm.unusable_error(fut._what))
                 continue
             try:
                 fn()
@@ -125,8 +154,8 @@ class GlooCommunicator(Communicator):
         theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
         works = []
         for peer, buf in theirs.items():
-            works.append(dist.isend(mine, peer, group=self._group, tag=_TAG_ORDER))
-            works.append(dist.irecv(buf, peer, group=self._group, tag=_TAG_ORDER))
+            works.append(dist.isend(mine, self._global[peer], group=self._group, tag=_TAG_ORDER))
+            works.append(dist.irecv(buf, self._global[peer], group=self._group, tag=_TAG_ORDER))
         return theirs, works
 
     def _verify(self, posted: tuple[dict[int, torch.Tensor], list], op: OpDescription) -> None:
@@ -164,9 +193,9 @@ class GlooCommunicator(Communicator):
             works = []
             for peer in range(n):
                 if peer != r:
-                    works.append(dist.isend(shard, peer, group=self._group, tag=tag))
-                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], peer, group=self._group,
-                                            tag=tag))
+                    works.append(dist.isend(shard, self._global[peer], group=self._group, tag=tag))
+                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], self._global[peer],
+                                            group=self._group, tag=tag))
             out[r * size:(r + 1) * size].copy_(shard)
             verify()
             self._wait_all(works, desc.text)
@@ -190,8 +219,8 @@ class GlooCommunicator(Communicator):
             send = piece(r - 1)
             for step in range(n - 1):
                 recv = out if (n - 2 - step) % 2 == 0 else scratch
-                works = [dist.isend(send, nxt, group=self._group, tag=tag),
-                         dist.irecv(recv, prv, group=self._group, tag=tag)]
+                works = [dist.isend(send, self._global[nxt], group=self._group, tag=tag),
+                         dist.irecv(recv, self._global[prv], group=self._group, tag=tag)]
                 if step == 0:
                     verify()
                 self._wait_all(works, desc.text)
@@ -219,7 +248,7 @@ class GlooCommunicator(Communicator):
         desc = describe_op("broadcast", tensor, label, f"from rank {src}")
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.broadcast(tensor, src, group=self._group, async_op=True)
+            work = dist.broadcast(tensor, self._global[src], group=self._group, async_op=True)
             verify()
             self._wait_all([work], desc.text)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -16,6 +17,9 @@ class SingleProcessCommunicator(Communicator):
 
     def __init__(self, timeout: timedelta = timedelta(minutes=5)) -> None:
         super().__init__(rank=0, world_size=1, timeout=timeout)
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        return SingleProcessCommunicator(self.timeout)
 
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
         if out.data_ptr() != shard.data_ptr():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .base import Communicator, Handle
+from .subgroups import process_group_subgroup
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN}
@@ -37,10 +40,16 @@ class TorchCommunicator(Communicator):
     """Collectives issued straight to a torch.distributed process group (NCCL or gloo)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
-                 backend_name: str) -> None:
+                 backend_name: str, global_ranks: Sequence[int] | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
         self.backend_name = f"torch-{backend_name}"
+        self._name = backend_name
+        self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
+
+    def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
+        return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: TorchCommunicator(
+            g, rank, size, self.timeout, self._name, global_ranks=glob))
 
     def _all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, label: str) -> Handle:
         work = _all_gather(out, shard, group=self._group, async_op=True)
@@ -55,7 +64,7 @@ class TorchCommunicator(Communicator):
         return _WorkHandle(self, work, f"all_reduce({tensor.numel()} x {tensor.dtype}) {label}")
 
     def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
-        work = dist.broadcast(tensor, src, group=self._group, async_op=True)
+        work = dist.broadcast(tensor, self._global[src], group=self._group, async_op=True)
         return _WorkHandle(self, work, f"broadcast({tensor.numel()} x {tensor.dtype}) {label}")
 
     def _barrier(self, label: str) -> Handle:
