@@ -292,3 +292,22 @@ def test_drop_compiled_call_makes_the_call_eager_and_keeps_names(how: str) -> No
     torch.testing.assert_close(module(x), lin.forward(x), rtol=0, atol=0)
     assert calls == [], "nothing was compiled after the compiled call was dropped"
     assert list(module.state_dict()) == keys
+
+
+def test_shutdown_frees_the_group_a_live_device_mesh_holds() -> None:
+    # An HSDP script keeps its DeviceMesh to the end; the mesh's registry held the destroyed group (and
+    # gloo's threads) into interpreter teardown, and shutdown() warned about "a reference outside bmt_wrap".
+    import subprocess
+    import sys
+
+    code = ("import weakref, torch.distributed as dist, bmt_wrap as bmt\n"
+            "from torch.distributed.device_mesh import init_device_mesh\n"
+            "bmt.init_distributed()\n"
+            "mesh = init_device_mesh('cpu', (1,), mesh_dim_names=('shard',))\n"
+            "group = weakref.ref(dist.group.WORLD)\n"
+            "bmt.shutdown()\n"
+            "print('freed', group() is None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["freed", "True"], out.stdout + out.stderr
+    assert "still hold" not in out.stderr, out.stderr

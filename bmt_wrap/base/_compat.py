@@ -22,7 +22,7 @@ from torch import nn
 __all__ = [
     "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
-    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "reorder_kwargs", "set_version_counters",
+    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "release_mesh_groups", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
@@ -143,6 +143,24 @@ def release_group_defaults(group: Any) -> list[str]:
         if kwdefaults:
             fn.__kwdefaults__ = {k: None if v is group else v for k, v in kwdefaults.items()}
     return others
+
+
+def release_mesh_groups() -> int:
+    """Empty the process-group registry of every live ``DeviceMesh``; return how many meshes held groups.
+
+    A DeviceMesh keeps its groups in ``_pg_registry`` for as long as it lives, and an HSDP script keeps its
+    mesh to the end: the destroyed groups, and gloo's threads, would then live into interpreter teardown.
+    Call only once every group is destroyed (the mesh is unusable from then on anyway).
+    """
+    emptied = 0
+    for obj in gc.get_objects():
+        if type(obj).__name__ != "DeviceMesh" or not type(obj).__module__.startswith("torch.distributed"):
+            continue
+        registry = getattr(obj, "_pg_registry", None)
+        if isinstance(registry, dict) and registry:
+            registry.clear()
+            emptied += 1
+    return emptied
 
 
 # ---- Python frames and GradScaler ------------------------------------------------------------------------

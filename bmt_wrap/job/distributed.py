@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..base._compat import default_store, release_group_defaults
+from ..base._compat import default_store, release_group_defaults, release_mesh_groups
 from ..base.log import get_logger, set_rank_source
 from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError, UnsupportedError
 from ..runtime.comm import (
@@ -252,6 +252,8 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
     if group() is None:
         return
     holders = release_group_defaults(group())  # torch modules loaded after init_distributed hold it
+    if not dist.is_initialized():  # every group is gone: a DeviceMesh kept to the end (HSDP) holds them
+        release_mesh_groups()
     if group() is None:
         return
     where = f"default arguments of {', '.join(holders)}" if holders else "a reference outside bmt_wrap"
