@@ -3,11 +3,11 @@
 Starting from the schedule the options ask for (by default ZeRO-3 with every block recomputed), each
 block can buy two things with memory:
 
-- **keep its activations**: no recompute in backward. Saves the block's forward FLOPs; costs what
-  autograd saves inside the block beyond its inputs (measured on the exported graph);
 - **keep its parameters gathered** from forward to backward (``zero_level=2``, FSDP2's
   ``reshard_after_forward=False``): no second all-gather. Saves the block's gathered bytes x (N-1)/N;
-  costs its gathered buffers for the whole step.
+  costs its gathered buffers for the whole step;
+- **keep its activations**: no recompute in backward. Saves the block's forward FLOPs; costs what
+  autograd saves inside the block beyond its inputs (measured on the exported graph).
 
 Choices are ranked in one fixed order and the budget buys the longest prefix of it that fits, so a
 larger budget only ever adds choices. Then prefetch deepens while memory allows. Pure: no communication.
@@ -29,9 +29,12 @@ MAX_PREFETCH_DEPTH = 2
 
 ACTIVATIONS = "activations"
 PARAMETERS = "parameters"
-#: Which kind of choice the budget takes first. A recompute always sits on backward's critical path;
-#: the second all-gather is prefetched behind the previous block's backward, so it costs less per byte.
-KIND_ORDER = (ACTIVATIONS, PARAMETERS)
+#: Which kind of choice the budget takes first (docs/design.md "Memory budget"). A block that keeps its
+#: activations but reshards must free its gathered storage after forward and refill it before backward
+#: (a kept graph views it); on CPU each refill is a fresh page-faulted allocation that can cost more than
+#: the recompute it saves. Parameters kept first make every later activation choice land on a block whose
+#: buffer stays put, and their cost is fixed by the model where activations grow with the batch.
+KIND_ORDER = (PARAMETERS, ACTIVATIONS)
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,8 @@ def fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size
     blocks = len(groups)
     kept = [c.block for c in taken if c.kind == ACTIVATIONS]
     gathered = [c.block for c in taken if c.kind == PARAMETERS]
-    return [f"memory budget {fmt_bytes(budget)}: {len(kept)} of {blocks} blocks keep activations"
-            f"{': ' + ', '.join(kept) if kept else ''}; {len(gathered)} of {blocks} keep parameters gathered "
-            f"through backward{': ' + ', '.join(gathered) if gathered else ''}{stopped}",
+    return [f"memory budget {fmt_bytes(budget)}: {len(gathered)} of {blocks} blocks keep parameters gathered "
+            f"through backward{': ' + ', '.join(gathered) if gathered else ''}; {len(kept)} of {blocks} keep "
+            f"activations{': ' + ', '.join(kept) if kept else ''}{stopped}",
             f"memory budget {fmt_bytes(budget)}: prefetch depth {plan.prefetch_depth}, estimate "
             f"{fmt_bytes(total())} per rank"]
