@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MixedPrecision(param_dtype=DTYPE): fp32 shards, DTYPE gathers and compute, fp32 "
                              "gradient reduction")
     common.add_argument("--memory-budget", default=None, metavar="SIZE",
-                        help="bytes per rank, e.g. 40GiB: checkpoint only the blocks this requires (an error if no "
-                             "schedule fits)")
+                        help="bytes per rank, e.g. 40GiB: keep parameters gathered, then activations, per block "
+                             "while they fit (needs --input; an error naming the smallest budget if none fits)")
     common.add_argument("--prefetch-depth", type=int, default=1, metavar="DEPTH",
                         help="blocks gathered ahead (default 1)")
     common.add_argument("-v", "--verbose", action="store_true",
