@@ -20,8 +20,15 @@ import bmt_wrap as bmt
 from bmt_wrap import BMTrainModelWrapper
 from bmt_wrap.cli import main
 from bmt_wrap.errors import MemoryBudgetError
-from bmt_wrap.passes import (ActivationProfile, BlockCallActivations, Capture, build_plan, capture, discover_blocks,
-                             estimate)
+from bmt_wrap.passes import (
+    ActivationProfile,
+    BlockCallActivations,
+    Capture,
+    build_plan,
+    capture,
+    discover_blocks,
+    estimate,
+)
 from bmt_wrap.passes.budget import ACTIVATIONS, PARAMETERS, Choice, choices
 from bmt_wrap.plan import WrapPlan, fmt_bytes
 
