@@ -48,7 +48,8 @@ def launch(system: str, args: argparse.Namespace, env: dict[str, str]) -> list[d
 
 def summarize(runs: dict[str, list[list[dict]]], world_size: int, baseline: str = "fsdp2") -> list[dict]:
     """One row per system: step time over every measured step of every round (slowest rank per step),
-    peak RSS per rank, communication per step against the ZeRO-3 bound and the plan, losses, ratios."""
+    peak RSS per rank, communication per step against the ZeRO-3 bound and the plan, losses, ratios to
+    FSDP2 and DDP, and what bmt_wrap's plan kept."""
     rows = []
     reference = runs.get("single")
     for system, rounds in runs.items():
@@ -62,15 +63,17 @@ def summarize(runs: dict[str, list[list[dict]]], world_size: int, baseline: str 
                "plan_comm_bytes": first["plan_comm_bytes"], "params": first["params"],
                "comm_vs_bound": comm / bound if comm is not None and bound else None,
                "comm_vs_plan": comm / first["plan_comm_bytes"] if comm is not None and first["plan_comm_bytes"] else None,
-               "max_loss_diff_vs_single": None}
+               "max_loss_diff_vs_single": None, "kept": first.get("kept")}
         if reference:
             ref = reference[-1][0]["losses"]
             row["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(first["losses"], ref, strict=True))
         rows.append(row)
-    base = next((r for r in rows if r["system"] == baseline), None)
-    for r in rows:
-        r["time_vs_fsdp2"] = r["median_s"] / base["median_s"] if base else None
-        r["rss_vs_fsdp2"] = r["peak_rss"] / base["peak_rss"] if base else None
+    # Ratios to FSDP2 (the sharded peer) and to DDP (what a budget of DDP's memory must match).
+    for name, key in ((baseline, "fsdp2"), ("ddp", "ddp")):
+        base = next((r for r in rows if r["system"] == name), None)
+        for r in rows:
+            r[f"time_vs_{key}"] = r["median_s"] / base["median_s"] if base else None
+            r[f"rss_vs_{key}"] = r["peak_rss"] / base["peak_rss"] if base else None
     return rows
 
 

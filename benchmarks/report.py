@@ -26,19 +26,37 @@ def format_table(rows: list[dict], setup: dict[str, Any]) -> str:
             f"batch {setup['batch_per_rank']}/rank x seq {setup['seq']}, {setup['steps']} steps x "
             f"{setup['rounds']} rounds after {setup['warmup']} warm-up, OMP_NUM_THREADS={setup['OMP_NUM_THREADS']}, "
             f"MALLOC_MMAP_THRESHOLD_={setup['MALLOC_MMAP_THRESHOLD_']}")
-    cols = ["system", "step s: median (min-max)", "time vs FSDP2", "peak RSS/rank", "RSS vs FSDP2",
-            "comm/step", "ZeRO-3 bound", "comm vs bound", "plan predicts", "comm vs plan", "final loss",
-            "max Δloss vs single"]
+    cols = ["system", "step s: median (min-max)", "time vs FSDP2", "time vs DDP", "peak RSS/rank", "RSS vs FSDP2",
+            "RSS vs DDP", "comm/step", "ZeRO-3 bound", "comm vs bound", "plan predicts", "comm vs plan",
+            "kept: activations / params", "final loss", "max Δloss vs single"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         diff = r["max_loss_diff_vs_single"]
         ours = r["comm_bytes"] is not None
         cells = [r["system"], f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f})", _ratio(r["time_vs_fsdp2"]),
-                 f"{r['peak_rss'] / GIB:.2f} GiB", _ratio(r["rss_vs_fsdp2"]), _mb(r["comm_bytes"]),
-                 _mb(r["zero3_bound"]) if ours else "-", _ratio(r["comm_vs_bound"]), _mb(r["plan_comm_bytes"]),
-                 _ratio(r["comm_vs_plan"]), f"{r['loss']:.4f}", "-" if diff is None else f"{diff:.1e}"]
+                 _ratio(r.get("time_vs_ddp")), f"{r['peak_rss'] / GIB:.2f} GiB", _ratio(r["rss_vs_fsdp2"]),
+                 _ratio(r.get("rss_vs_ddp")), _mb(r["comm_bytes"]), _mb(r["zero3_bound"]) if ours else "-",
+                 _ratio(r["comm_vs_bound"]), _mb(r["plan_comm_bytes"]), _ratio(r["comm_vs_plan"]),
+                 _kept(r.get("kept")), f"{r['loss']:.4f}", "-" if diff is None else f"{diff:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
+    budgets = [r for r in rows if (r.get("kept") or {}).get("memory_budget") is not None]
+    lines += [""] * bool(budgets) + [
+        f"{r['system']}: memory_budget {r['kept']['memory_budget'] / MB:.1f} MB (DDP's parameters, gradients, AdamW "
+        f"state and activations by the plan's estimate); prefetch depth {r['kept']['prefetch_depth']}; "
+        f"activations kept: {_names(r['kept']['activations'])}; parameters kept gathered: "
+        f"{_names(r['kept']['parameters'])}" for r in budgets]
     return "\n".join(lines)
+
+
+def _kept(kept: dict | None) -> str:
+    """How many blocks kept activations (no recompute) and parameters gathered (no second all-gather)."""
+    if kept is None:
+        return "-"
+    return f"{len(kept['activations'])}/{kept['blocks']} / {len(kept['parameters'])}/{kept['blocks']}"
+
+
+def _names(blocks: list[str]) -> str:
+    return ", ".join(blocks) if blocks else "none"
 
 
 def plot(rows: list[dict], setup: dict[str, Any], path: str) -> None:

@@ -1,7 +1,8 @@
 """How each benchmarked system takes the same freshly built model: one function per system.
 
-Each returns the model to train (possibly a wrapper object) and, for bmt_wrap's wrapper, the plan whose
-estimates the report sets beside the measured communication.
+Each takes the model, its workload and this rank's first batch, and returns the model to train (possibly
+a wrapper object); bmt_wrap's wrapped models carry the plan whose estimates the report sets beside the
+measured communication.
 """
 
 from __future__ import annotations
@@ -10,22 +11,23 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from workloads import Workload
+from workloads import Batch, Workload
 
 import bmt_wrap as bmt
+from bmt_wrap import passes
 
 
-def single(model: nn.Module, wl: Workload) -> nn.Module:
+def single(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """Plain PyTorch in one process (it trains on the whole global batch)."""
     return model
 
 
-def ddp(model: nn.Module, wl: Workload) -> nn.Module:
+def ddp(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """torch DistributedDataParallel: every rank holds everything, gradients all-reduced."""
     return nn.parallel.DistributedDataParallel(model)
 
 
-def fsdp2(model: nn.Module, wl: Workload) -> nn.Module:
+def fsdp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """``torch.distributed.fsdp.fully_shard`` on every block, then on the root."""
     from torch.distributed.fsdp import fully_shard
 
@@ -35,7 +37,7 @@ def fsdp2(model: nn.Module, wl: Workload) -> nn.Module:
     return model
 
 
-def fsdp1(model: nn.Module, wl: Workload) -> nn.Module:
+def fsdp1(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """``FullyShardedDataParallel`` with a transformer wrap policy on the block class."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -47,17 +49,31 @@ def fsdp1(model: nn.Module, wl: Workload) -> nn.Module:
                                     device_id=device)
 
 
-def bmt_wrapper(model: nn.Module, wl: Workload) -> nn.Module:
+def bmt_wrapper(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """bmt_wrap's one-liner: blocks found, traced and planned automatically."""
     return bmt.BMTrainModelWrapper(model)
 
 
-def bmt_explicit(model: nn.Module, wl: Workload) -> nn.Module:
+def ddp_need(model: nn.Module, wl: Workload, example: Batch) -> int:
+    """Bytes per rank DDP holds, by the plan's own measure: a whole replica's parameters, gradients and AdamW
+    state, and every block's activations kept (DDP never recomputes) at this rank's batch shape."""
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery, wl.call(*example))
+    est = passes.build_plan(model, discovery, world_size=1, checkpoint=False, capture=cap).estimates["1"]
+    return est.params + est.grads + est.optimizer + (est.activations or 0)
+
+
+def bmt_wrapper_budget(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
+    """The one-liner given DDP's memory as its budget: it decides at the first forward what to keep."""
+    return bmt.BMTrainModelWrapper(model, memory_budget=ddp_need(model, wl, example))
+
+
+def bmt_explicit(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """bmt_wrap's explicit API: the same model written BMTrain-style, loaded with the same weights."""
     return wl.explicit(model)
 
 
-def bmt_engine(model: nn.Module, wl: Workload) -> nn.Module:
+def bmt_engine(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """bmt_wrap's engine with the blocks marked by hand (a plan built without the passes)."""
     from bmt_wrap.apply_plan import apply_plan
     from bmt_wrap.dtypes import dtype_name
@@ -76,9 +92,9 @@ def bmt_engine(model: nn.Module, wl: Workload) -> nn.Module:
     return apply_plan(model, WrapPlan(groups=groups, prefetch_depth=1, order=names, capture="explicit"))
 
 
-SYSTEMS: dict[str, Callable[[nn.Module, Workload], nn.Module]] = {
-    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp1": fsdp1,
-    "bmt_explicit": bmt_explicit, "bmt_wrapper": bmt_wrapper, "bmt_engine": bmt_engine,
+SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
+    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp1": fsdp1, "bmt_explicit": bmt_explicit,
+    "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
 }
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
-OURS = ("bmt_explicit", "bmt_wrapper", "bmt_engine")
+OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine")

@@ -38,11 +38,12 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     model = wl.build(seq)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # Ψ of the ZeRO-3 bound
-    model = SYSTEMS[system](model, wl)
+    batches = wl.batches(warmup + steps, global_batch, seq)
+    rows = slice(None) if n == 1 else slice(rank * (global_batch // n), (rank + 1) * (global_batch // n))
+    model = SYSTEMS[system](model, wl, (batches[0][0][rows], batches[0][1][rows]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     times, losses, comm = [], [], []
-    for i, (idx, tgt) in enumerate(wl.batches(warmup + steps, global_batch, seq)):
-        rows = slice(None) if n == 1 else slice(rank * (global_batch // n), (rank + 1) * (global_batch // n))
+    for i, (idx, tgt) in enumerate(batches):
         _barrier()
         bmt.reset_comm_stats()
         t0 = time.perf_counter()
@@ -61,7 +62,18 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     return {"system": system, "rank": rank, "world_size": n, "params": n_params, "times": times, "losses": losses,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,
-            "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes}
+            "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes,
+            "kept": _kept(plan)}
+
+
+def _kept(plan: bmt.WrapPlan | None) -> dict | None:
+    """Which blocks the executed plan let keep activations (no recompute) and parameters (no re-gather)."""
+    if plan is None:
+        return None
+    blocks = plan.blocks()
+    return {"blocks": len(blocks), "activations": [g.name for g in blocks if not g.checkpoint],
+            "parameters": [g.name for g in blocks if g.zero_level == 2], "prefetch_depth": plan.prefetch_depth,
+            "memory_budget": plan.memory_budget}
 
 
 def main() -> None:

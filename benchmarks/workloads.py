@@ -28,6 +28,8 @@ class Workload:
     vocab: int
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     explicit: Callable[[nn.Module], nn.Module] | None = None  # the same model on BMTrain's explicit API
+    # The forward call ``loss`` makes on (inputs, targets), as (args, kwargs): what a capture needs.
+    call: Callable[[torch.Tensor, torch.Tensor], tuple[tuple, dict]] = lambda idx, tgt: ((), {"input_ids": idx})
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         """The model's repeated blocks."""
@@ -78,7 +80,7 @@ def _hf_loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Te
 
 WORKLOADS: dict[str, Workload] = {
     "toy-gpt": Workload("toy-gpt", "toy GPT: 8 blocks x d_model 1024, vocab 8192, untied head",
-                        _toy, "blocks", 8192, _toy_loss, _toy_explicit),
+                        _toy, "blocks", 8192, _toy_loss, _toy_explicit, lambda idx, tgt: ((idx, tgt), {})),
     "gpt2": Workload("gpt2", "transformers GPT-2 small config: 12 blocks x 768, vocab 50257, tied",
                      _gpt2, "transformer.h", 50257, _hf_loss),
     "llama": Workload("llama", "transformers Llama config: 6 blocks x 1024 (GQA 16/4), vocab 32000",

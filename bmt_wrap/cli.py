@@ -36,7 +36,7 @@ from .base._compat import pytree
 from .base.dtypes import to_dtype
 from .base.mixed_precision import MixedPrecision
 from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
-from .errors import BMTError, CLIError
+from .errors import BMTError, CLIError, MemoryBudgetError
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh
@@ -121,17 +121,13 @@ def _unknown_names(sig: inspect.Signature, kwargs: dict[str, object]) -> str | N
     return f"it has no argument {', '.join(map(repr, unknown))}{only}" if unknown else None
 
 
-def check_budget(budget: int, plans: list[WrapPlan]) -> None:
-    """Raise ``CLIError`` if some world size cannot meet ``budget``, naming the smallest budget each needs."""
-    # The planner checkpoints every block before it gives up, so an estimate over budget is the minimum.
-    over = [(p, e) for p in plans for e in p.estimates.values() if e.total > budget]
-    if not over:
-        return
-    needs = ", ".join(f"N={e.world_size} needs at least {fmt_bytes(e.total)} ({e.total} B)" for _, e in over)
-    unknown = ", plus activations (unknown without --input)" if any(e.activations is None for _, e in over) else ""
-    raise CLIError(f"--memory-budget {fmt_bytes(budget)} per rank cannot be met even with every block checkpointed "
-                   f"(prefetch depth {over[0][0].prefetch_depth}): {needs}{unknown}; raise the budget, add ranks, "
-                   "shrink the batch or lower --prefetch-depth")
+def budget_error(budget: int, over: list[MemoryBudgetError], prefetch_depth: int) -> CLIError:
+    """One error for every world size whose plan cannot meet ``budget``, naming the smallest budget each needs."""
+    needs = ", ".join(f"N={e.world_size} needs at least {fmt_bytes(e.needed)} ({e.needed} B)" for e in over)
+    unknown = ", plus activations (unknown without --input)" if any(not e.activations_known for e in over) else ""
+    return CLIError(f"--memory-budget {fmt_bytes(budget)} per rank cannot be met even with every block checkpointed "
+                    f"(prefetch depth {prefetch_depth}): {needs}{unknown}; raise the budget, add ranks, "
+                    "shrink the batch or lower --prefetch-depth")
 
 
 def parse_bytes(text: str) -> int:
@@ -204,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MixedPrecision(param_dtype=DTYPE): fp32 shards, DTYPE gathers and compute, fp32 "
                              "gradient reduction")
     common.add_argument("--memory-budget", default=None, metavar="SIZE",
-                        help="bytes per rank, e.g. 40GiB: checkpoint only the blocks this requires (an error if no "
-                             "schedule fits)")
+                        help="bytes per rank, e.g. 40GiB: keep parameters gathered, then activations, per block "
+                             "while they fit (needs --input; an error naming the smallest budget if none fits)")
     common.add_argument("--prefetch-depth", type=int, default=1, metavar="DEPTH",
                         help="blocks gathered ahead (default 1)")
     common.add_argument("-v", "--verbose", action="store_true",
@@ -243,12 +239,17 @@ def _run(opts: argparse.Namespace) -> str:
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
-    plans = [build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
-                        mixed_precision=mp, capture=captured) for n in sizes]
+    plans, over = [], []
+    for n in sizes:
+        try:
+            plans.append(build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
+                                    memory_budget=budget, mixed_precision=mp, capture=captured))
+        except MemoryBudgetError as exc:
+            over.append(exc)
+    if over:
+        raise budget_error(budget, over, opts.prefetch_depth)
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
-    if budget is not None:
-        check_budget(budget, plans)
     if opts.command == "plan":
         psi = sum(g.param_numel() for g in plans[0].groups)
         dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"

@@ -65,6 +65,20 @@ class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 
 
+class MemoryBudgetError(PlanError):
+    """``memory_budget=`` is below what the plan needs with every block recomputed and resharded.
+
+    ``needed`` is the smallest budget that plan meets (bytes per rank), ``activations_known`` whether that
+    includes activations. Built from the message alone when it crosses ranks (``agree``), so both are
+    optional.
+    """
+
+    def __init__(self, message: str, *, needed: int | None = None, world_size: int | None = None,
+                 activations_known: bool = True) -> None:
+        super().__init__(message)
+        self.needed, self.world_size, self.activations_known = needed, world_size, activations_known
+
+
 class RecomputeError(WrapError):
     """A checkpointed block's recompute cannot reproduce its forward (outputs differ, or state it changed
     cannot be restored); raised instead of computing a wrong gradient."""

@@ -32,10 +32,11 @@ def test_schedule_rule_at_each_depth() -> None:
     assert PrefetchSchedule(1, 3).at_start() == [0] and PrefetchSchedule(0, 1).at_start() == []
 
 
-def expected_step(order: list[str], depth: int) -> list[tuple[str, str]]:
-    """The collectives (and block calls) one training step of checkpointed ZeRO-3 blocks issues under
+def expected_step(order: list[str], depth: int, kept: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The collectives (and block calls) one training step of checkpointed blocks issues under
     ``PrefetchSchedule``: a gather starts when the schedule first asks for a group that is not gathered;
-    a block releases its parameters after its forward and after its backward, then reduce-scatters."""
+    a ZeRO-3 block releases its parameters after its forward, a ``kept`` one (``zero_level=2``, what a
+    memory budget buys) only after its backward; each reduce-scatters after its backward."""
     schedule = PrefetchSchedule(len(order), depth)
     gathered: set[str] = set()
     out: list[tuple[str, str]] = [("all_gather", ROOT)]
@@ -50,7 +51,8 @@ def expected_step(order: list[str], depth: int) -> list[tuple[str, str]]:
     for i, name in enumerate(order):
         out.append(("call", name))
         gather(schedule.forward(i))
-        gathered.discard(name)
+        if name not in kept:
+            gathered.discard(name)
     for i in reversed(range(len(order))):
         gather(schedule.backward(i))
         gathered.discard(order[i])
@@ -58,10 +60,13 @@ def expected_step(order: list[str], depth: int) -> list[tuple[str, str]]:
     return out + [("reduce_scatter", ROOT)]
 
 
-def _traced_steps_body(depth: int) -> list[list[tuple[str, str]]]:
+def _traced_steps_body(depth: int, kept: frozenset[str] = frozenset()) -> list[list[tuple[str, str]]]:
     torch.manual_seed(0)
     model = ToyGPT(d=16, n_layers=LAYERS)
-    model = apply_plan(model, manual_plan(model, [f"layers.{i}" for i in range(LAYERS)], prefetch_depth=depth))
+    plan = manual_plan(model, [f"layers.{i}" for i in range(LAYERS)], prefetch_depth=depth)
+    for g in plan.blocks():
+        g.zero_level = 2 if g.name in kept else 3
+    model = apply_plan(model, plan)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     n, rank = distributed.world_size(), distributed.rank()
     traces = []
@@ -83,5 +88,17 @@ def test_runtime_issues_the_plans_schedule(depth: int) -> None:
     order = [f"layers.{i}" for i in range(LAYERS)]
     want = expected_step(order, depth)
     for rank, traces in enumerate(run_distributed(_traced_steps_body, 2, depth)):
+        for step, got in enumerate(traces):
+            assert got == want, f"rank {rank} step {step}, prefetch depth {depth}:\n got  {got}\n want {want}"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_blocks_kept_gathered_by_a_budget_are_not_gathered_again(depth: int) -> None:
+    # A memory budget keeps the last-called blocks' parameters first (passes/budget.py).
+    order = [f"layers.{i}" for i in range(LAYERS)]
+    kept = frozenset(order[-2:])
+    want = expected_step(order, depth, kept)
+    assert [x for x in want if x[0] == "all_gather"].count(("all_gather", "layers.3")) == 1
+    for rank, traces in enumerate(run_distributed(_traced_steps_body, 2, depth, kept)):
         for step, got in enumerate(traces):
             assert got == want, f"rank {rank} step {step}, prefetch depth {depth}:\n got  {got}\n want {want}"

@@ -240,6 +240,7 @@ class WrapPlan:
     self_checkpointing_off: list[str] = field(default_factory=list)
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)  # keyed by str(world_size)
     version: int = PLAN_VERSION
+    memory_budget: int | None = None  # bytes per rank the schedule was fitted to (None: options as given)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -292,7 +293,7 @@ class WrapPlan:
             return cls(groups=groups, prefetch_depth=raw["prefetch_depth"], order=raw["order"],
                        resident=raw["resident"], capture=raw["capture"], notes=raw["notes"],
                        self_checkpointing_off=raw.get("self_checkpointing_off", []),
-                       estimates=estimates, version=raw["version"])
+                       estimates=estimates, version=raw["version"], memory_budget=raw.get("memory_budget"))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -335,11 +336,15 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def summary_line(plan: WrapPlan) -> str:
-    """One line: capture method, blocks, calls, prefetch depth, checkpointed blocks."""
+    """One line: capture method, blocks, calls, prefetch depth, checkpointed blocks; blocks kept gathered
+    through backward and the memory budget when there are any."""
     blocks = plan.blocks()
     ckpt = sum(g.checkpoint for g in blocks)
+    kept = sum(g.zero_level == 2 for g in blocks)
     return (f"capture: {plan.capture} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
-            f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}")
+            f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}"
+            + (f" | kept gathered: {kept}/{len(blocks)}" if kept else "")
+            + (f" | memory budget: {fmt_bytes(plan.memory_budget)}" if plan.memory_budget is not None else ""))
 
 
 def shown_notes(plan: WrapPlan, verbose: bool = False) -> list[str]:

@@ -3,6 +3,8 @@
 The exported graph is interpreted on meta tensors with autograd on; a saved-tensors hook records what
 autograd keeps for backward, attributed to the block call that is running. That is exactly what a
 non-checkpointed block keeps; a checkpointed block keeps only its inputs (and recomputes the rest).
+The same run counts each call's forward FLOPs (torch's ``FlopCounterMode``, shapes only): what a
+recompute of that call costs, which a memory budget weighs against the bytes it saves.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
 
 BlockKey = tuple[str, tuple[str, ...]]  # (canonical block FQN, nn_module_stack keys identifying one call)
 
@@ -23,6 +26,7 @@ class BlockCallActivations:
     block: str
     input_bytes: int  # tensors entering the call: all a checkpointed call keeps
     saved_bytes: int  # tensors autograd saves inside the call: what a non-checkpointed call keeps
+    flops: int = 0  # forward FLOPs of the call: what recomputing it costs
 
 
 @dataclass
@@ -65,6 +69,7 @@ class _Profiler(fx.Interpreter):
         self.seen: dict[int, torch.Tensor] = {}
         self.entered: dict[int, torch.Tensor] = {}
         self.muted = False  # inside an attention op, whose saves are counted as a fused kernel's
+        self.flop_counter = FlopCounterMode(display=False)
 
     def run_node(self, n: fx.Node) -> object:
         """Attribute the node to its block call, counting the tensors that enter a call."""
@@ -82,6 +87,14 @@ class _Profiler(fx.Interpreter):
                 if id(base) not in self.entered and id(base) not in self.state_ids:
                     self.entered[id(base)] = base
                     self.calls[-1].input_bytes += _nbytes(base)
+        before = self.flop_counter.get_total_flops()
+        try:
+            return self._run_counted(n)
+        finally:
+            if key is not None:
+                self.calls[-1].flops += self.flop_counter.get_total_flops() - before
+
+    def _run_counted(self, n: fx.Node) -> object:
         if "scaled_dot_product" not in str(n.target):
             return super().run_node(n)
         # On meta, attention dispatches to the math fallback, which saves L x L scores (in fp32). Real
@@ -120,6 +133,7 @@ def profile_activations(gm: fx.GraphModule, flat_inputs: list[object],
                         block_of: Callable[[fx.Node], BlockKey | None]) -> ActivationProfile:
     """Interpret ``gm`` (meta parameters) on meta ``flat_inputs`` and measure saved activations."""
     profiler = _Profiler(gm, block_of)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t):
+    with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t),
+          profiler.flop_counter):
         profiler.run(*flat_inputs)
     return ActivationProfile(root_bytes=profiler.root_bytes, calls=profiler.calls)

@@ -28,7 +28,7 @@ def _grad_bytes(group: ShardGroupSpec, world_size: int) -> int:
     return sum(b.full_grad_bytes(world_size) for b in group.buffers if b.requires_grad)
 
 
-def _held_gathered(group: ShardGroupSpec, world_size: int) -> int:
+def held_gathered(group: ShardGroupSpec, world_size: int) -> int:
     """Memory a gathered group holds: its full buffers, plus the pooled param_dtype copy of the shard
     that a casting gather sends (mixed precision)."""
     return group.padded_bytes(world_size) + sum(b.shard_numel(world_size) * itemsize(b.gather_dtype)
@@ -57,9 +57,9 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     root_bytes = sum(g.padded_bytes(n) for g in root)
     # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through
     # (depth + 1) pooled buffers sized for the largest of them.
-    largest = max((_held_gathered(g, n) for g in blocks if g.zero_level == 3), default=0)
-    est.gathered = (sum(_held_gathered(g, n) for g in root) + (plan.prefetch_depth + 1) * largest
-                    + sum(_held_gathered(g, n) for g in blocks if g.zero_level == 2))
+    largest = max((held_gathered(g, n) for g in blocks if g.zero_level == 3), default=0)
+    est.gathered = (sum(held_gathered(g, n) for g in root) + (plan.prefetch_depth + 1) * largest
+                    + sum(held_gathered(g, n) for g in blocks if g.zero_level == 2))
     est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
     est.no_sync_grads = sum(_grad_bytes(g, n) for g in plan.groups)  # runtime/local_grads.py
     if activations is not None:

@@ -15,17 +15,13 @@ from torch import nn
 
 from ..base.dtypes import dtype_name
 from ..base.mixed_precision import MixedPrecision
-from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, fmt_bytes, layout_buffers
+from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
 from ..errors import PlanError
-from .activations import ActivationProfile
+from .budget import fit_budget
 from .capture import Capture
 from .discover import Discovery
 from .estimate import estimate
 from .util import self_checkpointing_modules
-
-#: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
-#: flight absorbs uneven block times. Deeper only holds more memory: collectives run one at a time.
-MAX_PREFETCH_DEPTH = 2
 
 
 def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
@@ -85,42 +81,6 @@ def _check_options(world_size: int, zero_level: int, prefetch_depth: int) -> Non
         raise PlanError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
 
 
-def _fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size: int, budget: int,
-                may_uncheckpoint: bool) -> list[str]:
-    """Drop checkpointing where memory allows, then deepen prefetch; returns notes. Mutates ``plan``."""
-    def total() -> int:
-        return estimate(plan, world_size, activations).total
-
-    if activations is None:
-        return ["memory budget: activation bytes unknown, so every block stays checkpointed "
-                "(pass example inputs to let the budget decide)"]
-    if total() > budget:
-        return [f"memory budget: {fmt_bytes(total())} per rank exceeds the budget of {fmt_bytes(budget)} "
-                "even with every block checkpointed; use more ranks or a smaller batch"]
-    # Cheapest first: un-checkpointing a block costs what it saves for backward beyond its inputs.
-    extra: dict[str, int] = defaultdict(int)
-    for call in activations.calls:
-        extra[call.block] += call.saved_bytes - call.input_bytes
-    kept: list[str] = []
-    candidates = [g for g in plan.blocks() if g.checkpoint and may_uncheckpoint]
-    for group in sorted(candidates, key=lambda g: extra[g.name]):
-        group.checkpoint = False
-        if total() > budget:
-            group.checkpoint = True
-            break
-        kept.append(group.name)
-    notes = [f"memory budget: {len(kept)} of {len(plan.blocks())} blocks keep activations instead of recomputing"]
-    deepest = min(MAX_PREFETCH_DEPTH, max(len(plan.order) - 1, 0))
-    while plan.prefetch_depth < deepest:
-        plan.prefetch_depth += 1
-        if total() > budget:
-            plan.prefetch_depth -= 1
-            break
-    notes.append(f"memory budget: prefetch depth {plan.prefetch_depth}, "
-                 f"{fmt_bytes(total())} of {fmt_bytes(budget)} per rank")
-    return notes
-
-
 def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int, checkpoint: bool = True,
              zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None) -> WrapPlan:
     """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched."""
@@ -137,7 +97,8 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     notes = list(capture.notes) if capture is not None else []
     activations = capture.activations if capture is not None else None
     if memory_budget is not None:
-        notes += _fit_budget(new, activations, world_size, memory_budget, checkpoint)
+        notes += fit_budget(new, activations, world_size, memory_budget)
+    new.memory_budget = memory_budget
     new.notes = [n for n in plan.notes if not n.startswith(SCHEDULE_NOTE)] + [SCHEDULE_NOTE + n for n in notes]
     new.estimates = {str(world_size): estimate(new, world_size, activations)}
     return new

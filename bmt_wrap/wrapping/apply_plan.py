@@ -228,6 +228,7 @@ def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tup
     engine = get_engine()
     first = getattr(model, "_bmt_first_forward", None)
     if first is not None:
+        model._bmt_outermost = None  # until the capture succeeds: a failure there began no forward
         first.before(model, args, kwargs)
     model._bmt_outermost = not engine.in_forward
     root = model._bmt_root
@@ -243,6 +244,8 @@ def _root_pre_hook(model: WrappedModule, args: tuple, kwargs: dict) -> tuple[tup
 
 def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
     engine = get_engine()
+    if getattr(model, "_bmt_outermost", True) is None:
+        return None  # the first forward's capture raised (a memory budget it cannot meet): retried next call
     if model._bmt_root is not None:
         model._bmt_root.restore()
     if getattr(model, "_bmt_outermost", True):

@@ -52,7 +52,18 @@ class _FirstForward:
 
     def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
         state = get_state()
-        mine = passes.schedule(model.plan, cap, world_size=self.shard_size, **self.options)
+        budgeted = self.options["memory_budget"] is not None
+        mine, failure = None, None
+        try:
+            mine = passes.schedule(model.plan, cap, world_size=self.shard_size, **self.options)
+        except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
+            if not budgeted:
+                raise
+            failure = exc
+        if budgeted:
+            # Every rank adopts rank 0's schedule, so rank 0's verdict is raised everywhere (another rank's
+            # inputs may differ; it follows rank 0 either way). Without a budget nothing here can fail.
+            agree(failure if state.rank == 0 else None, what="first-forward schedule", error_type=PlanError)
         chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
         update_schedule(model, chosen)
         get_logger().debug("first forward: block order captured by %s", chosen.capture)
@@ -66,8 +77,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
     ``torch.export`` of a meta copy (with ``example_inputs=`` or at the first call) or hooks on the first
-    call. ``plan=`` re-applies a saved ``WrapPlan``; ``memory_budget=`` (bytes per rank) checkpoints only
-    as many blocks as needed. ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
+    call. ``plan=`` re-applies a saved ``WrapPlan``; ``memory_budget=`` (bytes per rank) spends memory
+    beyond ZeRO-3's on speed: blocks keep activations, then parameters gathered, then prefetch deepens
+    (decided at the first forward when activations need its inputs; ``MemoryBudgetError`` when even full
+    recompute exceeds it). ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
     ``mesh=``: a 2-D ``DeviceMesh`` with dims (replicate, shard) shards within each row and replicates
     across rows (HSDP); None or a 1-D mesh over every rank is ZeRO-3 over the whole job.
     """
@@ -84,6 +97,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget}
         discovery = passes.discover_blocks(model)
+        built = plan is None
         if plan is None:
             mine, failure = None, None
             if state.rank == 0:
@@ -100,7 +114,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                 raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
             plan = copy.deepcopy(plan)
         first = None
-        if plan.capture == "none":
+        if plan.capture == "none" or (built and _budget_needs_activations(plan, layout.shard_size)):
             first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size)
         apply_plan(model, plan, mixed_precision, layout=layout)
         model._bmt_first_forward = first
@@ -120,6 +134,13 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
 
 
 wrap = BMTrainModelWrapper
+
+
+def _budget_needs_activations(plan: WrapPlan, world_size: int) -> bool:
+    """True when a memory budget was given but the plan could not weigh activations (no inputs yet): the
+    first forward's inputs then decide what the budget keeps."""
+    est = plan.estimates.get(str(world_size))
+    return plan.memory_budget is not None and (est is None or est.activations is None)
 
 
 def _warn_if_no_blocks(model: nn.Module, plan: WrapPlan, discovery: passes.Discovery) -> None:
