@@ -154,11 +154,18 @@ def test_default_store_of_an_initialised_group() -> None:
         dist.destroy_process_group()
 
 
-def test_release_group_defaults_frees_a_group_torch_bound_at_import() -> None:
-    # A fresh process: torch.distributed.nn must load after the group exists, as in a job.
+def _fresh_process(code: str) -> tuple[list[str], str]:
+    """Run ``code`` in a new interpreter (modules load in the order it says); its words and stderr."""
     import subprocess
     import sys
 
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split(), out.stderr
+
+
+def test_release_group_defaults_frees_a_group_torch_bound_at_import() -> None:
+    # A fresh process: torch.distributed.nn must load after the group exists, as in a job.
     code = ("import weakref, torch.distributed as dist\n"
             "from bmt_wrap._compat import release_group_defaults\n"
             "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
@@ -168,9 +175,8 @@ def test_release_group_defaults_frees_a_group_torch_bound_at_import() -> None:
             "dist.destroy_process_group()\n"
             "print(bound, group() is None, release_group_defaults(group()), group() is None, "
             "F.all_reduce.__defaults__[-1])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False", "[]", "True", "None"], out.stdout + out.stderr
+    words, err = _fresh_process(code)
+    assert words == ["True", "False", "[]", "True", "None"], (words, err)
 
 
 def test_transformers_initialize_weights_is_replaced_and_restored() -> None:
@@ -297,9 +303,6 @@ def test_drop_compiled_call_makes_the_call_eager_and_keeps_names(how: str) -> No
 def test_shutdown_frees_the_group_a_live_device_mesh_holds() -> None:
     # An HSDP script keeps its DeviceMesh to the end; the mesh's registry held the destroyed group (and
     # gloo's threads) into interpreter teardown, and shutdown() warned about "a reference outside bmt_wrap".
-    import subprocess
-    import sys
-
     code = ("import weakref, torch.distributed as dist, bmt_wrap as bmt\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
             "bmt.init_distributed()\n"
@@ -307,7 +310,6 @@ def test_shutdown_frees_the_group_a_live_device_mesh_holds() -> None:
             "group = weakref.ref(dist.group.WORLD)\n"
             "bmt.shutdown()\n"
             "print('freed', group() is None)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["freed", "True"], out.stdout + out.stderr
-    assert "still hold" not in out.stderr, out.stderr
+    words, err = _fresh_process(code)
+    assert words == ["freed", "True"], (words, err)
+    assert "still hold" not in err, err

@@ -95,6 +95,11 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
 def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to ``directory`` with DCP; a collective."""
+    save_directory(directory, _dcp_state(model, optimizer, with_model))
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, with_model: bool) -> dict[str, Any]:
+    """DCP's state dicts of ``model`` (if ``with_model``) and ``optimizer``: what a save writes."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state: dict[str, Any] = {}
@@ -102,24 +107,15 @@ def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
         state["model"] = get_model_state_dict(model)
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    save_directory(directory, state)
+    return state
 
 
 def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Read what ``save_sharded`` wrote (at any world size) into ``model`` and ``optimizer``; a collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state: dict[str, Any] = {}
-    if with_model:
-        state["model"] = get_model_state_dict(model)
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    state = _dcp_state(model, optimizer, with_model)
     load_directory(directory, state)
     if with_model:
         set_model_state_dict(model, state["model"])
