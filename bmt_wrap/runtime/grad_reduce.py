@@ -191,7 +191,7 @@ class GradReducer:
             shard = buffer.ensure_grad_shard() if accumulate else buffer.new_grad_shard(zeroed=False)
             touched = _Touched(buffer, had, [False] * len(had), accumulate=accumulate, grad_shard=shard)
             if touched.accumulate:
-                _adopt_existing_grads(buffer)
+                adopt_existing_grads(buffer)
             self._touched[id(buffer)] = touched
         return touched
 
@@ -235,7 +235,7 @@ class GradReducer:
 
 
 @torch.no_grad()
-def _adopt_existing_grads(buffer: FlatBuffer) -> None:
+def adopt_existing_grads(buffer: FlatBuffer) -> None:
     """Before accumulating: make the gradient shard hold exactly the parameters' current ``.grad``."""
     for i, p in enumerate(buffer.params):
         view = buffer.grad_view(i)

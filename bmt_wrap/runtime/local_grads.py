@@ -24,7 +24,7 @@ import torch
 from ..base._compat import tensor_version
 from ..errors import GradSyncError
 from .flat_buffer import FlatBuffer
-from .grad_reduce import _adopt_existing_grads
+from .grad_reduce import adopt_existing_grads
 from .group import ShardGroup
 
 
@@ -70,7 +70,7 @@ class LocalGrad:
         if not any(self.used) and not any(p.grad is not None for p in buf.params):
             return
         buf.ensure_grad_shard()
-        _adopt_existing_grads(buf)
+        adopt_existing_grads(buf)
         self.marked, self.versions = [], []
         for i, p in enumerate(buf.params):
             if p.grad is None and self.used[i]:
