@@ -19,7 +19,8 @@ OLD_PATHS = [
         "apply_plan", "compiled", "consistency", "gathered", "generate", "init", "sharded_module", "verify",
         "wrapper",  # wrapping/
         "block", "module",  # explicit/
-        "block_layer", "global_var", "inspect", "nccl", "nn", "nn.linear", "nn.parallel", "pipe_layer",
+        "block_layer", "global_var", "inspect", "nccl", "nn", "nn.linear", "nn.column_parallel_linear",
+        "nn.row_parallel_linear", "nn.parallel_embedding", "nn.parallel_linear_func", "pipe_layer",
         "store", "synchronize", "utils",  # bmtrain/
         "checkpoint", "checkpoint.agree", "checkpoint.atomic", "checkpoint.consolidated", "checkpoint.dcp",
         "checkpoint.entries", "checkpoint.formats", "checkpoint.local_shard", "checkpoint.optim_shards",
