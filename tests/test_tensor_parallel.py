@@ -290,3 +290,21 @@ def test_dimensions_not_divisible_by_tp_size_raise_on_every_rank() -> None:
     assert all(r == results[0] for r in results)
     assert [m.split("=")[0] for m in results[0]] == ["ColumnParallelLinear out_features",
                                                    "RowParallelLinear in_features", "VPEmbedding vocab_size"]
+
+
+def _init_body(tp_size: int) -> list:
+    use_tp(tp_size)
+    torch.manual_seed(3)
+    layer = bmt.nn.RowParallelLinear(8, 4)
+    bmt.init_parameters(layer)
+    return layer.state_dict()["weight"].tolist()
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_init_parameters_draws_tp_weights_whole_as_the_unsplit_layer(tp_size: int) -> None:
+    torch.manual_seed(3)
+    whole = torch.empty(4, 8)
+    torch.nn.init.xavier_normal_(whole)  # construction
+    torch.nn.init.xavier_normal_(whole)  # init_parameters draws again, on the whole tensor
+    for got in run_distributed(_init_body, 4, tp_size):
+        assert torch.equal(torch.tensor(got), whole)
