@@ -160,3 +160,17 @@ def test_tp_traffic_estimate_counts_recompute() -> None:
     assert est.comm_tp == expected
     assert est.tp_size == 2 and est.world_size == 2
     assert plan.estimates["1"].comm_tp is None  # no batch shape, no guess
+
+
+def test_cli_plan_tp_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from bmt_wrap.cli import main
+
+    assert main(["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "2",
+                 "--input", "input_ids=int64[2,8]"]) == 0
+    out = capsys.readouterr().out
+    assert "N=4 TP 2 x DP 2" in out and "of which TP activations" in out
+    assert "split model.layers.0.self_attn.o_proj: rowwise" in out
+    assert main(["plan", "tests/models.py:llama", "--world-size", "6", "--tp-size", "4"]) == 2
+    assert "--tp-size 4 must divide every --world-size" in capsys.readouterr().err
+    assert main(["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "4"]) == 1
+    assert "num_key_value_heads = 2" in capsys.readouterr().err
