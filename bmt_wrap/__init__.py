@@ -36,7 +36,8 @@ _FROM = {
     "explicit.module": ["DistributedModule"],
     "job.distributed": ["barrier", "comm_stats", "get_state", "init_distributed", "is_initialized",
                         "local_rank", "print_rank", "rank", "reset_comm_stats", "shutdown", "sum_loss",
-                        "world_size"],
+                        "tensor_parallel", "world_size"],
+    "job.tp_inputs": ["check_tp_inputs_agree"],
     "runtime.param": ["DistributedParameter"],
     "save_load": ["load", "load_checkpoint", "save", "save_checkpoint"],
     "wrapping.apply_plan": ["is_wrapped"],
@@ -87,9 +88,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
     "MixedPrecision", "PipelineTransformerBlockList", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier",
-    "block_layer", "comm_stats", "config", "distributed", "errors", "gather_result", "gathered", "get_state",
+    "block_layer", "check_tp_inputs_agree", "comm_stats", "config", "distributed", "errors", "gather_result", "gathered", "get_state",
     "global_var", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped", "load",
     "load_checkpoint", "local_rank", "loss", "lr_scheduler", "nccl", "nn", "optim", "passes", "pipe_layer",
     "print_rank", "rank", "reset_comm_stats", "save", "save_checkpoint", "see_memory", "shutdown", "store", "sum_loss",
-    "synchronize", "utils", "wait_loader", "world_size", "wrap",
+    "synchronize", "tensor_parallel", "utils", "wait_loader", "world_size", "wrap",
 ]

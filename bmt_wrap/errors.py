@@ -110,12 +110,24 @@ class CheckpointError(BMTError):
     """A checkpoint file or directory cannot be written or read."""
 
 
+class TensorParallelError(BMTError):
+    """Tensor parallelism cannot run as asked (raised alike on every rank of the TP group)."""
+
+
+class TPShapeError(TensorParallelError, ValueError):
+    """A dimension tensor parallelism splits is not divisible by the tensor-parallel size."""
+
+
+class TPInputMismatchError(TensorParallelError):
+    """The ranks of one tensor-parallel group were given different inputs (they must share each batch)."""
+
+
 class CLIError(BMTError):
     """Bad command-line input."""
 
 
 class UnsupportedError(BMTError, NotImplementedError):
-    """A BMTrain feature bmt_wrap does not implement (tensor or pipeline parallelism, NCCL handles)."""
+    """A BMTrain feature bmt_wrap does not implement (pipeline parallelism, NCCL handles)."""
 
 
 class BlockListError(WrapError, AssertionError):

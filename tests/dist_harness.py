@@ -64,6 +64,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
             conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", state.comm.broken))
         finally:
             _reset_engine()
+            # A body that asked for tensor parallelism (init_distributed(tp_size=T)) leaves the next one
+            # the plain layout; the TP sub-groups stay built for the next body that asks.
+            bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=1)
     distributed.shutdown()
 
 

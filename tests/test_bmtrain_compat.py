@@ -19,7 +19,7 @@ from torch import nn
 
 import bmt_wrap as bmt
 from bmt_wrap.checkpoint.formats import open_source
-from bmt_wrap.errors import BlockListError, BMTError, CommError, UnsupportedError, WrapError
+from bmt_wrap.errors import BlockListError, BMTError, CommError, InitError, UnsupportedError, WrapError
 from bmt_wrap.runtime.sharded_tensor import ShardedTensor
 
 D = 8
@@ -39,10 +39,11 @@ def _names_body() -> dict:
     assert bmt.distributed.init_distributed is bmt.init_distributed, "bmt.distributed is still our module"
     assert bmt.init_distributed(seed=0, backend="gloo", timeout=bmt.get_state().timeout, pipe_size=1, tp_size=1) \
         is bmt.get_state()
-    for kwargs in ({"pipe_size": 2}, {"tp_size": 2}):
-        with pytest.raises(UnsupportedError, match="tensor or pipeline") as info:
-            bmt.init_distributed(**kwargs)
-        assert isinstance(info.value, NotImplementedError)
+    with pytest.raises(UnsupportedError, match="no pipeline parallelism") as info:
+        bmt.init_distributed(pipe_size=2)
+    assert isinstance(info.value, NotImplementedError)
+    with pytest.raises(InitError, match="must be a multiple of tp_size"):
+        bmt.init_distributed(seed=0, backend="gloo", timeout=bmt.get_state().timeout, tp_size=3)
     with pytest.raises(BMTError, match="cannot be set"):
         bmt.config["rank"] = 3
     bmt.config["my_key"] = 1  # a script's own keys are stored

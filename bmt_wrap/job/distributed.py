@@ -30,6 +30,7 @@ from ..runtime.comm import (
     GlooCommunicator,
     RankLayout,
     SingleProcessCommunicator,
+    TensorParallelLayout,
     TorchCommunicator,
     cupy_available,
 )
@@ -57,6 +58,9 @@ class DistState:
     owns_group: bool = False  # init_distributed created it, so shutdown() destroys it
     # Rank layouts built from device meshes, by the mesh's ranks: each mesh's sub-group communicators once.
     layouts: dict[tuple, RankLayout] = field(repr=False, default_factory=dict)
+    tp_size: int = 1  # init_distributed(tp_size=): ranks each tensor-parallel layer is split over
+    # Tensor-parallel layouts by tp_size, each built once (its sub-group communicators and device mesh).
+    tp_layouts: dict[int, TensorParallelLayout] = field(repr=False, default_factory=dict)
 
 
 _STATE: DistState | None = None
@@ -107,18 +111,23 @@ def init_distributed(seed: int = 0, backend: str = "auto",
                      tp_size: int = 1) -> DistState:
     """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
 
-    ``pipe_size`` and ``tp_size`` are BMTrain's: 1 (or BMTrain's ``pipe_size=-1``, no pipeline) is the
-    only value, since bmt_wrap shards data-parallel only.
+    ``tp_size`` is BMTrain's: T adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``)
+    and ZeRO shards over the ``world / T`` ranks of the same ``tp_rank`` (``tensor_parallel()``).
+    ``pipe_size`` is BMTrain's too: 1 (or ``-1``, no pipeline) is the only value.
     """
     global _STATE
-    _check_parallel_sizes(pipe_size, tp_size)
+    _check_pipe_size(pipe_size)
     requested = (seed, backend, timeout)
     if _STATE is not None:
         if _STATE.requested != requested:
             raise InitError(f"init_distributed was already called with (seed, backend, timeout)="
                             f"{_STATE.requested}; calling it again with {requested} is not supported. "
                             "Call it once, at start-up.")
+        _use_tensor_parallel(tp_size)
         return _STATE
+    if not isinstance(tp_size, int) or tp_size < 1 or _env_int("WORLD_SIZE", 1) % tp_size:
+        raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {_env_int('WORLD_SIZE', 1)} "
+                        f"must be a multiple of tp_size (a positive int); use a tp_size that divides it")
 
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -179,6 +188,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     from ..runtime.engine import Engine  # the engine pulls in autograd machinery: load on use
 
     install_engine(Engine(_STATE.comm, device, debug=debug))
+    _use_tensor_parallel(tp_size)
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
 
@@ -192,13 +202,12 @@ def _load_group_capturing_modules() -> None:
     import torch.distributed.nn  # noqa: F401
 
 
-def _check_parallel_sizes(pipe_size: int, tp_size: int) -> None:
-    for name, value, allowed in (("pipe_size", pipe_size, (1, -1)), ("tp_size", tp_size, (1,))):
-        if value not in allowed:
-            raise UnsupportedError(
-                f"init_distributed({name}={value}): bmt_wrap has no tensor or pipeline parallelism, only "
-                f"ZeRO-3 data parallelism over all ranks. Use {name}=1 (every rank holds a 1/N shard of "
-                "every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
+def _check_pipe_size(pipe_size: int) -> None:
+    if pipe_size not in (1, -1):
+        raise UnsupportedError(
+            f"init_distributed(pipe_size={pipe_size}): bmt_wrap has no pipeline parallelism, only ZeRO-3 "
+            "data parallelism (with tensor parallelism by tp_size=). Use pipe_size=1 (every rank holds a 1/N "
+            "shard of every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
 
 
 def seed_everything(seed: int) -> None:
@@ -214,6 +223,7 @@ def _stop_comm_thread() -> bool:
     if _STATE is None:
         return True
     comms = [c for layout in _STATE.layouts.values() for c in (layout.shard, layout.replicate) if c is not None]
+    comms += [c for tp in _STATE.tp_layouts.values() for c in (tp.tp, tp.dp.shard) if c is not _STATE.comm]
     closed = True
     for comm in [*comms, _STATE.comm]:
         inner = comm
@@ -278,7 +288,10 @@ def rank_layout(mesh: Any = None) -> RankLayout:
     """
     state = get_state()
     if mesh is None:
-        return RankLayout(state.comm)
+        return tensor_parallel().dp
+    if state.tp_size > 1:
+        raise MeshError(f"mesh= with init_distributed(tp_size={state.tp_size}): models are sharded over the "
+                        "data-parallel group that tp_size= defines; leave mesh= out")
     ranks = _mesh_ranks(mesh, state.world_size)
     key = (tuple(map(tuple, ranks)), tuple(mesh.mesh_dim_names or ()))
     digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
@@ -300,6 +313,56 @@ def rank_layout(mesh: Any = None) -> RankLayout:
             replicate = state.comm.subgroup_counted(tuple(column), _mesh_group(mesh, 0, column), "replicate")
         state.layouts[key] = RankLayout(shard, replicate)
     return state.layouts[key]
+
+
+# ---- tensor parallelism: the TP group and the data-parallel group ZeRO shards over ---------------------------
+TP_MESH_DIMS = ("dp", "tp")
+
+
+def tensor_parallel() -> TensorParallelLayout:
+    """This rank's tensor-parallel layout (``init_distributed(tp_size=)``; tp_size 1: the plain layout)."""
+    state = get_state()
+    return state.tp_layouts.get(state.tp_size) or _tp_layout(state, 1)
+
+
+def _tp_layout(state: DistState, tp_size: int) -> TensorParallelLayout:
+    """The layout for ``tp_size``, built once per size (a collective on every rank the first time)."""
+    if tp_size in state.tp_layouts:
+        return state.tp_layouts[tp_size]
+    if tp_size == 1:
+        layout = TensorParallelLayout(SingleProcessCommunicator(state.timeout), RankLayout(state.comm))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp_size = state.world_size // tp_size
+        # BMTrain's layout: TP peers adjacent, so the mesh's rows (dim "tp") are runs of tp_size ranks.
+        mesh = init_device_mesh(state.device.type, (dp_size, tp_size), mesh_dim_names=TP_MESH_DIMS)
+        tp_rank, dp_rank = state.rank % tp_size, state.rank // tp_size
+        row = tuple(dp_rank * tp_size + i for i in range(tp_size))
+        column = tuple(i * tp_size + tp_rank for i in range(dp_size))
+        tp = state.comm.subgroup_counted(row, mesh.get_group("tp"), "tp")
+        dp = state.comm.subgroup_counted(column, mesh.get_group("dp"), "dp") if dp_size > 1 else \
+            SingleProcessCommunicator(state.timeout)
+        layout = TensorParallelLayout(tp, RankLayout(dp))
+    state.tp_layouts[tp_size] = layout
+    return layout
+
+
+def _use_tensor_parallel(tp_size: int) -> None:
+    """Make ``tp_size`` the job's tensor-parallel size: new shard groups are built over its dp group."""
+    state = get_state()
+    if not isinstance(tp_size, int) or tp_size < 1 or state.world_size % tp_size:
+        raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {state.world_size} must be a "
+                        "multiple of tp_size (a positive int); use a tp_size that divides it")
+    from ..runtime.active_engine import get_engine
+
+    engine = get_engine()
+    layout = _tp_layout(state, tp_size)
+    if engine.groups and engine.layout != layout.dp:
+        raise InitError(f"init_distributed(tp_size={tp_size}) while models sharded under tp_size={state.tp_size} "
+                        "live: call init_distributed once, at start-up, before building any model")
+    state.tp_size = tp_size
+    engine.adopt_layout(layout.dp, layout.tp)
 
 
 def _active_layout() -> RankLayout:

@@ -6,42 +6,60 @@ zero and contribute nothing. Shards partition the full gradient, so summing each
 the whole; a parameter every rank holds in full (marked replicated) contributes 1/world_size per rank.
 Under HSDP every replica holds the same shards, so each rank's shards count 1/replicas: the one
 all-reduce still spans the job (as does the inf/nan flag, where a replica's verdict is its shard's).
+Under tensor parallelism, TP peers hold the same shards of parameters none of them splits: 1/T each.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from ..base._compat import foreach_mul_
 from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
-from ..job.distributed import current_state
+from ..job.distributed import current_state, tensor_parallel
 from ..runtime.active_engine import get_engine
 from ..runtime.sharded_tensor import local_view
+from ..runtime.tp_marks import tp_split_dim
 from ..wrapping.grad_sync import check_synced
 from .fusion import PlanCache
 from .sharding import is_replicated
 from .torch_adam import SCRATCH_ELEMS
 
 
+@dataclass
+class GradParts:
+    """This rank's gradient ranges by how many ranks hold the same elements."""
+
+    sharded: list[torch.Tensor]  # shards: together the whole gradient (under HSDP, once per replica)
+    replicated: list[torch.Tensor]  # held whole on every rank
+    tp_whole: list[torch.Tensor] = field(default_factory=list)  # shards every TP peer holds alike
+
+    def all(self) -> list[torch.Tensor]:
+        """Every range, of every kind."""
+        return self.sharded + self.replicated + self.tp_whole
+
+
 class GradRanges:
-    """Covering views of the gradients of some parameters: ``(this rank's shards, replicated)``."""
+    """Covering views of the gradients of some parameters (``GradParts``)."""
 
     def __init__(self) -> None:
         self._plans = PlanCache()
 
-    def __call__(self, params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Split the gradients present into sharded and replicated ones, each merged into covering views."""
-        sharded: list[torch.Tensor] = []
-        replicated: list[torch.Tensor] = []
+    def __call__(self, params: Iterable[torch.Tensor]) -> GradParts:
+        """Split the gradients present by how they are held, each kind merged into covering views."""
+        parts = GradParts([], [], [])
+        tp = tp_size() > 1
         for p in params:
             grad = None if p.grad is None else local_view(p.grad)
             if grad is not None and grad.numel() > 0:
-                (replicated if is_replicated(p) else sharded).append(grad)
-        return self._cover(sharded), self._cover(replicated)
+                kind = parts.replicated if is_replicated(p) else \
+                    parts.tp_whole if tp and tp_split_dim(p) is None else parts.sharded
+                kind.append(grad)
+        return GradParts(self._cover(parts.sharded), self._cover(parts.replicated), self._cover(parts.tp_whole))
 
     def _cover(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         items = [(g,) for g in grads]
@@ -85,19 +103,30 @@ def _norm_power(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(t, norm_type, dtype=dtype).double() ** norm_type
 
 
-def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of the full gradient (every rank's shards together), with one all-reduce; float64."""
+def tp_size() -> int:
+    """The job's tensor-parallel size (1 before ``init_distributed``)."""
+    return 1 if current_state() is None else tensor_parallel().tp_size
+
+
+def global_grad_norm(grads: GradParts, norm_type: float) -> torch.Tensor:
+    """The norm of the full gradient (every rank's shards together), with one all-reduce; float64.
+
+    Under tensor parallelism each TP peer holds its own slice of a split parameter, so those count on
+    every rank; the shards of a parameter every TP peer holds whole count once per TP group (1/T each).
+    """
     if not (norm_type > 0):
         raise OptimizerError(f"norm_type={norm_type} is not supported: use a positive p or 'inf'")
     world, device = _world()
-    parts = _stack([_norm_power(t, norm_type) for t in sharded], device)
-    shared = _stack([_norm_power(t, norm_type) for t in replicated], parts.device)
+    parts = _stack([_norm_power(t, norm_type) for t in grads.sharded], device)
+    shared = _stack([_norm_power(t, norm_type) for t in grads.replicated], parts.device)
+    tp_whole = _stack([_norm_power(t, norm_type) for t in grads.tp_whole], parts.device)
     if math.isinf(norm_type):
-        local = torch.cat([parts, shared, parts.new_zeros(1)]).max().reshape(1)  # norms are >= 0
+        local = torch.cat([parts, shared, tp_whole, parts.new_zeros(1)]).max().reshape(1)  # norms are >= 0
         if world > 1:
             current_state().comm.all_reduce(local, "max", label="grad norm")
         return local[0]
-    local = (parts.sum() / _replicas() + shared.sum() / world).reshape(1)
+    local = (parts.sum() / _replicas() + tp_whole.sum() / (_replicas() * tp_size())
+             + shared.sum() / world).reshape(1)
     if world > 1:
         current_state().comm.all_reduce(local, "sum", label="grad norm")
     return local[0] ** (1.0 / norm_type)
@@ -133,18 +162,17 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item() > 0)
 
 
-def clip_grads_(sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float, norm_type: float,
-                eps: float, scale: float) -> torch.Tensor:
+def clip_grads_(grads: GradParts, max_norm: float, norm_type: float, eps: float, scale: float) -> torch.Tensor:
     """Scale gradients so the full gradient's norm is at most ``max_norm``; return the norm before clipping.
 
     Gradients arrive multiplied by ``scale`` (the loss scale); the returned norm is of the unscaled
     gradient. A non-finite norm leaves gradients alone: the overflow check skips that step.
     """
-    total = global_grad_norm(sharded, replicated, norm_type) / scale
+    total = global_grad_norm(grads, norm_type) / scale
     value = float(total)
     coef = max_norm / (value + eps)
     if math.isfinite(value) and coef < 1.0:
-        foreach_mul_(sharded + replicated, coef)
+        foreach_mul_(grads.all(), coef)
     return total.float()
 
 
@@ -154,5 +182,4 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     over every rank (one all-reduce) and returns that norm. Call it on every rank."""
     parameters = list(parameters)
     check_synced(parameters, "clip_grad_norm_")
-    sharded, replicated = GradRanges()(parameters)
-    return clip_grads_(sharded, replicated, float(max_norm), float(norm_type), eps, 1.0)
+    return clip_grads_(GradRanges()(parameters), float(max_norm), float(norm_type), eps, 1.0)

@@ -77,8 +77,7 @@ class OptimManager:
         """Unscale, check for overflow on every rank, step every optimizer and scheduler; False if skipped."""
         check_synced(self._params(), "OptimManager.step()")
         if self.scaler is not None:
-            sharded, replicated = self._ranges(self._params())
-            if any_rank(local_overflow(sharded + replicated)):
+            if any_rank(local_overflow(self._ranges(self._params()).all())):
                 old = self.scaler.scale
                 self.scaler.on_overflow()
                 get_logger().info("gradient overflow: step skipped, loss scale %g -> %g", old, self.scaler.scale)
@@ -89,8 +88,7 @@ class OptimManager:
                 opt.step(scale=scale)  # unscales inside its fused update
             else:
                 if scale != 1.0:
-                    sharded, replicated = self._ranges(p for g in opt.param_groups for p in g["params"])
-                    foreach_div_(sharded + replicated, scale)
+                    foreach_div_(self._ranges(p for g in opt.param_groups for p in g["params"]).all(), scale)
                 opt.step()
             if scheduler is not None:
                 scheduler.step()
@@ -113,8 +111,7 @@ class OptimManager:
                                  "clip_grad_norm(optimizer.param_groups, 1.0)")
         params = self._params() if param_groups is None else _params_of(param_groups)
         check_synced(params, "OptimManager.clip_grad_norm()")
-        sharded, replicated = self._ranges(params)
-        return clip_grads_(sharded, replicated, float(max_norm), float(norm_type), eps, self.loss_scale)
+        return clip_grads_(self._ranges(params), float(max_norm), float(norm_type), eps, self.loss_scale)
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scaler, optimizers and schedulers, in the order they were added."""

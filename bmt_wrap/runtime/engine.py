@@ -33,6 +33,8 @@ from .module_params import Location
 from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
 from .standalone import shard_standalone
+from .tp_marks import copy_tp_marks
+from .tp_reduce import broadcast_under_tp, tp_sum_ranges
 
 
 def storage_mode(spec: ShardGroupSpec) -> StorageMode:
@@ -66,6 +68,7 @@ class Engine:
         self.rank, self.world_size = comm.rank, comm.world_size
         # Which ranks new groups shard over and replicate across; one per process (see adopt_layout).
         self.layout = RankLayout(comm)
+        self.tp: Communicator | None = None  # the tensor-parallel group, when tp_size > 1 (see adopt_layout)
         self.device = device
         self.pool = BufferPool()
         self.reducer = GradReducer(comm, self.pool, device)
@@ -91,10 +94,12 @@ class Engine:
         self._runtimes.add(runtime)
         return runtime
 
-    def adopt_layout(self, layout: RankLayout) -> None:
+    def adopt_layout(self, layout: RankLayout, tp: Communicator | None = None) -> None:
         """Build new groups over ``layout``; refused while groups of another layout live (the optimizer's
-        norm and overflow reductions assume one layout for every parameter)."""
+        norm and overflow reductions assume one layout for every parameter). ``tp``: the tensor-parallel
+        group whose ranks hold different slices of TP-split parameters (``layout`` is then its dp group)."""
         if layout == self.layout:  # the same communicators
+            self.tp = tp if tp is not None and tp.world_size > 1 else None
             return
         if self.groups:
             raise UnsupportedError(
@@ -102,6 +107,7 @@ class Engine:
                 f"{layout.describe()} beside them is not supported (gradient norms would mix layouts). Wrap "
                 "every model of the process with the same mesh= (or none), or drop the others first.")
         self.layout = layout
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -111,7 +117,7 @@ class Engine:
     def build_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]],
                     sources: list[list[torch.Tensor | None]], device: torch.device | str,
                     sync_from: int | None = 0, used_outside_blocks: bool = False,
-                    runtime: ModelRuntime | None = None) -> ShardGroup:
+                    runtime: ModelRuntime | None = None, tp_sum_unmarked: bool | None = None) -> ShardGroup:
         """Shard ``sources`` (full tensors per buffer and slot) into a new group of ``runtime``
         (default: the explicit API's).
 
@@ -119,10 +125,16 @@ class Engine:
         rank passes identical values (BMTrain's contract for ``DistributedParameter``). Sources on the
         meta device give a meta shard, materialised later by ``init_parameters`` or ``load``.
         ``used_outside_blocks``: gathered for code outside any block (the root, a bare parameter).
+        ``tp_sum_unmarked``: under tensor parallelism, parameters without TP marks get their gradients
+        summed over the TP group (the explicit API: BMTrain reduces them over the world; see tp_reduce.py).
         """
         buffers: list[FlatBuffer] = []
         layout = self.layout
-        for bspec, tensors in zip(spec.buffers, sources, strict=True):
+        sum_unmarked = runtime is None if tp_sum_unmarked is None else tp_sum_unmarked
+        # The parameters the new ones replace carry the TP marks (a bare DistributedParameter: its source).
+        marked = [[_original(locs, t) for locs, t in zip(per_buffer, tensors, strict=True)]
+                  for per_buffer, tensors in zip(locations, sources, strict=True)]
+        for bspec, tensors, originals in zip(spec.buffers, sources, marked, strict=True):
             meta = any(t is not None and t.is_meta for t in tensors)
             buf = FlatBuffer.empty(bspec, spec.name, layout.shard_rank, layout.shard_size,
                                    "meta" if meta else device)
@@ -131,8 +143,11 @@ class Engine:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
-                    # Over the whole job, not the shard group: every replica must start from rank 0's values.
-                    self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
+                    if self.tp is None:
+                        # Over the whole job, not the shard group: every replica must start from rank 0's values.
+                        self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
+                    else:
+                        broadcast_under_tp(buf, full, originals, layout.shard, self.tp, spec.name)
                     buf.load_full_flat(full)
                     del full
                 else:
@@ -149,6 +164,12 @@ class Engine:
             for old, new in zip(olds, buf.params, strict=True):
                 if old is not None and old is not new:
                     mark_replaced(old, new)
+        for olds, buf in zip(marked, buffers, strict=True):
+            for old, new in zip(olds, buf.params, strict=True):
+                if old is not None and old is not new:
+                    copy_tp_marks(old, new)
+            if self.tp is not None:
+                buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
         self._runtime_of[group] = runtime
@@ -156,9 +177,12 @@ class Engine:
 
     def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
                              init_method: Callable[[torch.Tensor], Any] | None = None,
-                             group: str | None = None) -> DistributedParameter:
-        """A bare ``DistributedParameter``: ``data`` (identical on every rank) sharded into its own group."""
-        return shard_standalone(self, data, requires_grad, init_method, group)
+                             group: str | None = None, tp_mode: bool = False,
+                             tp_split_dim: int = -1) -> DistributedParameter:
+        """A bare ``DistributedParameter``: ``data`` (identical on every rank, or on every rank of the dp
+        group for a TP slice) sharded into its own group."""
+        tp_size = self.tp.world_size if self.tp is not None else 1
+        return shard_standalone(self, data, requires_grad, init_method, group, tp_mode, tp_split_dim, tp_size)
 
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
@@ -428,6 +452,11 @@ class Engine:
             if g.in_use == 0 and g.gathered and g.mode is not StorageMode.KEPT:
                 g.release()
 
+
+
+def _original(locations: list[Location], source: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameter registered at a slot's first location (a bare parameter has none: its source)."""
+    return locations[0][0]._parameters.get(locations[0][1]) if locations else source
 
 
 def _or_zeros(t: torch.Tensor | None, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

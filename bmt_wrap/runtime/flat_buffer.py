@@ -38,6 +38,8 @@ class FlatBuffer:
         # ``zero_grad(set_to_none=True)`` frees it as it frees plain torch gradients.
         self._grad_shard: weakref.ref[torch.Tensor] | None = None
         self.group: ParamGroup  # set by the owning ``group.ShardGroup``, the layer above
+        # Under tensor parallelism: the TP group and the shard ranges whose gradients it sums (tp_reduce.py).
+        self.tp_sum: tuple[Communicator, list[tuple[int, int]]] | None = None
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad)
                        for i, (a, b) in enumerate(self.local_ranges)]

@@ -28,6 +28,7 @@ from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
 from .sharded_tensor import local_view
+from .tp_reduce import ThenSumOverTP
 
 # One reduce-scatter in flight overlaps the next block's whole recompute and backward, which is enough to
 # hide it; gloo runs them one at a time anyway, and each one more in flight holds a block of memory.
@@ -169,6 +170,8 @@ class GradReducer:
         handle = buffer.comm.reduce_scatter_into(out, full_grad, "avg", async_op=True, label=buffer.group_name)
         if buffer.replicas is not None:
             handle = _then_average(handle, buffer.comm, buffer.replicas, out, buffer.group_name)
+        if buffer.tp_sum is not None:
+            handle = ThenSumOverTP(handle, *buffer.tp_sum, out, buffer.group_name)
         self._pending.append(_Pending(handle, done, discard))
 
     @property

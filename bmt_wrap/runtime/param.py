@@ -52,7 +52,8 @@ _standalone: Callable[..., DistributedParameter] | None = None
 
 
 def install_standalone(build: Callable[..., DistributedParameter] | None) -> None:
-    """Make ``build(data, requires_grad, init_method, group)`` what ``DistributedParameter(...)`` calls."""
+    """Make ``build(data, requires_grad, init_method, group, tp_mode, tp_split_dim)`` what
+    ``DistributedParameter(...)`` calls."""
     global _standalone
     _standalone = build
 
@@ -60,19 +61,21 @@ def install_standalone(build: Callable[..., DistributedParameter] | None) -> Non
 class DistributedParameter(ShardedTensor, nn.Parameter):
     """A parameter sharded across ranks: the full tensor's shape, this rank's range of its elements.
 
-    ``DistributedParameter(data, requires_grad=True, init_method=None, group=None)`` (BMTrain's
-    signature) takes the full tensor, which every rank passes identically, and keeps this rank's range.
+    ``DistributedParameter(data, requires_grad=True, init_method=None, group=None, tp_mode=False,
+    tp_split_dim=-1)`` (BMTrain's signature) takes the full tensor, which every rank passes identically,
+    and keeps this rank's range. With ``tp_mode``, ``data`` is this TP rank's slice along ``tp_split_dim``
+    (-1: every TP peer holds it whole), sharded over the data-parallel group (``tp_marks.py``).
     """
 
     fqn: str
     _init_method: Callable[[torch.Tensor], Any] | None
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
-                init_method: Callable[[torch.Tensor], Any] | None = None, group: str | None = None
-                ) -> DistributedParameter:
+                init_method: Callable[[torch.Tensor], Any] | None = None, group: str | None = None,
+                tp_mode: bool = False, tp_split_dim: int = -1) -> DistributedParameter:
         if _standalone is None:
             raise NotInitializedError(NOT_INITIALIZED)
-        return _standalone(data, requires_grad, init_method, group)
+        return _standalone(data, requires_grad, init_method, group, tp_mode, tp_split_dim)
 
     @classmethod
     def _view_of(cls, buffer: ParamBuffer, slot_index: int, view: torch.Tensor, requires_grad: bool

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError, listed
 from ..job.distributed import get_state, in_first_replica, writes_for_all
+from ..job.tp_values import whole_value
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from .agree import agree
@@ -53,8 +54,10 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
             full = buffer.group.gather_values(only=buffer)[0]
             for e in members:
                 slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]
+                value = full[slot.offset:slot.offset + slot.numel].view(e.param.full_shape)  # type: ignore[union-attr]
+                value = whole_value(e.param, value)  # TP-split: every TP rank's slice (a collective)
                 if out is not None:
-                    out.put(e.names, full[slot.offset:slot.offset + slot.numel].view(e.shape))
+                    out.put(e.names, value.view(e.shape))
             del full
         for e in replicated:
             if out is not None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..job.distributed import get_state
+from ..job.tp_values import refuse_sharded_format_under_tp
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .agree import agree, agree_on_directory
@@ -95,6 +96,7 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
 def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to ``directory`` with DCP; a collective."""
+    refuse_sharded_format_under_tp("a DCP sharded save")
     save_directory(directory, _dcp_state(model, optimizer, with_model))
 
 
@@ -115,6 +117,7 @@ def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
     """Read what ``save_sharded`` wrote (at any world size) into ``model`` and ``optimizer``; a collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    refuse_sharded_format_under_tp("a DCP sharded load")
     state = _dcp_state(model, optimizer, with_model)
     load_directory(directory, state)
     if with_model:

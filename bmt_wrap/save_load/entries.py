@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
+from ..runtime.tp_marks import tp_split_dim
 from .formats import TensorSpec
 
 
@@ -27,6 +29,8 @@ class Entry:
     dtype: torch.dtype
     param: DistributedParameter | None = None  # sharded: this rank's slice
     value: torch.Tensor | None = None  # replicated: every rank holds the whole tensor
+    # TP-split (job/tp_values.py): ``shape`` is the whole tensor's, the parameter holds this TP rank's slice
+    tp_split: bool = False
 
     @property
     def name(self) -> str:
@@ -50,7 +54,9 @@ class Entry:
         return self.value.detach().reshape(-1)
 
     def local_range(self) -> tuple[int, int]:
-        """``[start, end)`` of the flattened full tensor that ``local()`` holds."""
+        """``[start, end)`` of the flattened full tensor that ``local()`` holds (TP-split: of the whole)."""
+        if self.tp_split:
+            return 0, self.numel
         if self.param is not None:
             return self.param.source_range()
         return 0, self.numel
@@ -63,6 +69,11 @@ class Entry:
     @torch.no_grad()
     def assign(self, flat: torch.Tensor) -> None:
         """Set this rank's part from ``flat`` (``local_range()``'s elements), materialising a meta tensor."""
+        if self.tp_split:
+            assert self.param is not None
+            a, b = self.param.source_range()
+            self.param.to_local().copy_(local_value(self.param, flat.view(self.shape)).reshape(-1)[a:b])
+            return
         if self.param is not None:
             self.param.to_local().copy_(flat)
             return
@@ -88,7 +99,8 @@ def model_entries(model: nn.Module) -> list[Entry]:
         if entry is not None:
             entry.names.append(name)
         elif isinstance(t, DistributedParameter):
-            by_id[id(t)] = Entry([name], tuple(t.full_shape), t.dtype, param=t)
+            split = tp_split_dim(t) is not None
+            by_id[id(t)] = Entry([name], tuple(whole_shape(t)), t.dtype, param=t, tp_split=split)
         else:
             by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
     return list(by_id.values())

@@ -30,6 +30,7 @@ from torch import nn
 from ..base.dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
 from ..job.distributed import broadcast_bytes, get_state, shard_placement
+from ..job.tp_values import refuse_sharded_format_under_tp
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
@@ -79,6 +80,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     dicts). If any rank fails, every rank raises ``CheckpointError`` and the previous checkpoint in
     ``directory`` stays loadable.
     """
+    refuse_sharded_format_under_tp("bmt.save_checkpoint")
     directory = Path(directory)
     with collective_purpose("save_checkpoint", str(directory)):
         agree_on_directory(directory, "bmt.save_checkpoint")
@@ -257,6 +259,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     At the saved world size each rank gets its own RNG states back; at another one every rank reseeds
     with ``rng.reseed(saved seed, step, rank)``.
     """
+    refuse_sharded_format_under_tp("bmt.load_checkpoint")
     directory = Path(directory)
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()

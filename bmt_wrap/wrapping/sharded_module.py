@@ -19,6 +19,7 @@ from torch import nn
 
 from ..base._compat import dcp_state_dict_request, register_state_dict_hooks
 from ..errors import WrapError
+from ..job.tp_values import local_value, whole_shape, whole_value
 from ..optim.rebind import install_rebind_hook
 from ..runtime.active_engine import get_engine
 from ..runtime.group import ShardGroup
@@ -66,9 +67,10 @@ class _StateDictScope:
             cls.group, cls.values = None, None  # the previous group's values go before the next gather
             cls.group, cls.values = group, group.param_values()
         assert cls.values is not None
+        value = whole_value(p, cls.values[id(p)])  # TP-split: joined with its TP peers' slices (a collective)
         if cls.rank0_only:
             return p.to_local().detach()[:0]
-        return cls.values[id(p)].detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True)
 
 
 def _save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -103,10 +105,10 @@ def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
             with torch.no_grad():
                 mine.copy_(local)
         return None
-    if tuple(value.shape) != tuple(p.full_shape):
+    if tuple(value.shape) != tuple(whole_shape(p)):
         return (f"size mismatch: copying a param with shape {tuple(value.shape)} from checkpoint, the shape in "
-                f"current model is {tuple(p.full_shape)}.")
-    p.load_full(value.detach().to(p.device, p.dtype))
+                f"current model is {tuple(whole_shape(p))}.")
+    p.load_full(local_value(p, value.detach()).to(p.device, p.dtype))
     return None
 
 

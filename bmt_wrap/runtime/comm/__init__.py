@@ -6,7 +6,7 @@ from .counting import CountingCommunicator
 from .cupy_nccl import CupyNcclCommunicator, cupy_available
 from .fingerprint import FingerprintCommunicator
 from .gloo import GlooCommunicator
-from .layout import RankLayout
+from .layout import RankLayout, TensorParallelLayout
 from .purpose import collective_purpose
 from .single import SingleProcessCommunicator
 from .torch_native import TorchCommunicator
@@ -14,5 +14,5 @@ from .torch_native import TorchCommunicator
 __all__ = [
     "REDUCE_OPS", "Communicator", "CountingCommunicator", "CupyNcclCommunicator", "DoneHandle",
     "FingerprintCommunicator", "GlooCommunicator", "Handle", "RankLayout", "SingleProcessCommunicator",
-    "TorchCommunicator", "collective_purpose", "cupy_available",
+    "TensorParallelLayout", "TorchCommunicator", "collective_purpose", "cupy_available",
 ]

@@ -42,3 +42,36 @@ class RankLayout:
     def describe(self) -> str:
         """For messages: the mesh as (replicas, shard size)."""
         return f"{self.num_replicas} replica(s) x shard groups of {self.shard_size}"
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """This rank's tensor-parallel group (``tp``: the T adjacent ranks that split layers between them)
+    and its data-parallel layout (``dp``: the ranks with the same ``tp_rank``, which ZeRO shards over).
+
+    Built by ``distributed.tensor_parallel()``; BMTrain's order: ``tp_rank = rank % T``,
+    ``dp_rank = rank // T``. With T = 1, ``tp`` is a single-process group and ``dp`` the job's layout.
+    """
+
+    tp: Communicator
+    dp: RankLayout
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks a tensor-parallel layer is split over."""
+        return self.tp.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group (which slice of a split layer it holds)."""
+        return self.tp.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the tensor-parallel model (gradients and losses average over them)."""
+        return self.dp.shard_size * self.dp.num_replicas
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas."""
+        return self.dp.replica_rank * self.dp.shard_size + self.dp.shard_rank

@@ -1,0 +1,50 @@
+"""Whole values of TP-split parameters: what checkpoints and ``state_dict()`` hold, whatever the layout.
+
+A TP-split parameter's ZeRO value (``full_tensor()``, a dp gather) is this TP rank's slice; files hold
+the whole tensor (``_tp_original_shape``), so a checkpoint written at one tensor-parallel size loads at
+any other, and in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from ..runtime.tp_marks import tp_full_shape, tp_slice, tp_split_dim
+from ..runtime.tp_ops import gather_tp_slices
+from .distributed import tensor_parallel
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """The shape ``p`` has in a checkpoint: the whole tensor for a TP-split parameter, else ``p.shape``."""
+    return tp_full_shape(p)
+
+
+def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (``p``'s value on this TP rank) joined with its TP peers' along the split dimension;
+    a collective over the TP group for a TP-split ``p`` (every TP peer must call it), else ``local``."""
+    dim = tp_split_dim(p)
+    layout = tensor_parallel()
+    if dim is None or layout.tp_size == 1:
+        return local
+    return gather_tp_slices(local.contiguous(), layout.tp, dim)
+
+
+def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slice of ``whole`` for a TP-split ``p`` (no communication), else ``whole``."""
+    dim = tp_split_dim(p)
+    layout = tensor_parallel()
+    if dim is None or layout.tp_size == 1:
+        return whole
+    return tp_slice(whole, dim, layout.tp_rank, layout.tp_size)
+
+
+def refuse_sharded_format_under_tp(call: str) -> None:
+    """Raise ``UnsupportedError`` for a sharded checkpoint format under tensor parallelism (not built yet)."""
+    layout = tensor_parallel()
+    if layout.tp_size > 1:
+        raise UnsupportedError(
+            f"{call} under init_distributed(tp_size={layout.tp_size}): sharded checkpoints do not record tensor-"
+            "parallel slices yet. Use bmt.save(model, path) / bmt.load(model, path), which write whole tensors "
+            "and load at any tensor- and data-parallel layout, and save the optimizer state per rank with "
+            "torch.save(optimizer.state_dict(), f'optim_{bmt.rank()}.pt') to resume at the same layout.")

@@ -1,0 +1,60 @@
+"""Which parameters tensor parallelism splits: BMTrain's marks on a parameter, and the slicing they imply.
+
+A TP-split parameter holds one slice of a larger tensor on each of the T ranks of its TP group, cut
+along ``_tp_split_dim``; ``shape`` is the slice's (as in BMTrain), ``_tp_original_shape`` the whole
+tensor's. ``_tp_mode`` with ``_tp_split_dim = -1`` (BMTrain's mark for RowParallelLinear's bias) is a
+parameter every TP peer holds whole and computes the same gradient for. The marks are plain attributes,
+set before ZeRO wrapping by whoever slices (the explicit layers, the one-liner's pass) and carried to the
+sharded parameter, so save, load, norms and ``init_parameters`` read one convention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TP_MODE = "_tp_mode"
+TP_SPLIT_DIM = "_tp_split_dim"
+TP_ORIGINAL_SHAPE = "_tp_original_shape"
+_MARKS = (TP_MODE, TP_SPLIT_DIM, TP_ORIGINAL_SHAPE)
+
+
+def mark_tp(p: torch.Tensor, split_dim: int, tp_size: int) -> None:
+    """Mark ``p`` (this rank's slice) as TP-split along ``split_dim`` over ``tp_size`` ranks; ``split_dim``
+    -1: held whole by every TP peer, with the same gradient on each (BMTrain's convention)."""
+    full = list(p.shape)
+    if split_dim >= 0:
+        full[split_dim] *= tp_size
+    setattr(p, TP_MODE, True)
+    setattr(p, TP_SPLIT_DIM, int(split_dim))
+    setattr(p, TP_ORIGINAL_SHAPE, torch.Size(full))
+
+
+def tp_split_dim(p: torch.Tensor) -> int | None:
+    """The dimension ``p`` is split along across its TP group, or None when every TP peer holds it whole."""
+    if not getattr(p, TP_MODE, False):
+        return None
+    dim = getattr(p, TP_SPLIT_DIM, -1)
+    return dim if dim >= 0 else None
+
+
+def tp_identical(p: torch.Tensor) -> bool:
+    """True for a parameter marked as held whole by every TP peer with the same gradient (``tp_mode``,
+    split dim -1); False for a split one and for an unmarked one."""
+    return bool(getattr(p, TP_MODE, False)) and tp_split_dim(p) is None
+
+
+def tp_full_shape(p: torch.Tensor) -> torch.Size:
+    """The whole tensor's shape: ``_tp_original_shape`` for a TP-split parameter, else its own shape."""
+    return torch.Size(getattr(p, TP_ORIGINAL_SHAPE)) if tp_split_dim(p) is not None else p.shape
+
+
+def copy_tp_marks(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Give ``dst`` (the sharded parameter that replaces ``src``) ``src``'s marks, if it has any."""
+    if getattr(src, TP_MODE, False):
+        for name in _MARKS:
+            setattr(dst, name, getattr(src, name))
+
+
+def tp_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s slice of ``full`` along ``dim`` (equal slices, as the layers cut them)."""
+    return full.chunk(tp_size, dim=dim)[tp_rank]
