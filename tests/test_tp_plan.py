@@ -90,7 +90,8 @@ def test_derived_pairs_split_mlp_and_keep_attention_replicated() -> None:
     tp = _tp(model, 2)
     assert tp.source == "derived"
     assert {(e.module, e.style) for e in tp.entries} == {
-        *((f"layers.{i}.fc1", "colwise") for i in range(4)), *((f"layers.{i}.fc2", "rowwise") for i in range(4))}
+        *((f"layers.{i}.fc1", "colwise") for i in range(4)),
+        *((f"layers.{i}.fc2", "rowwise") for i in range(4))}
     replicated = {r.module: r.reason for r in tp.replicated}
     assert "layers.0.attn.q" in replicated and "not proven safe" in replicated["layers.0.attn.q"]
     assert tp.heads == []  # the MLP's parent holds no head count
@@ -142,7 +143,8 @@ def test_plan_section_round_trips_and_shows() -> None:
     again = WrapPlan.from_json(plan.to_json())
     assert again.tensor_parallel == tp
     text = str(plan)
-    assert "tensor parallel: tp_size=2, plan from user" in text and "heads layers.0.attn.heads: 4 -> 2" in text
+    assert "tensor parallel: tp_size=2, plan from user" in text
+    assert "heads layers.0.attn.heads: 4 -> 2" in text
     assert "TP 2 x DP 2" in text
 
 
@@ -153,10 +155,12 @@ def test_tp_traffic_estimate_counts_recompute() -> None:
     plan = passes.build_plan(model, discovery, world_size=1, tensor_parallel=tp)
     est = passes.estimate_tp(plan, 1, tokens=10)
     # Per layer: q,k,v,fc1 backward all-reduce of the input (d each), o and fc2 forward all-reduce (d) twice
-    # (forward + recompute); embed one forward all-reduce; head: gather of its half + backward all-reduce.
+    # (forward + recompute); embed one forward all-reduce; head: gather of its half + backward all-reduce;
+    # the inputs' digest (one int64 per TP rank) once.
     d, v, per = 32, 96, 10 * 4
     layer = 4 * round(2 * per * d / 2) + 2 * 2 * round(2 * per * d / 2)
-    expected = 4 * layer + round(2 * per * d / 2) + per * v // 2 + round(2 * per * d / 2)
+    digest = round(2 * 2 * 8 / 2)
+    expected = 4 * layer + round(2 * per * d / 2) + per * v // 2 + round(2 * per * d / 2) + digest
     assert est.comm_tp == expected
     assert est.tp_size == 2 and est.world_size == 2
     assert plan.estimates["1"].comm_tp is None  # no batch shape, no guess

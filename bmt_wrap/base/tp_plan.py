@@ -18,6 +18,8 @@ from typing import Any
 #: all-reduced; ``rowwise_split_input``: a replicated input is cut to this rank's slice first;
 #: ``vocab_embedding``: rows of an embedding split, lookups outside this rank's rows give zeros, summed.
 SPLIT_STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split_input", "vocab_embedding")
+#: Bytes per TP rank of the digest each forward all-reduces over the TP group to refuse different batches.
+INPUT_DIGEST_BYTES = 8
 
 
 @dataclass
@@ -60,7 +62,7 @@ class TPEntry:
 
 @dataclass
 class HeadRewrite:
-    """An integer attribute (a head count the module's own forward reshapes with) set to its TP-local value."""
+    """An integer attribute (a head count the module's forward reshapes with) set to its TP-local value."""
 
     module: str
     attribute: str
@@ -81,7 +83,7 @@ class TensorParallelPlan:
     """Tensor parallelism over ``tp_size`` adjacent ranks; ZeRO then shards over the data-parallel group."""
 
     tp_size: int
-    source: str  # "transformers" (the model's own tp plan), "user" (tp_plan=), or "derived" (the traced graph)
+    source: str  # "transformers" (the model's own tp plan), "user" (tp_plan=), "derived" (the traced graph)
     entries: list[TPEntry] = field(default_factory=list)
     heads: list[HeadRewrite] = field(default_factory=list)
     replicated: list[Replicated] = field(default_factory=list)
@@ -99,11 +101,13 @@ class TensorParallelPlan:
 
         ``tokens``: tokens in one rank's batch; ``recomputed``: checkpointed blocks, whose forward collectives
         run again in backward; ``calls``: calls per step of each block (default 1; root modules run once).
+        One forward of the model per step: its inputs' digest is all-reduced once.
         """
         t = self.tp_size
         out: dict[str, int] = {"all_reduce": 0, "all_gather": 0}
         if t == 1:
             return out
+        out["all_reduce"] += round(2 * t * INPUT_DIGEST_BYTES * (t - 1) / t)
         for e in self.entries:
             n_calls = (calls or {}).get(e.block, 1) if e.block else 1
             forwards = n_calls * (2 if e.block in recomputed else 1)
@@ -120,13 +124,15 @@ class TensorParallelPlan:
         return cls(tp_size=raw["tp_size"], source=raw["source"],
                    entries=[TPEntry(**e) for e in raw.get("entries", [])],
                    heads=[HeadRewrite(**h) for h in raw.get("heads", [])],
-                   replicated=[Replicated(**r) for r in raw.get("replicated", [])], notes=raw.get("notes", []))
+                   replicated=[Replicated(**r) for r in raw.get("replicated", [])],
+                   notes=raw.get("notes", []))
 
 
 def tp_text(tp: TensorParallelPlan) -> list[str]:
     """The plan's TP section for people: split modules, head rewrites, what stays replicated and why."""
-    lines = [f"tensor parallel: tp_size={tp.tp_size}, plan from {tp.source}, {len(tp.entries)} module(s) split "
-             f"({sum(math.prod(s) for e in tp.entries for s in e.full_shapes.values()):,} parameters), {len(tp.heads)} head count(s) rewritten, "
+    numel = sum(math.prod(s) for e in tp.entries for s in e.full_shapes.values())
+    lines = [f"tensor parallel: tp_size={tp.tp_size}, plan from {tp.source}, {len(tp.entries)} module(s) "
+             f"split ({numel:,} parameters), {len(tp.heads)} head count(s) rewritten, "
              f"{len(tp.replicated)} left replicated"]
     lines += [f"  split {e.module}: {e.style}" for e in tp.entries]
     lines += [f"  heads {h.module}.{h.attribute}: {h.full} -> {h.local}" for h in tp.heads]

@@ -89,7 +89,11 @@ def estimate_tp(plan: WrapPlan, dp_size: int, tokens: int | None,
     tp = plan.tensor_parallel
     if tp is None:
         raise PlanError("estimate_tp needs a plan with a tensor_parallel section (build_plan(tensor_parallel=))")
-    est = replace(estimate(plan, dp_size, activations), tp_size=tp.tp_size, world_size=dp_size * tp.tp_size)
+    world = dp_size * tp.tp_size
+    est = replace(estimate(plan, dp_size, activations), tp_size=tp.tp_size, world_size=world)
+    # The end-of-backward all-reduce of which parameters got a gradient runs over the whole job.
+    trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
+    est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (world - 1) / world)
     if tokens is None:
         return est
     compute = next((b.gather_dtype for g in plan.groups for b in g.buffers if b.requires_grad), "float32")

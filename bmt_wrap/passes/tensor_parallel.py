@@ -78,7 +78,7 @@ def _expand(styles: dict[str, str], modules: dict[str, nn.Module], plan: TensorP
             + (f" tp_plan= uses style(s) {listed(unknown)} bmt_wrap does not implement; it implements "
                f"{listed(list(STYLES), limit=len(STYLES))}." if unknown else ""))
     if missing:
-        plan.notes.append(f"the model's tp plan names no module for {listed(missing)} (absent in this config)")
+        plan.notes.append(f"the model's tp plan names no module for {listed(missing)} (not in this config)")
     return chosen
 
 
@@ -103,8 +103,8 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
         if name in reasons:
             plan.replicated.append(Replicated(name, reasons[name]))
         elif _parent(name) in poisoned and STYLES[style] != "vocab_embedding":
-            plan.replicated.append(Replicated(name, "a module beside it that the plan splits cannot be split, "
-                                                    "so its partner's layout would not match"))
+            why = "a module beside it that the plan splits cannot be split (its partner's layout differs)"
+            plan.replicated.append(Replicated(name, why))
         else:
             plan.entries.append(_entry(name, STYLES[style] or "", modules[name], discovery))
 
@@ -194,7 +194,8 @@ def derive_pairs(model: nn.Module, discovery: Discovery, plan: TensorParallelPla
 
 def _pairs(graph: fx.Graph, module: nn.Module) -> tuple[list[tuple[list[str], str]], list[tuple[str, str]]]:
     """((column Linears, row Linear) pairs, (Linear, reason) for the rest) in one block's graph."""
-    linear = {n for n in graph.nodes if n.op == "call_module" and type(module.get_submodule(n.target)) is nn.Linear}
+    linear = {n for n in graph.nodes
+              if n.op == "call_module" and type(module.get_submodule(n.target)) is nn.Linear}
     paired: set[fx.Node] = set()
     pairs = []
     for row in (n for n in graph.nodes if n in linear):
@@ -202,18 +203,20 @@ def _pairs(graph: fx.Graph, module: nn.Module) -> tuple[list[tuple[list[str], st
         if found is None:
             continue
         cols, path = found
-        if cols & paired or row in paired or any(u not in path and u is not row for n in path for u in n.users):
+        read_elsewhere = any(u not in path and u is not row for n in path for u in n.users)
+        if cols & paired or row in paired or read_elsewhere:
             continue
         paired |= cols | {row}
         pairs.append(([c.target for c in sorted(cols, key=lambda c: list(graph.nodes).index(c))], row.target))
-    rest = [(n.target, "its output does not reach one Linear through elementwise ops only (a reshape, attention "
-                       "or residual is on the way), so splitting it is not proven safe; name it in tp_plan=")
+    why = ("its output does not reach one Linear through elementwise ops only (a reshape, attention or "
+           "residual is on the way), so splitting it is not proven safe; name it in tp_plan=")
+    rest = [(n.target, why)
             for n in graph.nodes if n in linear and n not in paired]
     return pairs, rest
 
 
 def _columns_feeding(node: object, linear: set[fx.Node], module: nn.Module) -> tuple[set, set] | None:
-    """(Linears, nodes on the way) when ``node`` is computed from Linears' outputs by elementwise ops alone."""
+    """(Linears, nodes on the way) when ``node`` is computed from Linears' outputs by elementwise ops only."""
     if not isinstance(node, fx.Node):
         return None
     if node in linear:
