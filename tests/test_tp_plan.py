@@ -117,6 +117,33 @@ def test_derived_gated_pair_and_residual_linear() -> None:
     assert "0.skip" in {r.module for r in tp.replicated}
 
 
+class FusedBlock(nn.Module):
+    """The benchmarks' block: one fused qkv Linear reshaped with a head count, beside an MLP."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.heads = 4
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 64), nn.Linear(64, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("tp_plan", [None, {"*.fc": "colwise", "*.out": "rowwise"}])
+def test_head_count_of_a_replicated_attention_is_kept(tp_plan: dict | None) -> None:
+    # A regression: the MLP's parent also holds the attention's head count; rewriting it changed the model.
+    model = nn.Sequential(*(FusedBlock() for _ in range(3)))
+    tp = _tp(model, 2, tp_plan)
+    split = {e.module for e in tp.entries}
+    assert split >= {"0.fc", "0.out"} and "0.qkv" not in split
+    assert tp.heads == []
+    assert tp_plan is None or any("0.heads" in n and "kept" in n for n in tp.notes)
+
+
 def test_tied_weights_split_differently_stay_replicated() -> None:
     model = models.ToyGPT(tie=True)
     tp = _tp(model, 2, {"head": "colwise", "layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})

@@ -144,15 +144,30 @@ def _keep_tied_consistent(plan: TensorParallelPlan, model: nn.Module) -> None:
 
 
 def _rewrite_heads(plan: TensorParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    """Head counts held by the modules around split Linears, to be set to their TP-local values."""
+    """Head counts held by the modules around split Linears, to be set to their TP-local values.
+
+    Only where every Linear of that module is split: a head count beside a Linear left whole (an attention
+    kept replicated next to a split MLP) is that Linear's, and rewriting it would change the model. Derived
+    pairs never pass through a reshape, so they involve no head count.
+    """
+    if plan.source == "derived":
+        return
     bad = []
+    split = {e.module for e in plan.entries}
     for parent in sorted({_parent(e.module) for e in plan.entries if e.style.startswith("colwise")}):
-        for attr, value in vars(modules[parent]).items():
-            if type(value) is int and _HEAD_COUNT.match(attr):
-                if value % plan.tp_size:
-                    bad.append(f"{parent}.{attr} = {value}")
-                else:
-                    plan.heads.append(HeadRewrite(parent, attr, value, value // plan.tp_size))
+        counts = {a: v for a, v in vars(modules[parent]).items() if type(v) is int and _HEAD_COUNT.match(a)}
+        whole = [n for n, c in modules[parent].named_children()
+                 if type(c) is nn.Linear and (f"{parent}.{n}" if parent else n) not in split]
+        if counts and whole:
+            names = listed([f"{parent}.{a}" for a in counts])
+            plan.notes.append(f"head count(s) {names} kept: {parent} also holds Linears left whole "
+                              f"({listed(whole)}), whose reshapes may read them")
+            continue
+        for attr, value in counts.items():
+            if value % plan.tp_size:
+                bad.append(f"{parent}.{attr} = {value}")
+            else:
+                plan.heads.append(HeadRewrite(parent, attr, value, value // plan.tp_size))
     config = getattr(model, "config", None)
     if plan.entries and config is not None:
         bad += [f"config.{k} = {getattr(config, k)}" for k in _CONFIG_HEADS
