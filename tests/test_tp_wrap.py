@@ -37,6 +37,8 @@ def _setup(name: str, steps: int = 3, batch: int = 4):
         return models.ToyGPT, lm_batches(steps, batch), None, TOY_PLAN
     if name == "toy_tied":  # embedding and head share one weight: both split by vocabulary rows, one slice
         return lambda: models.ToyGPT(tie=True), lm_batches(steps, batch), None, TOY_PLAN
+    if name == "toy_derived":  # no plan: the MLP pairs found in the blocks' graphs are split
+        return models.ToyGPT, lm_batches(steps, batch), None, None
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, models.VOCAB, (batch, 8), generator=g),) for _ in range(steps)]
     return llama_mha, batches, _hf_loss, None
@@ -60,8 +62,9 @@ def test_tp_matches_plain_pytorch_sgd(name: str, tp: int) -> None:
     assert len(results[0]["losses"]) == 3
 
 
-def test_tp2_tied_embedding_matches_plain_pytorch() -> None:
-    results = run_distributed(_parity_body, WORLD, "toy_tied", 2, "sgd")
+@pytest.mark.parametrize("name", ["toy_tied", "toy_derived"])
+def test_tp2_tied_embedding_and_derived_plan_match_plain_pytorch(name: str) -> None:
+    results = run_distributed(_parity_body, WORLD, name, 2, "sgd")
     assert all(r["losses"] == results[0]["losses"] for r in results)
 
 
@@ -224,12 +227,16 @@ def _save_body(path: str) -> dict:
     plain = models.seeded(models.ToyGPT, seed=1)
     bmt.load(plain, path)
     state = model.state_dict()
+    other = bmt.BMTrainModelWrapper(models.seeded(models.ToyGPT, seed=1), tp_size=2, tp_plan=TOY_PLAN)
+    bmt.load(other, path)  # the full file into TP slices
+    loaded = other.state_dict()
     return {"same_file": all(torch.equal(p, ref.state_dict()[n]) for n, p in plain.state_dict().items()),
-            "same_state": all(torch.equal(state[n], ref.state_dict()[n]) for n in ref.state_dict()),
+            "same_state": all(torch.equal(state[n], ref.state_dict()[n]) and torch.equal(loaded[n], state[n])
+                              for n in ref.state_dict()),
             "shapes": {n: list(t.shape) for n, t in state.items()} == {n: list(t.shape) for n, t in
                                                                       ref.state_dict().items()}}
 
 
-def test_tp_save_writes_full_tensors(tmp_path) -> None:
+def test_tp_save_writes_full_tensors_and_loads_into_slices(tmp_path) -> None:
     results = run_distributed(_save_body, WORLD, str(tmp_path / "tp.safetensors"))
     assert all(r == {"same_file": True, "same_state": True, "shapes": True} for r in results), results
