@@ -26,14 +26,12 @@ from ..runtime.tp_marks import mark_tp, tp_slice
 from ..runtime.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from .compiled import never_traced
 
-TP_MESH_DIMS = ("dp", "tp")
-
 
 def tensor_parallel_layout(tp_size: int | None, mesh: Any) -> TensorParallelLayout | None:
     """The TP and dp groups for ``tp_size=`` (default: ``init_distributed(tp_size=)``'s) or a ("dp", "tp")
     mesh, or None without tensor parallelism (then ``mesh=`` is HSDP's, read by ``rank_layout``)."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
-    if mesh is not None and names != TP_MESH_DIMS:
+    if mesh is not None and names != distributed.TP_MESH_DIMS:
         if tp_size not in (None, 1):
             raise UnsupportedError(f"tp_size={tp_size} with a {names or 'unnamed'} mesh= (HSDP) is not "
                                    "supported yet: pass tp_size= alone, or a 2-D mesh with dims ('dp', 'tp')")
