@@ -8,6 +8,15 @@ bytes of torch's Python sources as ``train_gpt.py`` does (so the loss visibly fa
 example's random sequence lengths and padding masks. Defaults are small enough for 2 CPU ranks:
 
     torchrun --nproc_per_node=2 examples/bmtrain_style.py [--steps 60] [--save model.safetensors]
+
+``--tp-size 2`` is BMTrain's ``init_distributed(tp_size=2)``: as in BMTrain's example, each TP rank
+holds its part of the sequence between the parallel layers (``ColumnParallelLinear`` gathers it,
+``RowParallelLinear`` reduce-scatters back), the word embedding is a ``VPEmbedding`` (lookup and tied
+projection) and the loss ``FusedCrossEntropy(parallel=True)``. BMTrain's parallel linears gather dim 0,
+so the layers run sequence-first there (BMTrain views its gathered (tp*batch, seq/tp) rows as
+(batch, seq), which mixes sequences once batch > 1):
+
+    torchrun --nproc_per_node=4 examples/bmtrain_style.py --tp-size 2
 """
 
 from __future__ import annotations
@@ -65,30 +74,51 @@ class Layernorm(bmt.DistributedModule):
         return F.layer_norm(x, (self.dim_norm,), self.weight, self.bias, self.eps)
 
 
+def sequence_first(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` on ``x`` (batch, seq, dim) run sequence-first: BMTrain's parallel linears gather and scatter
+    dim 0, which must then be the sequence (identity cost without tensor parallelism is not paid: only
+    the TP path calls this)."""
+    return layer(x.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
 class Attention(bmt.DistributedModule):
-    """Multi-head attention with a boolean mask (True = may attend)."""
+    """Multi-head attention with a boolean mask (True = may attend); under TP, this rank's heads."""
 
     def __init__(self, dim_model: int, dim_head: int, num_heads: int, bias: bool = True,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.project_q = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
-        self.project_k = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
-        self.project_v = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
-        self.project_out = Linear(dim_head * num_heads, dim_model, bias=bias, dtype=dtype)
-        self.num_heads, self.dim_head = num_heads, dim_head
+        self.tp = bmt.config["tp_size"] > 1
+        if self.tp:
+            # Each rank's heads over the whole (gathered) sequence; the output reduce-scattered back.
+            self.project_q = bmt.nn.ColumnParallelLinear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_k = bmt.nn.ColumnParallelLinear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_v = bmt.nn.ColumnParallelLinear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_out = bmt.nn.RowParallelLinear(dim_head * num_heads, dim_model, bias=bias, dtype=dtype)
+        else:
+            self.project_q = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_k = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_v = Linear(dim_model, dim_head * num_heads, bias=bias, dtype=dtype)
+            self.project_out = Linear(dim_head * num_heads, dim_model, bias=bias, dtype=dtype)
+        self.num_heads, self.dim_head = num_heads // bmt.config["tp_size"], dim_head
 
     def forward(self, hidden_q: torch.Tensor, hidden_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, sq, _ = hidden_q.shape
-        skv = hidden_kv.shape[1]
-        q = self.project_q(hidden_q).view(b, sq, self.num_heads, self.dim_head).transpose(1, 2)
-        k = self.project_k(hidden_kv).view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
-        v = self.project_v(hidden_kv).view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
+        if self.tp:
+            q, k, v = (sequence_first(f, hidden_q) for f in (self.project_q, self.project_k, self.project_v))
+            return sequence_first(self.project_out, self._attend(q, k, v, mask))
+        return self.project_out(self._attend(self.project_q(hidden_q), self.project_k(hidden_kv),
+                                             self.project_v(hidden_kv), mask))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, sq, _ = q.shape
+        skv = k.shape[1]
+        q = q.view(b, sq, self.num_heads, self.dim_head).transpose(1, 2)
+        k = k.view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
+        v = v.view(b, skv, self.num_heads, self.dim_head).transpose(1, 2)
         score = (q @ k.transpose(-1, -2)) / math.sqrt(self.dim_head)
         blocked = ~mask.unsqueeze(1)
         # Padding rows see no key at all: their all -inf softmax is NaN, so zero them after it (as BMTrain does).
         score = score.masked_fill(blocked, float("-inf")).softmax(dim=-1).masked_fill(blocked, 0)
-        out = (score @ v).transpose(1, 2).reshape(b, sq, self.num_heads * self.dim_head)
-        return self.project_out(out)
+        return (score @ v).transpose(1, 2).reshape(b, sq, self.num_heads * self.dim_head)
 
 
 class Feedforward(bmt.DistributedModule):
@@ -97,10 +127,17 @@ class Feedforward(bmt.DistributedModule):
     def __init__(self, dim_model: int, dim_ff: int, bias: bool = True,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.w_in = Linear(dim_model, dim_ff, bias=bias, dtype=dtype)
-        self.w_out = Linear(dim_ff, dim_model, bias=bias, dtype=dtype)
+        self.tp = bmt.config["tp_size"] > 1
+        if self.tp:
+            self.w_in = bmt.nn.ColumnParallelLinear(dim_model, dim_ff, bias=bias, dtype=dtype)
+            self.w_out = bmt.nn.RowParallelLinear(dim_ff, dim_model, bias=bias, dtype=dtype)
+        else:
+            self.w_in = Linear(dim_model, dim_ff, bias=bias, dtype=dtype)
+            self.w_out = Linear(dim_ff, dim_model, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp:
+            return sequence_first(lambda h: self.w_out(F.relu(self.w_in(h))), x)
         return self.w_out(F.relu(self.w_in(x)))
 
 
@@ -129,7 +166,10 @@ class GPT(bmt.DistributedModule):
                  dim_ff: int, max_distance: int, bias: bool = True, dtype: torch.dtype | None = None):
         super().__init__()
         self.max_distance = max_distance
-        self.word_emb = Embedding(vocab_size, dim_model, dtype=dtype)
+        if bmt.config["tp_size"] > 1:
+            self.word_emb = bmt.nn.VPEmbedding(vocab_size, dim_model, dtype=dtype, init_std=0.02)
+        else:
+            self.word_emb = Embedding(vocab_size, dim_model, dtype=dtype)
         self.pos_emb = Embedding(max_distance, dim_model, dtype=dtype)
         self.transformers = bmt.TransformerBlockList([
             bmt.CheckpointBlock(TransformerEncoder(dim_model, dim_head, num_heads, dim_ff, bias, dtype))
@@ -139,6 +179,9 @@ class GPT(bmt.DistributedModule):
     def forward(self, input: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask_2d = mask[:, None, :] & mask[:, :, None]
         mask_2d = mask_2d & (pos[:, None, :] <= pos[:, :, None])  # causal
+        if bmt.config["tp_size"] > 1:  # this rank's part of the sequence (BMTrain's example)
+            input = input.chunk(bmt.config["tp_size"], dim=1)[bmt.config["tp_rank"]]
+            pos = pos.chunk(bmt.config["tp_size"], dim=1)[bmt.config["tp_rank"]]
         out = self.pos_emb(pos) + self.word_emb(input)
         out = self.transformers(out, mask_2d)
         return self.word_emb(self.layernorm(out), projection=True)
@@ -147,9 +190,12 @@ class GPT(bmt.DistributedModule):
 # ---- training (BMTrain: example/train.py) -------------------------------------------------------
 def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's byte windows for ``step``, each cut to a random length; targets -100 past each length."""
-    enc_input, targets = batch_for_step(corpus, step, 0, batch * bmt.world_size(), seq, bmt.rank(), bmt.world_size())
-    gen = torch.Generator().manual_seed(step * bmt.world_size() + bmt.rank())
+    """This data-parallel rank's byte windows for ``step`` (TP peers share them), each cut to a random
+    length; targets -100 past each length."""
+    # BMTrain's example: the data-parallel size and rank are tp_zero_size / tp_zero_rank under TP.
+    world, rank = bmt.config["tp_zero_size"], bmt.config["tp_zero_rank"]
+    enc_input, targets = batch_for_step(corpus, step, 0, batch * world, seq, rank, world)
+    gen = torch.Generator().manual_seed(step * world + rank)
     length = torch.randint(seq // 2, seq + 1, (batch,), generator=gen)
     mask = torch.arange(seq)[None, :] < length[:, None]
     targets = torch.where(mask, targets, torch.full_like(targets, -100))
@@ -168,13 +214,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2, help="Noam's start_lr (peaks near start_lr / sqrt(warmup))")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save", help="write the consolidated model here with bmt.save at the end")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (BMTrain's tp_size)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; return the global loss of every step."""
     args = parse_args(argv)
-    bmt.init_distributed(seed=0)
+    bmt.init_distributed(seed=0, tp_size=args.tp_size)
     device = bmt.get_state().device
     half = device.type == "cuda"  # BMTrain's example trains in fp16 with loss scaling on GPU
     dtype = torch.half if half else torch.float32
@@ -184,7 +231,10 @@ def main(argv: list[str] | None = None) -> list[float]:
                     max_distance=args.seq, bias=True, dtype=dtype)
     bmt.init_parameters(model)
     bmt.see_memory("model sharded")
-    loss_func = torch.nn.CrossEntropyLoss(ignore_index=-100)
+    if bmt.config["tp_size"] > 1:  # vocabulary-split logits
+        loss_func = bmt.loss.FusedCrossEntropy(ignore_index=-100, parallel=True)
+    else:
+        loss_func = torch.nn.CrossEntropyLoss(ignore_index=-100)
     optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=args.lr, weight_decay=1e-2)
     lr_scheduler = bmt.lr_scheduler.Noam(optimizer, start_lr=args.lr, warmup_iter=10, end_iter=args.steps)
     optim_manager = bmt.optim.OptimManager(loss_scale=2**20 if half else None)

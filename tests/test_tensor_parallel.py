@@ -271,3 +271,22 @@ def _sharded_format_body(path: str) -> str:
 def test_sharded_checkpoints_refuse_tensor_parallelism_on_every_rank(tmp_path: object) -> None:
     messages = run_distributed(_sharded_format_body, 4, str(tmp_path / "ckpt"))  # type: ignore[operator]
     assert len(set(messages)) == 1 and "bmt.save(model, path)" in messages[0]
+
+
+# ---- dimensions tensor parallelism cannot split ------------------------------------------------------------------
+def _not_divisible_body() -> list[str]:
+    use_tp(4)
+    messages = []
+    for build in (lambda: bmt.nn.ColumnParallelLinear(8, 6), lambda: bmt.nn.RowParallelLinear(6, 8),
+                  lambda: bmt.nn.VPEmbedding(10, 8)):
+        with pytest.raises(TPShapeError, match="not divisible by the tensor-parallel size 4") as info:
+            build()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_dimensions_not_divisible_by_tp_size_raise_on_every_rank() -> None:
+    results = run_distributed(_not_divisible_body, 4)
+    assert all(r == results[0] for r in results)
+    assert [m.split("=")[0] for m in results[0]] == ["ColumnParallelLinear out_features",
+                                                   "RowParallelLinear in_features", "VPEmbedding vocab_size"]

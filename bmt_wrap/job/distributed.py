@@ -6,6 +6,7 @@ All of it lives in one ``DistState`` object; everything that needs the rank layo
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import random
 import weakref
@@ -245,14 +246,18 @@ def shutdown() -> None:
     # stuck in a collective (a peer died): destroying it underneath would wait on that collective instead of
     # exiting. A destroyed group, ours or the user's, is then freed: torch modules that the first wrap
     # loaded may still hold it.
+    from ..runtime.active_engine import install_engine
+
     group = _STATE.group
     if _stop_comm_thread():
+        # The engine and the TP layouts hold sub-group communicators, and a mesh dim over every rank (tp_size
+        # = world size) is the default group itself: drop them before freeing it.
+        install_engine(None)
+        _STATE.tp_layouts.clear()
         if _STATE.owns_group and dist.is_initialized() and dist.group.WORLD is group():
             dist.destroy_process_group()
         if not dist.is_initialized() or dist.group.WORLD is not group():
             _free_group(group)
-    from ..runtime.active_engine import install_engine
-
     install_engine(None)
     _STATE = None
 
@@ -264,6 +269,8 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
     holders = release_group_defaults(group())  # torch modules loaded after init_distributed hold it
     if not dist.is_initialized():  # every group is gone: a DeviceMesh kept to the end (HSDP) holds them
         release_mesh_groups()
+    if group() is not None:
+        gc.collect()  # sub-group communicators that held it (tp_size = world size) may sit in a cycle
     if group() is None:
         return
     where = f"default arguments of {', '.join(holders)}" if holders else "a reference outside bmt_wrap"

@@ -26,16 +26,23 @@ def _digest(tensors: Iterable[torch.Tensor]) -> int:
     return crc
 
 
+def tp_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Every TP rank's digest of its ``tensors`` (shapes, dtypes, values): one all-reduce over the TP group."""
+    layout = tensor_parallel()
+    table = torch.zeros(layout.tp_size, dtype=torch.int64)
+    table[layout.tp_rank] = _digest(tensors)
+    if layout.tp_size > 1:
+        layout.tp.all_reduce(table, "sum", label="tp input digests")
+    return table.tolist()
+
+
 def check_tp_inputs_agree(tensors: Iterable[torch.Tensor], what: str = "the inputs") -> None:
     """Raise ``TPInputMismatchError`` on every rank of the TP group if its ranks passed different
     ``tensors`` (shapes, dtypes or values); one all-reduce of one int64 per TP rank. No-op at tp_size 1."""
     layout = tensor_parallel()
     if layout.tp_size == 1:
         return
-    table = torch.zeros(layout.tp_size, dtype=torch.int64)
-    table[layout.tp_rank] = _digest(tensors)
-    layout.tp.all_reduce(table, "sum", label="tp input digests")
-    digests = table.tolist()
+    digests = tp_digests(tensors)
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         raise TPInputMismatchError(

@@ -8,8 +8,10 @@ from typing import Any
 import torch
 
 from ..errors import BMTError, UnsupportedError
+from ..job.distributed import tensor_parallel
 from ..kernels import cupy_usable
 from . import cupy_rows, torch_rows
+from .vocab_parallel import vocab_parallel_rows
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -45,7 +47,9 @@ class FusedCrossEntropy(torch.nn.Module):
     ``ignore_index``, weighted by ``weight[target]`` when class weights are given (torch's rule).
 
     The signature is BMTrain's: ``(weight=None, ignore_index=-100, reduction="mean",
-    label_smoothing=0.0, parallel=False)``; ``parallel=True`` (tensor parallelism) is not supported.
+    label_smoothing=0.0, parallel=False)``. With ``parallel=True`` the logits are this tensor-parallel
+    rank's ``(N, V/T)`` columns of the vocabulary (``VPEmbedding(projection=True)``'s output), the target
+    is whole, and every TP rank gets the whole loss (``weight`` then has ``V`` entries).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
@@ -55,9 +59,9 @@ class FusedCrossEntropy(torch.nn.Module):
             raise BMTError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
         if not 0.0 <= label_smoothing <= 1.0:
             raise BMTError(f"label_smoothing={label_smoothing} must be in [0, 1]")
-        if parallel:
-            raise UnsupportedError("FusedCrossEntropy(parallel=True) needs tensor parallelism, which bmt_wrap "
-                                   "does not have: use parallel=False (the logits are whole on every rank)")
+        if parallel and label_smoothing > 0:
+            raise UnsupportedError("FusedCrossEntropy(parallel=True) with label_smoothing= is not supported; "
+                                   "use label_smoothing=0 (BMTrain's vocabulary-parallel loss has none either)")
         if weight is not None and label_smoothing > 0:
             raise UnsupportedError("FusedCrossEntropy with both weight= and label_smoothing= is not supported; "
                                    "use torch.nn.functional.cross_entropy for that combination")
@@ -65,6 +69,7 @@ class FusedCrossEntropy(torch.nn.Module):
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = float(label_smoothing)
+        self.parallel = parallel
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of ``input`` (N, C) against ``target`` (N,)."""
@@ -73,14 +78,19 @@ class FusedCrossEntropy(torch.nn.Module):
                            f"{tuple(target.shape)}: flatten first, e.g. loss(logits.view(-1, C), labels.view(-1))")
         target = target.long().contiguous()
         valid = target != self.ignore_index
-        if input.device.type == "cpu" and bool(((target < 0) | (target >= input.shape[1]))[valid].any()):
-            raise BMTError(f"a target is outside [0, {input.shape[1]}) and is not ignore_index={self.ignore_index}")
-        rows = _RowCrossEntropy.apply(input.contiguous(), target, self.ignore_index, self.label_smoothing)
+        comm = tensor_parallel().tp if self.parallel else None
+        classes = input.shape[1] * (comm.world_size if comm is not None else 1)
+        if input.device.type == "cpu" and bool(((target < 0) | (target >= classes))[valid].any()):
+            raise BMTError(f"a target is outside [0, {classes}) and is not ignore_index={self.ignore_index}")
+        if comm is not None:
+            rows = vocab_parallel_rows(input.contiguous(), target, self.ignore_index, comm)
+        else:
+            rows = _RowCrossEntropy.apply(input.contiguous(), target, self.ignore_index, self.label_smoothing)
         count: torch.Tensor = valid.sum()
         if self.weight is not None:
-            if self.weight.shape != input.shape[1:]:
+            if self.weight.shape != (classes,):
                 raise BMTError(f"weight has shape {tuple(self.weight.shape)} but the logits have "
-                               f"{input.shape[1]} classes: give one weight per class")
+                               f"{classes} classes: give one weight per class")
             row_weight = self.weight.to(rows.device, torch.float32)[torch.where(valid, target, 0)] * valid
             rows = rows * row_weight
             count = row_weight.sum()

@@ -137,6 +137,15 @@ class ShardedTensor(torch.Tensor):
         """The whole tensor, gathered from every rank (a collective: call it on every rank)."""
         return self._layout.gather(self._local.detach())
 
+    def numpy(self, *, force: bool = False) -> Any:
+        """The values as a NumPy array where this rank holds every element (one rank, or a group of one: a
+        BMTrain test at data-parallel size 1 reads gradients so); otherwise ``ShardedTensorError``."""
+        lay = self._layout
+        if lay.start != 0 or lay.end != self.numel():
+            raise ShardedTensorError(f"{lay.name!r} holds elements [{lay.start}, {lay.end}) of {self.numel()} on "
+                                     "this rank: call .full_tensor().numpy() (a collective) for the whole tensor")
+        return self._local.detach().view(self.shape).numpy(force=force)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         lay = self._layout
         return (f"ShardedTensor({lay.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "

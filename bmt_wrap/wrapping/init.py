@@ -29,6 +29,7 @@ from torch import nn
 from ..base._compat import hf_initialize_weights, hf_initialize_weights_replaced, tensor_version
 from ..errors import InitError
 from ..job.distributed import get_state
+from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.module_params import installed, registrations
 from ..runtime.param import DistributedParameter
@@ -167,7 +168,9 @@ class _Replay:
         by_param: dict[int, nn.Parameter] = {}  # one temporary per Parameter, however many names it has
         for _, _, p in originals:
             if id(p) not in by_param:
-                shape = p.full_shape if isinstance(p, DistributedParameter) else p.shape
+                # A TP-split parameter is drawn whole and sliced (BMTrain's rule): the model then equals one
+                # built whole under the same seed, at any tensor-parallel size.
+                shape = whole_shape(p) if isinstance(p, DistributedParameter) else p.shape
                 by_param[id(p)] = nn.Parameter(_blank(shape, p.dtype, self.device), requires_grad=p.requires_grad)
         meta = [(m, n, b) for m in holders for n, b in m._buffers.items() if b is not None and b.is_meta]
         fresh = [_blank(b.shape, b.dtype, self.device) for _, _, b in meta]
@@ -256,7 +259,7 @@ def _written(t: torch.Tensor, version: int) -> bool:
 def _adopt(p: nn.Parameter, full: torch.Tensor) -> None:
     """Give ``p`` (sharded: its slice of) the value ``full``, keeping the Parameter object."""
     if isinstance(p, DistributedParameter):
-        p.load_full(full)
+        p.load_full(local_value(p, full))
     elif p.is_meta:
         torch.utils.swap_tensors(p, type(p)(full.detach(), requires_grad=p.requires_grad))
     else:

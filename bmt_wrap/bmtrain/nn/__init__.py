@@ -1,6 +1,8 @@
-"""BMTrain's ``bmt.nn`` layers; the tensor-parallel ones exist only to raise a clear error."""
+"""BMTrain's ``bmt.nn`` layers: ``Linear`` and the tensor-parallel ones (``init_distributed(tp_size=)``)."""
 
 from .linear import Linear
-from .parallel import ColumnParallelLinear, OpParallelLinear, RowParallelLinear, VPEmbedding
+from .parallel_embedding import VPEmbedding
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .parallel_linear_func import OpParallelLinear, ReduceType
 
-__all__ = ["ColumnParallelLinear", "Linear", "OpParallelLinear", "RowParallelLinear", "VPEmbedding"]
+__all__ = ["ColumnParallelLinear", "Linear", "OpParallelLinear", "ReduceType", "RowParallelLinear", "VPEmbedding"]
