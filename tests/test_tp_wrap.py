@@ -240,3 +240,19 @@ def _save_body(path: str) -> dict:
 def test_tp_save_writes_full_tensors_and_loads_into_slices(tmp_path) -> None:
     results = run_distributed(_save_body, WORLD, str(tmp_path / "tp.safetensors"))
     assert all(r == {"same_file": True, "same_state": True, "shapes": True} for r in results), results
+
+
+def _bad_layout_body(kind: str) -> tuple[str, str]:
+    if kind == "tp3":  # 4 ranks are not a multiple of 3
+        return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=3))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp"))  # TP peers not adjacent
+    return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), mesh=mesh))
+
+
+@pytest.mark.parametrize("kind, error, words", [("tp3", "InitError", "multiple of tp_size"),
+                                                 ("mesh", "MeshError", "adjacent")])
+def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -> None:
+    results = run_distributed(_bad_layout_body, WORLD, kind)
+    assert all(r[0] == error and words in r[1] for r in results), results
