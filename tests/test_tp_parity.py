@@ -2,7 +2,8 @@
 BMTrain's layout (activations split by sequence between the parallel linears, ``VPEmbedding`` lookup and
 tied projection, ``FusedCrossEntropy(parallel=True)``) trains like the same model unsharded, at
 tp2 x dp2, tp4 x dp1 and tp1 x dp4 on 4 ranks: losses per step, the global gradient norm, whole
-gradients and final parameters within the Contracts' SGD tolerances.
+gradients and final parameters within the Contracts' SGD tolerances; and with BMTrain's step
+(``AdamOptimizer``, ``OptimManager.clip_grad_norm``) against torch's AdamW within the AdamW tolerance.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import COMM_TIMEOUT, run_distributed
-from parity import LOSS_RTOL, SGD_TOL
+from parity import ADAMW_REL, LOSS_RTOL, SGD_TOL
 from torch import nn
 
 import bmt_wrap as bmt
@@ -173,3 +174,43 @@ def _parity_body(tp_size: int) -> dict:
 @pytest.mark.parametrize("tp_size", [2, 4, 1], ids=["tp2xdp2", "tp4xdp1", "tp1xdp4"])
 def test_explicit_tp_gpt_trains_like_plain_pytorch(tp_size: int) -> None:
     run_distributed(_parity_body, 4, tp_size)
+
+
+def _adam_body(tp_size: int) -> dict:
+    """BMTrain's training step (AdamOptimizer, OptimManager with clipping) under TP against torch's AdamW
+    with ``clip_grad_norm_`` on the plain model: losses per step and the AdamW parameter tolerance."""
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=tp_size)
+    torch.manual_seed(0)
+    ref = RefGPT()
+    model = TPGPT()
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
+    manager = bmt.optim.OptimManager()
+    manager.add_optimizer(opt)
+    dp, dp_rank = bmt.config["tp_zero_size"], bmt.config["tp_zero_rank"]
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    for tokens, targets in _batches():
+        ref_loss = ref(tokens, targets)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        manager.zero_grad()
+        loss = model(tokens[rows], targets[rows])
+        manager.backward(loss)
+        norm = manager.clip_grad_norm(max_norm=0.5)
+        manager.step()
+        torch.testing.assert_close(bmt.sum_loss(loss), ref_loss.detach(), rtol=LOSS_RTOL, atol=0)
+        torch.testing.assert_close(norm.float(), ref_norm, rtol=LOSS_RTOL, atol=0)
+    state = model.state_dict()
+    worst = 0.0
+    for name, p in ref.named_parameters():
+        rel = float((state[name] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12))
+        assert rel <= ADAMW_REL, (name, rel)
+        worst = max(worst, rel)
+    return {"worst_rel": worst}
+
+
+def test_explicit_tp_gpt_with_bmtrains_optimizer_and_clipping_matches_adamw() -> None:
+    run_distributed(_adam_body, 4, 2)

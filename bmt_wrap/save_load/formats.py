@@ -26,7 +26,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-TORCH_SUFFIXES = (".pt", ".bin", ".pth", ".ckp", ".ckpt")  # BMTrain scripts name torch.save files .ckp
+TORCH_SUFFIXES = (".pt", ".bin", ".pth", ".ckp")  # BMTrain's tests name torch.save files .ckp
 
 
 def file_format(path: Path) -> str:
