@@ -256,3 +256,32 @@ def _bad_layout_body(kind: str) -> tuple[str, str]:
 def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -> None:
     results = run_distributed(_bad_layout_body, WORLD, kind)
     assert all(r[0] == error and words in r[1] for r in results), results
+
+
+def _norm_body() -> dict:
+    import copy
+
+    build, batches, _, tp_plan = _setup("toy", steps=1)
+    torch.manual_seed(0)
+    ref = build()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=2, tp_plan=tp_plan)
+    ids, tgt = (t.chunk(2)[bmt.rank() // 2] for t in batches[0])
+    model(ids, tgt).backward()
+    ref(*batches[0]).backward()
+    return {"ours": float(model.clip_grad_norm_(1e9)),
+            "torch": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+            "ref": float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))}
+
+
+def test_tp_grad_norm_is_plain_pytorchs() -> None:
+    # model.clip_grad_norm_ (and OptimManager's): split parameters' slices summed over TP, replicated ones once
+    for r in run_distributed(_norm_body, WORLD):
+        assert r["ours"] == pytest.approx(r["ref"], rel=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 28): torch.nn.utils.clip_grad_norm_ on TP-split "
+                   "sharded parameters reduces over the dp group only (runtime/sharded_tensor.py's norms do not "
+                   "read the TP marks), so it misses the other TP ranks' slices; model.clip_grad_norm_ is right")
+def test_torch_clip_grad_norm_under_tp_is_plain_pytorchs() -> None:
+    for r in run_distributed(_norm_body, WORLD):
+        assert r["torch"] == pytest.approx(r["ref"], rel=1e-5)
