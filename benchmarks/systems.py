@@ -54,6 +54,21 @@ def bmt_wrapper(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     return bmt.BMTrainModelWrapper(model)
 
 
+#: The toy GPT's TP plan (transformers' vocabulary): MLP pairs, vocabulary-parallel embedding and head.
+#: Its attention stays replicated: one fused qkv Linear reshaped with the input's full width cannot be split.
+TOY_TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "rowwise", "wte": "embedding_rowwise",
+               "head": "colwise_gather_output"}
+#: Systems with tensor parallelism, and their TP size (the worker slices data over the data-parallel ranks).
+TP_SIZES = {"bmt_wrapper_tp2": 2}
+
+
+def bmt_wrapper_tp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
+    """The one-liner with ``tp_size=2``: TP over adjacent rank pairs, ZeRO-3 over the data-parallel ranks
+    (transformers models by their own tp plan, the toy GPT by ``TOY_TP_PLAN``)."""
+    plan = TOY_TP_PLAN if wl.name.startswith("toy") else None
+    return bmt.BMTrainModelWrapper(model, tp_size=2, tp_plan=plan)
+
+
 def ddp_need(model: nn.Module, wl: Workload, example: Batch) -> int:
     """Bytes per rank DDP holds, by the plan's own measure: a whole replica's parameters, gradients and AdamW
     state, and every block's activations kept (DDP never recomputes) at this rank's batch shape."""
@@ -95,6 +110,7 @@ def bmt_engine(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
 SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
     "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp1": fsdp1, "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
+    "bmt_wrapper_tp2": bmt_wrapper_tp2,
 }
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
-OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine")
+OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2")

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from systems import OURS, SYSTEMS
+from systems import OURS, SYSTEMS, TP_SIZES
 from workloads import WORKLOADS
 
 import bmt_wrap as bmt
+from bmt_wrap import passes
 
 
 def _barrier() -> None:
@@ -39,7 +40,11 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # Ψ of the ZeRO-3 bound
     batches = wl.batches(warmup + steps, global_batch, seq)
-    rows = slice(None) if n == 1 else slice(rank * (global_batch // n), (rank + 1) * (global_batch // n))
+    # TP peers compute one batch together: the data is split over the data-parallel ranks only.
+    tp = TP_SIZES.get(system, 1)
+    dp_rank, dp = rank // tp, n // tp
+    share = global_batch // dp
+    rows = slice(None) if dp == 1 else slice(dp_rank * share, (dp_rank + 1) * share)
     model = SYSTEMS[system](model, wl, (batches[0][0][rows], batches[0][1][rows]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     times, losses, comm = [], [], []
@@ -58,7 +63,9 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             times.append(elapsed)
             comm.append(step_bytes)
     plan = getattr(model, "plan", None)
-    estimate = plan.estimates.get(str(n)) if plan is not None else None
+    estimate = plan.estimates.get(str(dp)) if plan is not None else None
+    if plan is not None and plan.tensor_parallel is not None:  # TP traffic needs the batch's token count
+        estimate = passes.estimate_tp(plan, dp, tokens=batches[0][0][rows].numel())
     return {"system": system, "rank": rank, "world_size": n, "params": n_params, "times": times, "losses": losses,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,

@@ -2,7 +2,7 @@
 
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
-                  [--memory-budget 40GiB] [--shard-size S] [--input SPEC ...] [-v]
+                  [--memory-budget 40GiB] [--shard-size S | --tp-size T] [--input SPEC ...] [-v]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -12,6 +12,8 @@ before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-
 ``mixed_precision=bmt.MixedPrecision(param_dtype=...)`` (fp32 shards, gathers and compute in that dtype).
 ``--shard-size S`` adds, per world size, HSDP with shards over S ranks (one node) beside ZeRO-3 over
 every rank, each with its traffic split into intra-node and inter-node bytes for nodes of S ranks.
+``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
+what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens.
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -39,10 +41,11 @@ from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, show
 from .errors import BMTError, CLIError, MemoryBudgetError
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
-from .passes.estimate import estimate_mesh
+from .passes.estimate import estimate_mesh, estimate_tp
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
+from .passes.tensor_parallel import plan_tensor_parallel
 from .passes.util import describe
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
@@ -219,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--shard-size", type=int, default=None, metavar="S",
                       help="also estimate HSDP (mesh= (N/S, S): shards within nodes of S ranks, replicas across "
                            "them) and split each column's traffic into intra- and inter-node bytes")
+    plan.add_argument("--tp-size", type=int, default=None, metavar="T",
+                      help="plan tensor parallelism over T adjacent ranks (tp_size=T): ZeRO shards over N/T "
+                           "ranks; the TP traffic needs --input for its token count")
     return parser
 
 
@@ -239,6 +245,8 @@ def _run(opts: argparse.Namespace) -> str:
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
+    if opts.command == "plan" and opts.tp_size is not None:
+        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp)
     plans, over = [], []
     for n in sizes:
         try:
@@ -251,19 +259,51 @@ def _run(opts: argparse.Namespace) -> str:
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
     if opts.command == "plan":
-        psi = sum(g.param_numel() for g in plans[0].groups)
-        dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"
-                         for g in plans[0].groups for b in g.buffers})
-        lines = [f"{opts.model}: {psi:,} parameters ({', '.join(dtypes) or 'none'}), "
-                 f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
-                 *(f"N={n}{''.join(map(layout_label, p.estimates.values()))}: {summary_line(p)}"
-                   for n, p in zip(sizes, plans, strict=True)),
-                 render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
-        return "\n".join(lines)
+        return _plan_report(opts, sizes, plans)
     graph = schedule_graph(captured, plans[0])
     if opts.format == "text":
         return render_text(graph, plans[0], opts.verbose)
     return {"json": render_json, "dot": render_dot}[opts.format](graph, plans[0])
+
+
+def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPlan]) -> str:
+    """``bmt-wrap plan``'s output: the model line, one summary line per column, the estimates, the notes."""
+    psi = sum(g.param_numel() for g in plans[0].groups)
+    dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"
+                     for g in plans[0].groups for b in g.buffers})
+    per = " per TP rank" if plans[0].tensor_parallel is not None else ""
+    lines = [f"{opts.model}: {psi:,} parameters{per} ({', '.join(dtypes) or 'none'}), "
+             f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
+             *(f"N={n}{''.join(map(layout_label, p.estimates.values()))}: {summary_line(p)}"
+               for n, p in zip(sizes, plans, strict=True)),
+             render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
+    return "\n".join(lines)
+
+
+def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
+               inputs: Call | None, budget: int | None, mp: MixedPrecision | None) -> str:
+    """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic."""
+    t = opts.tp_size
+    if opts.shard_size is not None:
+        raise CLIError("--tp-size and --shard-size cannot be estimated together yet; give one of them")
+    bad = [n for n in sizes if t < 1 or n % t]
+    if bad:
+        raise CLIError(f"--tp-size {t} must divide every --world-size (data-parallel size x TP size); {bad} do not")
+    tp = plan_tensor_parallel(model, t, discovery)  # type: ignore[arg-type]
+    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
+    activations = captured.activations  # type: ignore[attr-defined]
+    plans = []
+    for n in sizes:
+        plan = build_plan(model, discovery, world_size=n // t, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
+                          memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
+        plan.estimates = {str(n // t): estimate_tp(plan, n // t, tokens, activations)}
+        plans.append(plan)
+    section = [line for line in str(plans[0]).splitlines() if line.startswith(("tensor parallel", "  split",
+                                                                                "  heads", "  replicated"))]
+    return "\n".join([_plan_report(opts, sizes, plans), *section]
+                     + ([] if tokens else ["note: TP traffic needs --input (token ids) for its token count"])
+                     + (["note: activations are estimated unsplit (an upper bound under TP)"] if activations else []))
 
 
 def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],

@@ -65,6 +65,11 @@ class PlanError(BMTError):
     """A plan is invalid for this model, or a layout decision needs inputs it was not given."""
 
 
+class TensorParallelPlanError(PlanError):
+    """A tensor-parallel plan cannot split this model: sizes (heads, features, vocabulary) not divisible by the
+    TP size, or a ``tp_plan=`` naming a module the model does not have; raised before the model changes."""
+
+
 class MemoryBudgetError(PlanError):
     """``memory_budget=`` is below what the plan needs with every block recomputed and resharded.
 

@@ -34,19 +34,21 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int = DIM, heads: int = 4) -> None:
         super().__init__()
-        self.heads = heads
+        # Head count and width as attributes the forward reshapes with (as transformers' attentions do), so
+        # tensor parallelism can set the head count to each TP rank's share.
+        self.heads, self.head_dim = heads, dim // heads
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
         src = x if memory is None else memory
 
         def split(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
+            return y.view(b, -1, self.heads, self.head_dim).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(src)), split(self.v(src)),
                                              is_causal=memory is None)
-        return self.o(out.transpose(1, 2).reshape(b, t, d))
+        return self.o(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 class Block(nn.Module):

@@ -30,9 +30,19 @@ ADAMW_REL = 5e-3
 NOISE_GRAD = 1e-6  # a reference gradient never above this is fp32 rounding noise around an exact zero
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """A parameter or gradient as a user script reads it whole: ``full_tensor()`` (a collective) when sharded."""
-    return t.full_tensor() if isinstance(t, ShardedTensor) else t.detach()
+def whole(t: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
+    """A parameter or gradient as a user script reads it whole: ``full_tensor()`` (a collective) when sharded,
+    then concatenated over the TP group when ``param`` (default ``t``) is split by tensor parallelism."""
+    full = t.full_tensor() if isinstance(t, ShardedTensor) else t.detach()
+    param = t if param is None else param
+    if not getattr(param, "_tp_mode", False):
+        return full
+    from bmt_wrap.job.distributed import tensor_parallel
+
+    comm = tensor_parallel().tp
+    out = torch.empty(comm.world_size * full.numel(), dtype=full.dtype)
+    comm.all_gather_into(out, full.contiguous().flatten(), label="test: whole TP tensor")
+    return torch.cat(list(out.view(comm.world_size, *full.shape)), dim=param._tp_split_dim)
 
 
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -123,7 +133,7 @@ def compare_grads(ref: nn.Module, model: nn.Module, what: str, failures: list[st
                 failures.append(msg)
                 worst = float("inf")
             continue
-        grad = whole(p.grad)
+        grad = whole(p.grad, p)
         _check(failures, lambda grad=grad, want=rp.grad, name=name: torch.testing.assert_close(
             grad, want, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}"))
         worst = max(worst, _max_abs(grad, rp.grad))
@@ -154,19 +164,22 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
                        two_forwards: bool = False, check_grads: bool = True,
                        loss_fn: Callable[..., torch.Tensor] | None = None, strict: bool = True,
                        sliced_reference: bool = False, reseed: int | None = None,
-                       check_buffers: bool = False) -> dict[str, Any]:
+                       check_buffers: bool = False,
+                       data_parallel: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train reference and sharded copies on ``batches`` (global batches); assert parity each step.
 
     ``strict=False``: record violations in ``result["failures"]`` and keep training (every rank runs the
     same collectives whatever it finds). ``sliced_reference``: the reference runs each rank's slice in turn
     (gradients averaged; its buffers end as this rank's slice left them). ``reseed``: seed before each
     model's step, so both draw the same dropout masks. ``check_buffers``: compare buffers after training.
+    ``data_parallel``: (rank, size) of the data-parallel group when it is not the world (tensor parallelism:
+    TP peers share one slice).
     """
     torch.manual_seed(0)
     ref = build()
     model = wrap(copy.deepcopy(ref))
     ref_opt, opt = make_optimizer(optimizer, ref), make_optimizer(optimizer, model)
-    rank, n = bmt.rank(), bmt.world_size()
+    rank, n = data_parallel or (bmt.rank(), bmt.world_size())
     failures: list[str] | None = None if strict else []
     losses, ref_losses, grad_diff = [], [], 0.0
     grad_peak: dict[str, float] = {}

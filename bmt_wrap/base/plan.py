@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .dtypes import align_elems, dtype_name, itemsize
+from .tp_plan import TensorParallelPlan, tp_text
 
 PLAN_VERSION = 1
 ROOT = "root"  # name of the group holding parameters outside every block
@@ -212,6 +213,9 @@ class MemoryEstimate:
     comm_replicas: int | None = None  # gradient all-reduce across replicas (included in comm_all_reduce)
     comm_intra_node: int | None = None  # of comm_total: collectives whose group lies within one node
     comm_inter_node: int | None = None  # of comm_total: collectives whose group spans nodes
+    # Tensor parallelism (passes.estimate_tp): ZeRO shards over world_size / tp_size data-parallel ranks
+    tp_size: int | None = None
+    comm_tp: int | None = None  # TP all-reduces and all-gathers of activations (included in comm_all_reduce/gather)
 
     @property
     def total(self) -> int:
@@ -241,6 +245,7 @@ class WrapPlan:
     estimates: dict[str, MemoryEstimate] = field(default_factory=dict)  # keyed by str(world_size)
     version: int = PLAN_VERSION
     memory_budget: int | None = None  # bytes per rank the schedule was fitted to (None: options as given)
+    tensor_parallel: TensorParallelPlan | None = None  # modules split across TP ranks (None: no TP)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -293,7 +298,9 @@ class WrapPlan:
             return cls(groups=groups, prefetch_depth=raw["prefetch_depth"], order=raw["order"],
                        resident=raw["resident"], capture=raw["capture"], notes=raw["notes"],
                        self_checkpointing_off=raw.get("self_checkpointing_off", []),
-                       estimates=estimates, version=raw["version"], memory_budget=raw.get("memory_budget"))
+                       estimates=estimates, version=raw["version"], memory_budget=raw.get("memory_budget"),
+                       tensor_parallel=(TensorParallelPlan.from_dict(raw["tensor_parallel"])
+                                        if raw.get("tensor_parallel") else None))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -398,6 +405,8 @@ _NODE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
 
 def layout_label(e: MemoryEstimate) -> str:
     """`` ZeRO-3`` or `` HSDP RxS`` for estimates made for a mesh (``estimate_mesh``), else nothing."""
+    if e.tp_size is not None:
+        return f" TP {e.tp_size} x DP {e.world_size // e.tp_size}"
     if e.shard_size is None:
         return ""
     return " ZeRO-3" if e.shard_size == e.world_size else f" HSDP {e.world_size // e.shard_size}x{e.shard_size}"
@@ -414,6 +423,9 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     if any(e.comm_inter_node is not None for e in estimates):
         rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
                  for label, get in _NODE_ROWS]
+    if any(e.tp_size is not None for e in estimates):
+        # TP moves activations: without a batch shape (--input) its bytes are unknown, not zero.
+        rows.append(("  of which TP activations", *(fmt_bytes(e.comm_tp) if e.tp_size else "-" for e in estimates)))
     return _table(rows)
 
 
@@ -425,6 +437,8 @@ def heading(plan: WrapPlan, verbose: bool = False) -> list[str]:
 def tables(plan: WrapPlan) -> list[str]:
     """The groups table, then the per-rank estimates if the plan has them."""
     lines = ["groups:", render_groups(plan)]
+    if plan.tensor_parallel is not None:
+        lines += tp_text(plan.tensor_parallel)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines

@@ -372,6 +372,13 @@ def _use_tensor_parallel(tp_size: int) -> None:
     engine.adopt_layout(layout.dp, layout.tp)
 
 
+def use_tensor_parallel(tp_size: int) -> TensorParallelLayout:
+    """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``): make
+    ``tp_size`` the job's tensor-parallel size and return its layout; a collective on first use of a size."""
+    _use_tensor_parallel(tp_size)
+    return tensor_parallel()
+
+
 def _active_layout() -> RankLayout:
     """The layout this process's wrapped models are sharded over (the engine adopted it at wrap time)."""
     from ..runtime.active_engine import get_engine  # the engine loads autograd machinery: load on use

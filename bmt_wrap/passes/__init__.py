@@ -14,17 +14,19 @@ from .capture import (
     to_meta,
 )
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
-from .estimate import estimate, estimate_mesh
+from .estimate import estimate, estimate_mesh, estimate_tp
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
 from .schedule_graph import Step, schedule_graph, steps
+from .tensor_parallel import plan_tensor_parallel
 from .util import self_checkpointing_modules
 
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph",
-    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "meta_skeleton", "place_parameters", "render_dot",
+    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "meta_skeleton",
+    "place_parameters", "plan_tensor_parallel", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
     "self_checkpointing_modules", "steps", "to_meta",
 ]

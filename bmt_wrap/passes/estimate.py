@@ -10,6 +10,7 @@ size the runtime actually allocates.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from ..base.dtypes import LOW_PRECISION, itemsize, to_dtype
 from ..base.plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
@@ -76,6 +77,31 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)
+    return est
+
+
+def estimate_tp(plan: WrapPlan, dp_size: int, tokens: int | None,
+                activations: ActivationProfile | None = None) -> MemoryEstimate:
+    """``estimate`` for ZeRO-3 over ``dp_size`` data-parallel ranks (split parameters in their TP-local shapes),
+    plus the TP group's traffic: activations all-reduced and gathered for ``tokens`` tokens per rank (None:
+    unknown). Recomputed blocks run their forward collectives twice (forward and recompute), as the runtime does.
+    """
+    tp = plan.tensor_parallel
+    if tp is None:
+        raise PlanError("estimate_tp needs a plan with a tensor_parallel section (build_plan(tensor_parallel=))")
+    world = dp_size * tp.tp_size
+    est = replace(estimate(plan, dp_size, activations), tp_size=tp.tp_size, world_size=world)
+    # The end-of-backward all-reduce of which parameters got a gradient runs over the whole job.
+    trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
+    est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (world - 1) / world)
+    if tokens is None:
+        return est
+    compute = next((b.gather_dtype for g in plan.groups for b in g.buffers if b.requires_grad), "float32")
+    calls = Counter(plan.order or [g.name for g in plan.blocks()])
+    traffic = tp.traffic(tokens, itemsize(compute), {g.name for g in plan.blocks() if g.checkpoint}, dict(calls))
+    est.comm_tp = sum(traffic.values())
+    est.comm_all_reduce += traffic["all_reduce"]
+    est.comm_all_gather += traffic["all_gather"]
     return est
 
 

@@ -16,22 +16,25 @@ from torch import nn
 from ..base.dtypes import dtype_name
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError
 from .budget import fit_budget
 from .capture import Capture
 from .discover import Discovery
-from .estimate import estimate
+from .estimate import estimate, estimate_tp
 from .util import self_checkpointing_modules
 
 
 def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
-                     mixed_precision: MixedPrecision | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
+                     mixed_precision: MixedPrecision | None = None, local_shapes: dict[str, list[int]] | None = None
+                     ) -> tuple[list[ShardGroupSpec], list[str]]:
     """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
 
     A parameter reachable from more than one block, or from a block and the root, goes to the root
     group: each parameter has exactly one home. Tied names become aliases of the first name.
     ``dtype`` replaces floating parameters' own dtype (a model to be cast before wrapping);
-    ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers.
+    ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers. ``local_shapes``
+    (tensor parallelism) gives a split parameter's shape on one TP rank, by any of its names.
     """
     names: dict[int, list[str]] = defaultdict(list)
     tensors: dict[int, nn.Parameter] = {}
@@ -53,7 +56,9 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
         except KeyError:
             raise PlanError(f"parameter {fqns[0]!r} has dtype {own}, which bmt_wrap cannot shard; "
                             "cast it to a floating dtype before wrapping") from None
-        members[home].append(ParamInfo(fqns[0], list(p.shape), shard, p.requires_grad, fqns[1:], gather, reduce))
+        shape = next((local_shapes[n] for n in fqns if n in local_shapes), None) if local_shapes else None
+        members[home].append(ParamInfo(fqns[0], list(shape or p.shape), shard, p.requires_grad, fqns[1:], gather,
+                                       reduce))
     notes = []
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
@@ -100,19 +105,26 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
         notes += fit_budget(new, activations, world_size, memory_budget)
     new.memory_budget = memory_budget
     new.notes = [n for n in plan.notes if not n.startswith(SCHEDULE_NOTE)] + [SCHEDULE_NOTE + n for n in notes]
-    new.estimates = {str(world_size): estimate(new, world_size, activations)}
+    # TP's activation traffic needs a batch: estimate_tp(plan, dp, tokens=) where one is known.
+    new.estimates = {str(world_size): estimate(new, world_size, activations) if new.tensor_parallel is None
+                     else estimate_tp(new, world_size, None, activations)}
     return new
 
 
 def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, checkpoint: bool = True,
                zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
                dtype: str | torch.dtype | None = None, mixed_precision: MixedPrecision | None = None,
-               capture: Capture | None = None) -> WrapPlan:
-    """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any)."""
+               capture: Capture | None = None, tensor_parallel: TensorParallelPlan | None = None) -> WrapPlan:
+    """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any).
+
+    With ``tensor_parallel`` (``plan_tensor_parallel``'s section), split parameters are laid out in their
+    TP-local shapes and ``world_size`` is the data-parallel size ZeRO shards over.
+    """
     _check_options(world_size, zero_level, prefetch_depth)
-    groups, notes = place_parameters(model, discovery, dtype, mixed_precision)
+    local = tensor_parallel.local_shapes() if tensor_parallel is not None else None
+    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local)
     own = self_checkpointing_modules(model)
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
-                    self_checkpointing_off=own if checkpoint else [])
+                    self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel)
     return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
                     prefetch_depth=prefetch_depth, memory_budget=memory_budget)

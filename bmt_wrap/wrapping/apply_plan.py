@@ -19,7 +19,7 @@ from ..errors import PlanError, WrapError
 from ..explicit.block import CheckpointBlock, bind_block
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
-from ..runtime.comm import RankLayout
+from ..runtime.comm import Communicator, RankLayout
 from ..runtime.engine import Engine, storage_mode
 from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
@@ -70,8 +70,9 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None, *,
-               layout: RankLayout | None = None) -> nn.Module:
-    """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it."""
+               layout: RankLayout | None = None, tp: Communicator | None = None) -> nn.Module:
+    """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it;
+    ``tp``: the tensor-parallel group whose peers hold different slices of the TP-split parameters."""
     if is_wrapped(model) or isinstance(model, CheckpointBlock):
         raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
                         "(BMTrainModelWrapper returns the same object, changed in place)")
@@ -86,7 +87,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     by_name = {n: s for s in sites for n in s.names}
     engine = get_engine()
     if layout is not None:
-        engine.adopt_layout(layout)
+        engine.adopt_layout(layout, tp)
     runtime = engine.new_runtime(type(model).__name__)
     device = check_single_device(sites, type(model).__name__)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}

@@ -18,7 +18,10 @@ from ..explicit.block import CheckpointBlock
 from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
+from ..base.tp_plan import TensorParallelPlan
 from .apply_plan import apply_plan, is_wrapped, update_schedule
+from .tensor_parallel import (apply_tensor_parallel, guard_tp_inputs, tensor_parallel_layout,
+                              tensor_parallel_section)
 from .consistency import check_same_wrap
 from .generate import attach_generate
 from .verify import attach_verify
@@ -72,7 +75,8 @@ class _FirstForward:
 def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level: int = 3, prefetch_depth: int = 1,
                         memory_budget: int | None = None, plan: WrapPlan | None = None,
                         example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
-                        mesh: Any = None) -> nn.Module:
+                        mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None
+                        ) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -83,6 +87,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     recompute exceeds it). ``model.plan`` holds the plan; ``model.verify(...)`` checks parity.
     ``mesh=``: a 2-D ``DeviceMesh`` with dims (replicate, shard) shards within each row and replicates
     across rows (HSDP); None or a 1-D mesh over every rank is ZeRO-3 over the whole job.
+    ``tp_size=T`` (or a 2-D mesh with dims ("dp", "tp")): tensor parallelism over T adjacent ranks, ZeRO-3
+    over the data-parallel ranks; the modules split come from ``tp_plan=`` (transformers' vocabulary), the
+    transformers model's own tp plan, or column -> row Linear pairs in its blocks (listed in
+    ``model.plan.tensor_parallel``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -92,18 +100,21 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
     with collective_purpose("wrap"):
-        layout = rank_layout(mesh)  # mesh errors first, on every rank alike
+        tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
+        layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget}
         discovery = passes.discover_blocks(model)
+        # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
+        tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan)
         built = plan is None
         if plan is None:
             mine, failure = None, None
             if state.rank == 0:
                 try:
                     mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options,
-                                          layout.shard_size)
+                                          layout.shard_size, tp)
                 except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                     failure = exc
             agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -116,7 +127,11 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         first = None
         if plan.capture == "none" or (built and _budget_needs_activations(plan, layout.shard_size)):
             first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size)
-        apply_plan(model, plan, mixed_precision, layout=layout)
+        if tp is not None:
+            apply_tensor_parallel(model, tp, tp_layout.tp)
+            guard_tp_inputs(model)
+        apply_plan(model, plan, mixed_precision, layout=layout,
+                   tp=tp_layout.tp if tp_layout is not None else None)
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
@@ -126,11 +141,12 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
-                   mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int) -> WrapPlan:
+                   mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int,
+                   tp: TensorParallelPlan | None) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
     return passes.build_plan(model, discovery, world_size=shard_size, capture=cap,
-                             mixed_precision=mixed_precision, **options)
+                             mixed_precision=mixed_precision, tensor_parallel=tp, **options)
 
 
 wrap = BMTrainModelWrapper

@@ -1,0 +1,207 @@
+"""The tensor-parallel pass (passes/tensor_parallel.py): pure, one process, no communication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bmt_wrap import passes
+from bmt_wrap.base.plan import WrapPlan
+from bmt_wrap.errors import TensorParallelPlanError
+import models
+
+TOY_PLAN = {"embed": "embedding_rowwise", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+            "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise", "layers.*.fc1": "colwise",
+            "layers.*.fc2": "rowwise", "head": "colwise_gather_output"}
+
+
+def _tp(model: nn.Module, t: int, tp_plan: dict | None = None):
+    return passes.plan_tensor_parallel(model, t, passes.discover_blocks(model), tp_plan)
+
+
+def test_llama_uses_transformers_plan_and_needs_no_head_rewrite() -> None:
+    model = models.llama()
+    tp = _tp(model, 2)
+    assert tp.source == "transformers"
+    styles = {e.module: e.style for e in tp.entries}
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert styles["model.layers.1.mlp.down_proj"] == "rowwise"
+    assert styles["lm_head"] == "colwise_gather"
+    assert styles["model.embed_tokens"] == "vocab_embedding"
+    assert len(tp.entries) == 2 * 7 + 2
+    assert tp.heads == []  # Llama reshapes with -1 and head_dim: nothing to rewrite
+    shapes = tp.local_shapes()
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == [32, 16]
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == [32, 32]
+    blocks = {e.module: e.block for e in tp.entries}
+    assert blocks["lm_head"] is None and blocks["model.layers.1.mlp.up_proj"] == "model.layers.1"
+
+
+def test_llama_kv_heads_not_divisible_is_named_error() -> None:
+    with pytest.raises(TensorParallelPlanError, match="num_key_value_heads = 2"):
+        _tp(models.llama(), 4)
+
+
+def test_user_plan_rewrites_head_counts_and_splits() -> None:
+    model = models.ToyGPT()
+    tp = _tp(model, 2, TOY_PLAN)
+    assert tp.source == "user"
+    assert {(h.module, h.attribute, h.full, h.local) for h in tp.heads} == {
+        (f"layers.{i}.attn", "heads", 4, 2) for i in range(4)}
+    shapes = tp.local_shapes()
+    assert shapes["layers.0.attn.q.weight"] == [16, 32] and shapes["layers.0.attn.q.bias"] == [16]
+    assert shapes["layers.0.attn.o.weight"] == [32, 16] and shapes["layers.0.attn.o.bias"] == [32]
+    assert shapes["embed.weight"] == [48, 32] and shapes["head.weight"] == [48, 32]
+
+
+def test_user_plan_naming_missing_module_is_named_error() -> None:
+    with pytest.raises(TensorParallelPlanError, match="names no module for 'layers.\\*.mlp.up'"):
+        _tp(models.ToyGPT(), 2, {**TOY_PLAN, "layers.*.mlp.up": "colwise"})
+
+
+def test_unknown_style_is_named_error() -> None:
+    with pytest.raises(TensorParallelPlanError, match="'sequence_parallel'"):
+        _tp(models.ToyGPT(), 2, {"layers.*.fc1": "sequence_parallel"})
+
+
+@pytest.mark.parametrize("t, what", [(3, "heads = 4"), (8, "heads = 4")])
+def test_not_divisible_is_named_error(t: int, what: str) -> None:
+    with pytest.raises(TensorParallelPlanError, match=what):
+        _tp(models.ToyGPT(), t, TOY_PLAN)
+
+
+def test_vocab_not_divisible_is_named_error() -> None:
+    with pytest.raises(TensorParallelPlanError, match=r"embed.weight \[96, 32\] along dim 0"):
+        _tp(models.ToyGPT(), 5, {"embed": "embedding_rowwise"})
+
+
+def test_error_leaves_model_unchanged() -> None:
+    model = models.ToyGPT()
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(TensorParallelPlanError):
+        _tp(model, 3, TOY_PLAN)
+    assert model.layers[0].attn.heads == 4
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+def test_derived_pairs_split_mlp_and_keep_attention_replicated() -> None:
+    model = models.ToyGPT()
+    tp = _tp(model, 2)
+    assert tp.source == "derived"
+    assert {(e.module, e.style) for e in tp.entries} == {
+        *((f"layers.{i}.fc1", "colwise") for i in range(4)),
+        *((f"layers.{i}.fc2", "rowwise") for i in range(4))}
+    replicated = {r.module: r.reason for r in tp.replicated}
+    assert "layers.0.attn.q" in replicated and "not proven safe" in replicated["layers.0.attn.q"]
+    assert tp.heads == []  # the MLP's parent holds no head count
+
+
+class GatedMLPBlock(nn.Module):
+    """Llama-style gated MLP (two column Linears meeting in a product) beside a residual Linear."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, 32), nn.Linear(d, 32), nn.Linear(32, d)
+        self.skip = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(x) + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_derived_gated_pair_and_residual_linear() -> None:
+    model = nn.Sequential(*(GatedMLPBlock() for _ in range(3)))
+    tp = _tp(model, 2)
+    assert {(e.module, e.style) for e in tp.entries if e.module.startswith("0.")} == {
+        ("0.gate", "colwise"), ("0.up", "colwise"), ("0.down", "rowwise")}
+    assert "0.skip" in {r.module for r in tp.replicated}
+
+
+class FusedBlock(nn.Module):
+    """The benchmarks' block: one fused qkv Linear reshaped with a head count, beside an MLP."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.heads = 4
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 64), nn.Linear(64, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("tp_plan", [None, {"*.fc": "colwise", "*.out": "rowwise"}])
+def test_head_count_of_a_replicated_attention_is_kept(tp_plan: dict | None) -> None:
+    # A regression: the MLP's parent also holds the attention's head count; rewriting it changed the model.
+    model = nn.Sequential(*(FusedBlock() for _ in range(3)))
+    tp = _tp(model, 2, tp_plan)
+    split = {e.module for e in tp.entries}
+    assert split >= {"0.fc", "0.out"} and "0.qkv" not in split
+    assert tp.heads == []
+    assert tp_plan is None or any("0.heads" in n and "kept" in n for n in tp.notes)
+
+
+def test_tied_weights_split_differently_stay_replicated() -> None:
+    model = models.ToyGPT(tie=True)
+    tp = _tp(model, 2, {"head": "colwise", "layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
+    assert "head" in {r.module for r in tp.replicated}
+    both = _tp(models.ToyGPT(tie=True), 2, {"head": "colwise_gather_output", "embed": "embedding_rowwise"})
+    assert {e.module for e in both.entries} == {"head", "embed"}  # both split rows: the same slice
+
+
+def test_unsplittable_module_keeps_its_partners_whole() -> None:
+    model = models.gpt2()  # Conv1D, not nn.Linear
+    tp = _tp(model, 2, {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"})
+    assert tp.entries == []
+    assert "needs an nn.Linear" in {r.module: r.reason for r in tp.replicated}["transformer.h.0.mlp.c_fc"]
+
+
+def test_plan_section_round_trips_and_shows() -> None:
+    model = models.ToyGPT()
+    discovery = passes.discover_blocks(model)
+    tp = passes.plan_tensor_parallel(model, 2, discovery, TOY_PLAN)
+    plan = passes.build_plan(model, discovery, world_size=2, tensor_parallel=tp)
+    assert [s.shape for _, s in plan.group("layers.0").slots()][:2] == [[32], [32]]  # ln1 whole
+    q = next(s for _, s in plan.group("layers.0").slots() if s.fqn == "layers.0.attn.q.weight")
+    assert q.shape == [16, 32]
+    again = WrapPlan.from_json(plan.to_json())
+    assert again.tensor_parallel == tp
+    text = str(plan)
+    assert "tensor parallel: tp_size=2, plan from user" in text
+    assert "heads layers.0.attn.heads: 4 -> 2" in text
+    assert "TP 2 x DP 2" in text
+
+
+def test_tp_traffic_estimate_counts_recompute() -> None:
+    model = models.ToyGPT()
+    discovery = passes.discover_blocks(model)
+    tp = passes.plan_tensor_parallel(model, 2, discovery, TOY_PLAN)
+    plan = passes.build_plan(model, discovery, world_size=1, tensor_parallel=tp)
+    est = passes.estimate_tp(plan, 1, tokens=10)
+    # Per layer: q,k,v,fc1 backward all-reduce of the input (d each), o and fc2 forward all-reduce (d) twice
+    # (forward + recompute); embed one forward all-reduce; head: gather of its half + backward all-reduce;
+    # the inputs' digest (one int64 per TP rank) once.
+    d, v, per = 32, 96, 10 * 4
+    layer = 4 * round(2 * per * d / 2) + 2 * 2 * round(2 * per * d / 2)
+    digest = round(2 * 2 * 8 / 2)
+    expected = 4 * layer + round(2 * per * d / 2) + per * v // 2 + round(2 * per * d / 2) + digest
+    assert est.comm_tp == expected
+    assert est.tp_size == 2 and est.world_size == 2
+    assert plan.estimates["1"].comm_tp is None  # no batch shape, no guess
+
+
+def test_cli_plan_tp_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from bmt_wrap.cli import main
+
+    assert main(["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "2",
+                 "--input", "input_ids=int64[2,8]"]) == 0
+    out = capsys.readouterr().out
+    assert "N=4 TP 2 x DP 2" in out and "of which TP activations" in out
+    assert "split model.layers.0.self_attn.o_proj: rowwise" in out
+    assert main(["plan", "tests/models.py:llama", "--world-size", "6", "--tp-size", "4"]) == 2
+    assert "--tp-size 4 must divide every --world-size" in capsys.readouterr().err
+    assert main(["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "4"]) == 1
+    assert "num_key_value_heads = 2" in capsys.readouterr().err

@@ -1,0 +1,287 @@
+"""``BMTrainModelWrapper(model, tp_size=T)`` on 4 gloo ranks: parity with plain PyTorch at tp2 x dp2,
+tp4 x dp1 and tp1 x dp4 (losses, gathered gradients, final parameters; the Contracts' tolerances), bytes
+counted equal to the plan's, named errors on every rank, and composition with memory_budget=, no_sync(),
+save and the ("dp", "tp") mesh; HSDP with TP is refused clearly."""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+from dist_harness import raised, run_distributed
+from parity import lm_batches, train_side_by_side, whole
+from test_tp_plan import TOY_PLAN
+
+import bmt_wrap as bmt
+from bmt_wrap.errors import UnsupportedError
+
+WORLD = 4
+
+
+
+def llama_mha() -> torch.nn.Module:
+    """``models.llama()`` with as many key/value heads as query heads (4), so tp_size=4 divides them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**models._hf_small(), "num_key_value_heads": 4})
+    return models.seeded(lambda: LlamaForCausalLM(config))
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _setup(name: str, steps: int = 3, batch: int = 4):
+    """(build, batches, loss_fn, tp_plan) for the toy GPT (a user plan) or the Llama (its own plan)."""
+    if name == "toy":
+        return models.ToyGPT, lm_batches(steps, batch), None, TOY_PLAN
+    if name == "toy_tied":  # embedding and head share one weight: both split by vocabulary rows, one slice
+        return lambda: models.ToyGPT(tie=True), lm_batches(steps, batch), None, TOY_PLAN
+    if name == "toy_derived":  # no plan: the MLP pairs found in the blocks' graphs are split
+        return models.ToyGPT, lm_batches(steps, batch), None, None
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, models.VOCAB, (batch, 8), generator=g),) for _ in range(steps)]
+    return llama_mha, batches, _hf_loss, None
+
+
+def _parity_body(name: str, tp: int, optimizer: str) -> dict:
+    build, batches, loss_fn, tp_plan = _setup(name)
+    rank = bmt.rank()
+    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, tp_size=tp, tp_plan=tp_plan),
+                                batches, optimizer=optimizer, loss_fn=loss_fn,
+                                data_parallel=(rank // tp, WORLD // tp))
+    return {"losses": result["losses"], "grad_diff": result["grad_diff"], "param_diff": result["param_diff"]}
+
+
+@pytest.mark.parametrize("tp", [2, 4, 1])
+@pytest.mark.parametrize("name", ["toy", "llama"])
+def test_tp_matches_plain_pytorch_sgd(name: str, tp: int) -> None:
+    # train_side_by_side asserts losses, whole gradients and parameters at every step, on every rank
+    results = run_distributed(_parity_body, WORLD, name, tp, "sgd")
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert len(results[0]["losses"]) == 3
+
+
+@pytest.mark.parametrize("name", ["toy_tied", "toy_derived"])
+def test_tp2_tied_embedding_and_derived_plan_match_plain_pytorch(name: str) -> None:
+    results = run_distributed(_parity_body, WORLD, name, 2, "sgd")
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+@pytest.mark.parametrize("name", ["toy", "llama"])
+def test_tp2_matches_plain_pytorch_adamw(name: str) -> None:
+    results = run_distributed(_parity_body, WORLD, name, 2, "adamw")
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+def _split_body() -> dict:
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=2, tp_plan=TOY_PLAN)
+    q = model.layers[0].attn.q.weight
+    saved = bmt.WrapPlan.from_json(model.plan.to_json())
+    again = bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=2, plan=saved)
+    return {"q": (list(q.shape), q._tp_split_dim, list(q._tp_original_shape)),
+            "heads": model.layers[0].attn.heads, "o_bias": list(model.layers[0].attn.o.bias.shape),
+            "split": len(model.plan.tensor_parallel.entries),
+            "shown": "split layers.0.attn.q: colwise" in str(model.plan),
+            "replanned": again.plan.tensor_parallel == model.plan.tensor_parallel
+            and list(again.layers[0].attn.q.weight.shape) == [16, 32]}
+
+
+def test_parameters_are_split_marked_shown_and_replanned() -> None:
+    results = run_distributed(_split_body, WORLD)
+    want = {"q": ([16, 32], 0, [32, 32]), "heads": 2, "o_bias": [32], "split": 4 * 6 + 2, "shown": True,
+            "replanned": True}
+    assert all(r == want for r in results), results
+
+
+def _bytes_body(name: str, tp: int) -> dict:
+    from bmt_wrap import passes
+
+    build, batches, loss_fn, tp_plan = _setup(name, steps=1)
+    torch.manual_seed(0)
+    model = bmt.BMTrainModelWrapper(build(), tp_size=tp, tp_plan=tp_plan)
+    ids = batches[0][0].chunk(WORLD // tp)[bmt.rank() // tp]
+    run = loss_fn or (lambda m, *b: m(*b))
+    local = tuple(t.chunk(WORLD // tp)[bmt.rank() // tp] for t in batches[0])
+    run(model, *local).backward()  # the first step fixes the schedule; count the second
+    bmt.reset_comm_stats()
+    run(model, *local).backward()
+    counted = bmt.comm_stats(by_group=True)
+    plan = model.plan
+    est = passes.estimate_tp(plan, WORLD // tp, tokens=ids.numel())
+    return {"counted": counted, "est": est, "tp_plan": plan.tensor_parallel.traffic(
+        ids.numel(), 4, {g.name for g in plan.blocks() if g.checkpoint})}
+
+
+@pytest.mark.parametrize("name", ["toy", "llama"])
+def test_counted_bytes_equal_plan(name: str) -> None:
+    for r in run_distributed(_bytes_body, WORLD, name, 2):
+        counted, est = r["counted"], r["est"]
+        # TP: activations all-reduced and gathered over the TP pair, exactly the plan's section
+        assert {op: v["bytes"] for op, v in counted["tp"].items()} == {
+            op: b for op, b in r["tp_plan"].items() if b}
+        # ZeRO over the dp pair, and the used-parameter mask over the job: the plan's estimate, byte for byte
+        assert counted["dp"]["all_gather"]["bytes"] + r["tp_plan"]["all_gather"] == est.comm_all_gather
+        assert counted["dp"]["reduce_scatter"]["bytes"] == est.comm_reduce_scatter
+        assert counted["world"]["all_reduce"]["bytes"] + r["tp_plan"]["all_reduce"] == est.comm_all_reduce
+        assert sum(v["bytes"] for ops in counted.values() for v in ops.values()) == est.comm_total
+        assert est.comm_tp == sum(r["tp_plan"].values()) > 0
+
+
+def _mismatch_body() -> tuple[str, str]:
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=2, tp_plan=TOY_PLAN)
+    ids = torch.full((1, 8), bmt.rank() % 2, dtype=torch.long)  # TP peers differ
+    return raised(lambda: model(ids, ids))
+
+
+def test_tp_peers_with_different_batches_raise_on_every_rank() -> None:
+    results = run_distributed(_mismatch_body, WORLD)
+    assert all(kind != "ok" and "differ" in msg for kind, msg in results), results
+
+
+def _not_divisible_body() -> tuple[str, str]:
+    return raised(lambda: bmt.BMTrainModelWrapper(models.llama(), tp_size=4))
+
+
+def test_not_divisible_raises_on_every_rank() -> None:
+    results = run_distributed(_not_divisible_body, WORLD)
+    assert all(r == ("TensorParallelPlanError", results[0][1]) and "num_key_value_heads = 2" in r[1]
+               for r in results), results
+
+
+def _hsdp_body() -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=2, mesh=mesh))
+
+
+def test_hsdp_with_tp_is_refused_clearly() -> None:
+    results = run_distributed(_hsdp_body, WORLD)
+    assert all(r[0] == UnsupportedError.__name__ and "HSDP" in r[1] for r in results), results
+
+
+def _mesh_body() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    build, batches, loss_fn, tp_plan = _setup("toy")
+    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, mesh=mesh, tp_plan=tp_plan),
+                                batches, data_parallel=(bmt.rank() // 2, 2))
+    return {"losses": result["losses"]}
+
+
+def test_dp_tp_mesh_matches_plain_pytorch() -> None:
+    results = run_distributed(_mesh_body, WORLD)
+    assert all(len(r["losses"]) == 3 for r in results)
+
+
+def _budget_body() -> dict:
+    build, batches, loss_fn, tp_plan = _setup("toy")
+    result = train_side_by_side(
+        build, lambda m: bmt.BMTrainModelWrapper(m, tp_size=2, tp_plan=tp_plan, memory_budget=2**30,
+                                                 example_inputs=batches[0][0][:2]),
+        batches, data_parallel=(bmt.rank() // 2, 2))
+    return {"losses": result["losses"]}
+
+
+def test_tp_with_memory_budget_matches_plain_pytorch() -> None:
+    results = run_distributed(_budget_body, WORLD)
+    assert all(len(r["losses"]) == 3 for r in results)
+
+
+def _no_sync_body() -> dict:
+    build, batches, _, tp_plan = _setup("toy", steps=1, batch=8)
+    torch.manual_seed(0)
+    ref = build()
+    import copy
+
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=2, tp_plan=tp_plan)
+    dp, n = bmt.rank() // 2, 2
+    ids, tgt = (t.chunk(n)[dp] for t in batches[0])
+    with model.no_sync():
+        (model(ids[:2], tgt[:2]) / 2).backward()
+    (model(ids[2:], tgt[2:]) / 2).backward()
+    for r in range(n):  # the reference: every dp rank's two micro-batches, averaged over dp
+        rids, rtgt = (t.chunk(n)[r] for t in batches[0])
+        (ref(rids[:2], rtgt[:2]) / 2 / n).backward()
+        (ref(rids[2:], rtgt[2:]) / 2 / n).backward()
+    worst = 0.0
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(whole(p.grad, p), refs[name].grad, rtol=1e-5, atol=1e-6)
+        worst = max(worst, float((whole(p.grad, p) - refs[name].grad).abs().max()))
+    return {"worst": worst}
+
+
+def test_tp_no_sync_accumulates_like_plain_pytorch() -> None:
+    results = run_distributed(_no_sync_body, WORLD)
+    assert all(r["worst"] < 1e-5 for r in results)
+
+
+def _save_body(path: str) -> dict:
+    ref = models.seeded(models.ToyGPT)
+    model = bmt.BMTrainModelWrapper(models.seeded(models.ToyGPT), tp_size=2, tp_plan=TOY_PLAN)
+    bmt.save(model, path)
+    bmt.synchronize()
+    plain = models.seeded(models.ToyGPT, seed=1)
+    bmt.load(plain, path)
+    state = model.state_dict()
+    other = bmt.BMTrainModelWrapper(models.seeded(models.ToyGPT, seed=1), tp_size=2, tp_plan=TOY_PLAN)
+    bmt.load(other, path)  # the full file into TP slices
+    loaded = other.state_dict()
+    return {"same_file": all(torch.equal(p, ref.state_dict()[n]) for n, p in plain.state_dict().items()),
+            "same_state": all(torch.equal(state[n], ref.state_dict()[n]) and torch.equal(loaded[n], state[n])
+                              for n in ref.state_dict()),
+            "shapes": {n: list(t.shape) for n, t in state.items()} == {n: list(t.shape) for n, t in
+                                                                      ref.state_dict().items()}}
+
+
+def test_tp_save_writes_full_tensors_and_loads_into_slices(tmp_path) -> None:
+    results = run_distributed(_save_body, WORLD, str(tmp_path / "tp.safetensors"))
+    assert all(r == {"same_file": True, "same_state": True, "shapes": True} for r in results), results
+
+
+def _bad_layout_body(kind: str) -> tuple[str, str]:
+    if kind == "tp3":  # 4 ranks are not a multiple of 3
+        return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=3))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp"))  # TP peers not adjacent
+    return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), mesh=mesh))
+
+
+@pytest.mark.parametrize("kind, error, words", [("tp3", "InitError", "multiple of tp_size"),
+                                                 ("mesh", "MeshError", "adjacent")])
+def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -> None:
+    results = run_distributed(_bad_layout_body, WORLD, kind)
+    assert all(r[0] == error and words in r[1] for r in results), results
+
+
+def _norm_body() -> dict:
+    import copy
+
+    build, batches, _, tp_plan = _setup("toy", steps=1)
+    torch.manual_seed(0)
+    ref = build()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=2, tp_plan=tp_plan)
+    ids, tgt = (t.chunk(2)[bmt.rank() // 2] for t in batches[0])
+    model(ids, tgt).backward()
+    ref(*batches[0]).backward()
+    return {"ours": float(model.clip_grad_norm_(1e9)),
+            "torch": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+            "ref": float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))}
+
+
+def test_tp_grad_norm_is_plain_pytorchs() -> None:
+    # model.clip_grad_norm_ (and OptimManager's): split parameters' slices summed over TP, replicated ones once
+    for r in run_distributed(_norm_body, WORLD):
+        assert r["ours"] == pytest.approx(r["ref"], rel=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 28): torch.nn.utils.clip_grad_norm_ on TP-split "
+                   "sharded parameters reduces over the dp group only (runtime/sharded_tensor.py's norms do not "
+                   "read the TP marks), so it misses the other TP ranks' slices; model.clip_grad_norm_ is right")
+def test_torch_clip_grad_norm_under_tp_is_plain_pytorchs() -> None:
+    for r in run_distributed(_norm_body, WORLD):
+        assert r["torch"] == pytest.approx(r["ref"], rel=1e-5)
