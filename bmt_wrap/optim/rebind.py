@@ -15,26 +15,30 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..base.log import get_logger
 from ..runtime.param import DistributedParameter, replaced_by
 from ..runtime.sharded_tensor import ShardedTensor
 from ..save_load.optim_shards import local_value
+from .muon import restore_gradients, take_fast_path
 
 _HOOK: list[Any] = []
 
 
 def install_rebind_hook() -> None:
-    """Once per process: every optimizer step first moves the optimizer off replaced parameters."""
+    """Once per process: every optimizer step first moves the optimizer off replaced parameters (and takes
+    the sharded fast path of an optimizer that has one, ``muon.py``)."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_rebind_hook))
+        _HOOK.append(register_optimizer_step_post_hook(lambda optimizer, args, kwargs: restore_gradients(optimizer)))
 
 
 def _rebind_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     rebind(optimizer)
     if getattr(optimizer, "_init_state", None) is None:  # AdamOptimizer keeps its own local views
         lay_out_state(optimizer)
+    take_fast_path(optimizer, args, kwargs)
 
 
 def lay_out_state(optimizer: torch.optim.Optimizer) -> None:

@@ -279,7 +279,7 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     except _NotLocal:
         return _materialize(func, args, kwargs)
     if not isinstance(out, torch.Tensor) or out.shape != (layout.end - layout.start,):
-        return _materialize(func, args, kwargs)  # the op changes the shape (a non-broadcasting result)
+        return _materialize(func, args, kwargs)  # broadcast to another shape
     return ShardedTensor._wrap(ShardedTensor, out, layout)
 
 
