@@ -17,7 +17,6 @@ import torch
 
 from ..base._compat import pytree
 from ..errors import MaterializeWarning
-from .sharded_tensor import ShardedTensor
 
 _stats = {"calls": 0, "bytes": 0}
 _warned: set[str] = set()
@@ -33,24 +32,25 @@ def reset_materialize_stats() -> None:
     _stats.update(calls=0, bytes=0)
 
 
-def run_on_full_values(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` with every sharded operand replaced by its full value (one gather per distinct tensor)."""
+def run_on_full_values(func: Any, args: tuple, kwargs: dict, sharded: type) -> Any:
+    """Run ``func`` with every operand of type ``sharded`` (``ShardedTensor``, which calls this) replaced by
+    its full value (one gather per distinct tensor)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     fulls: dict[int, torch.Tensor] = {}
     for x in leaves:
-        if isinstance(x, ShardedTensor) and id(x) not in fulls:
+        if isinstance(x, sharded) and id(x) not in fulls:
             fulls[id(x)] = _full_value(x, func)
     plain_args, plain_kwargs = pytree.tree_unflatten([fulls.get(id(x), x) for x in leaves], spec)
     out = func(*plain_args, **plain_kwargs)
     if not func._schema.is_mutable:
         return out
-    written = _write_back(func, args, kwargs, fulls)
-    if isinstance(args[0], ShardedTensor) and written:
+    written = _write_back(func, args, kwargs, fulls, sharded)
+    if isinstance(args[0], sharded) and written:
         return args[0]
     return out
 
 
-def _full_value(t: ShardedTensor, func: Any) -> torch.Tensor:
+def _full_value(t: Any, func: Any) -> torch.Tensor:
     layout = t.shard_layout
     name = str(func.overloadpacket.__name__)
     if name not in _warned:
@@ -65,7 +65,7 @@ def _full_value(t: ShardedTensor, func: Any) -> torch.Tensor:
     return full
 
 
-def _write_back(func: Any, args: tuple, kwargs: dict, fulls: dict[int, torch.Tensor]) -> bool:
+def _write_back(func: Any, args: tuple, kwargs: dict, fulls: dict[int, torch.Tensor], sharded: type) -> bool:
     """Keep this rank's range of each written sharded operand; whether any was written."""
     written = False
     for i, arg in enumerate(func._schema.arguments):
@@ -73,7 +73,7 @@ def _write_back(func: Any, args: tuple, kwargs: dict, fulls: dict[int, torch.Ten
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, ShardedTensor):
+            if isinstance(t, sharded):
                 t.to_local().copy_(t.shard_layout.local_of_full(fulls[id(t)]))
                 written = True
     return written

@@ -47,6 +47,7 @@ from ..base._compat import (
 from ..base.plan import FlatBufferSpec
 from ..errors import ShardedTensorError
 from .comm import Communicator
+from .sharded_materialize import run_on_full_values
 
 aten = torch.ops.aten
 
@@ -218,8 +219,7 @@ class _NotLocal(Exception):
 def _materialize(func: Any, args: tuple, kwargs: dict) -> Any:
     if inside_ddp_constructor():
         raise _unsupported(func, args, kwargs)
-    from .sharded_materialize import run_on_full_values  # it builds on this module
-    return run_on_full_values(func, args, kwargs)
+    return run_on_full_values(func, args, kwargs, ShardedTensor)
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
