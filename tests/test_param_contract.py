@@ -175,7 +175,8 @@ def _ops_body() -> dict:
     cases = [(lambda: p @ torch.ones(p.shape[1]), full @ torch.ones(p.shape[1])), (lambda: p[0], full[0]),
              (lambda: p.t(), full.t()), (lambda: p.softmax(-1), full.softmax(-1)),
              (lambda: torch.ones(p.shape).copy_(p), full), (lambda: p.norm(dim=-1), full.norm(dim=-1)),
-             (lambda: p.sum(0), full.sum(0)), (lambda: p.reshape(p.shape[1], -1).mT, full.reshape(p.shape[1], -1).mT)]
+             (lambda: p.sum(0), full.sum(0)),
+             (lambda: p.reshape(p.shape[1], -1).mT, full.reshape(p.shape[1], -1).mT)]
     for op, want in cases:
         got = op()
         assert type(got) is torch.Tensor

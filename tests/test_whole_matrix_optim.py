@@ -94,7 +94,8 @@ def _muon_same_grads_body(make: str, nesterov: bool, weight_decay: float, adjust
     moved = stats.get("reduce_scatter", {}).get("bytes", 0)
     return _layout_facts(model) | {
         "materialized": stats.get("materialize", {}).get("calls", 0), "moved": moved,
-        "planned": 3 * (plan.bytes_per_rank() if plan is not None else 0), "bound": 3 * 4 * size / bmt.world_size()}
+        "planned": 3 * (plan.bytes_per_rank() if plan is not None else 0),
+        "bound": 3 * 4 * size / bmt.world_size()}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -139,7 +140,8 @@ def _muon_training_body(world_size_check: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_torch_muon_trains_a_wrapped_model_like_plain_pytorch(world_size: int) -> None:
-    assert [r["steps"] for r in run_distributed(_muon_training_body, world_size, world_size)] == [4] * world_size
+    results = run_distributed(_muon_training_body, world_size, world_size)
+    assert [r["steps"] for r in results] == [4] * world_size
 
 
 def _hand_muon_step(params: list[torch.Tensor], bufs: list[torch.Tensor], lr: float) -> None:
@@ -194,7 +196,8 @@ def test_hand_written_muon_trains_through_materialised_ops(world_size: int) -> N
 
 
 def test_newton_schulz_on_a_local_range_would_miss_the_tolerance() -> None:
-    """Why the whole matrix must meet: orthogonalising the rows one rank holds is not the rows of the whole."""
+    """Why the whole matrix must meet: orthogonalising the rows one rank holds is not those rows of the
+    orthogonalised whole."""
     g = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     whole_rows = muon_orthogonalize(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)[:6].float()
     local_rows = muon_orthogonalize(g[:6], (3.4445, -4.7750, 2.0315), 5, 1e-7).float()

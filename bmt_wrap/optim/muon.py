@@ -80,7 +80,8 @@ def _orthogonalize(optimizer: torch.optim.Muon, gi: int, group: dict, params: li
     ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
     comm = next((p.shard_group.comm for p in params if isinstance(p, ShardedTensor)), None)
     if comm is None or comm.world_size == 1:  # every matrix is whole here
-        return [muon_orthogonalize(u.view(p.shape), *ns).reshape(-1) for p, u in zip(params, updates, strict=True)]
+        return [muon_orthogonalize(u.view(p.shape), *ns).reshape(-1)
+                for p, u in zip(params, updates, strict=True)]
     plan = _plan_for(optimizer, gi, params, comm, group["ns_steps"])
     r, n = comm.rank, comm.world_size
     out: list[torch.Tensor | None] = [None] * len(params)
@@ -117,7 +118,9 @@ def _orthogonalize(optimizer: torch.optim.Muon, gi: int, group: dict, params: li
 
 
 def _range(p: torch.Tensor, rank: int) -> tuple[int, int]:
-    return p.source_range(rank) if isinstance(p, ShardedTensor) else (0, p.numel())  # type: ignore[attr-defined]
+    if isinstance(p, ShardedTensor):
+        return p.source_range(rank)  # type: ignore[attr-defined]
+    return 0, p.numel()
 
 
 def _exchange(comm: Communicator, full: torch.Tensor, segment: int, label: str) -> torch.Tensor:
@@ -138,7 +141,8 @@ def _plan_for(optimizer: torch.optim.Muon, gi: int, params: list[torch.Tensor], 
     if cached is not None and cached[0] == key:
         return cached[1]
     if any(not isinstance(p, ShardedTensor) for p in params):
-        raise TypeError("a Muon param group mixes sharded and plain matrices: give plain ones their own group")
+        raise TypeError("a Muon param group mixes sharded and plain matrices: give the plain ones a group "
+                        "of their own")
     matrices = [MatrixPieces((p.shape[0], p.shape[1]), tuple(_range(p, h) for h in range(comm.world_size)))
                 for p in params]
     plan = plan_muon(matrices, comm.world_size, ns_steps)
@@ -150,7 +154,7 @@ def take_fast_path(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     """Before a ``torch.optim.Muon`` step over sharded parameters: run the sharded step now and hide the
     gradients from torch's own step (``restore_gradients`` puts them back); whether it did. A step with a
     closure makes its gradients inside, so it keeps torch's step (materialising each matrix)."""
-    if type(optimizer) is not torch.optim.Muon or args[1:] or kwargs.get("closure") is not None:  # args[0]: self
+    if type(optimizer) is not torch.optim.Muon or args[1:] or kwargs.get("closure") is not None:  # [0]: self
         return False
     if not any(isinstance(p, ShardedTensor) for g in optimizer.param_groups for p in g["params"]):
         return False

@@ -313,7 +313,8 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
         return [t if lay is None else _local_arg(t, lay, func, args, kwargs) for t, lay in zip(x, layouts, strict=True)]
 
     mutable = func._schema.is_mutable
-    if mutable and any(lay is not None and not isinstance(t, ShardedTensor) for t, lay in zip(args[0], layouts)):
+    if mutable and any(lay is not None and not isinstance(t, ShardedTensor)
+                       for t, lay in zip(args[0], layouts, strict=True)):
         return _materialize(func, args, kwargs)  # writing into plain tensors reads full values
     try:
         local_args = [local(a) for a in args]
@@ -323,7 +324,8 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*local_args, **local_kwargs)
     if mutable:
         return None if out is None else args[0]
-    if any(lay is not None and o.shape != (lay.end - lay.start,) for o, lay in zip(out, layouts, strict=True)):
+    if any(lay is not None and o.shape != (lay.end - lay.start,)
+           for o, lay in zip(out, layouts, strict=True)):
         return _materialize(func, args, kwargs)
     return [o if lay is None else _wrap_like(o, lay) for o, lay in zip(out, layouts, strict=True)]
 
