@@ -7,13 +7,18 @@ ranks some rank holds an empty range of some parameter (each test checks its lay
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_harness import run_distributed
 from parity import compare_params, lm_batches, whole
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from toy import ToyGPT
 
 import bmt_wrap as bmt
@@ -68,7 +73,10 @@ def _same_grads(ref: nn.Module, model: nn.Module, step: int) -> None:
         full = torch.randn(rp.shape, generator=g)
         rp.grad = full.clone()
         p = params[name]
-        p.grad = ShardedTensor.wrap(p.shard_layout.local_of_full(full).clone(), p.shard_layout)
+        if isinstance(p, ShardedTensor):
+            p.grad = ShardedTensor.wrap(p.shard_layout.local_of_full(full).clone(), p.shard_layout)
+        elif p is not rp:
+            p.grad = full.clone()
 
 
 def _muon_same_grads_body(make: str, nesterov: bool, weight_decay: float, adjust: str | None) -> dict:
@@ -235,3 +243,90 @@ def test_adafactor_on_sharded_parameters_matches_torch(world_size: int, foreach:
         assert results[0]["straddles"]
     if world_size > 2:
         assert results[0]["empty"]
+
+
+# ---- gradient accumulation, no_sync, checkpoints at another world size (issue 29 item 3) ---------------
+def _accumulate_body() -> dict:
+    torch.manual_seed(0)
+    ref = ToyGPT(vocab=40, d=12, n_layers=2)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    matrices = [[p for p in m.parameters() if p.ndim == 2] for m in (ref, model)]
+    ref_opt, opt = (torch.optim.Muon(ps, lr=0.02) for ps in matrices)
+    n, r = bmt.world_size(), bmt.rank()
+    muon_ops = []
+    for x, y in lm_batches(3, 4 * n, vocab=40):
+        for half, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+            (ref(xm, ym) / 2).backward()
+            with model.no_sync() if half == 0 else contextlib.nullcontext():
+                (model(xm.chunk(n)[r], ym.chunk(n)[r]) / 2).backward()
+        ref_opt.step()
+        with bmt.get_state().comm.trace() as ops:
+            opt.step()
+        muon_ops.append(sum(label.startswith("muon") for _, label, _ in ops))
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    compare_params(ref, model, "adamw", "after accumulated Muon steps")
+    return {"muon_collectives_per_step": muon_ops}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_muon_after_no_sync_accumulation_orthogonalises_once_per_step(world_size: int) -> None:
+    for r in run_distributed(_accumulate_body, world_size):
+        assert r["muon_collectives_per_step"] == [2 if world_size > 1 else 0] * 3, "there and back, once"
+
+
+def _build_for(kind: str) -> tuple[nn.Module, nn.Module, Callable[[nn.Module], torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    ref = ToyGPT(vocab=40, d=12, n_layers=2) if kind == "muon" else _CubeNet()
+    if kind == "muon":
+        def make(m: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.05, weight_decay=0.1)
+    else:
+        def make(m: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.Adafactor(m.parameters(), lr=0.01, weight_decay=0.01)
+    torch.manual_seed(1234 + bmt.world_size())  # the wrapped side's values must come from the checkpoint
+    fresh = type(ref)() if kind == "adafactor" else ToyGPT(vocab=40, d=12, n_layers=2)
+    return ref, fresh, make
+
+
+def _train(ref: nn.Module, model: nn.Module, opts: tuple, steps: range) -> None:
+    for step in steps:
+        _same_grads(ref, model, step)
+        for o in opts:
+            o.step()
+
+
+def _ckpt_save_body(tmp: str, kind: str) -> None:
+    ref, _, make = _build_for(kind)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    ref_opt, opt = make(ref), make(model)
+    _train(ref, model, (ref_opt, opt), range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+
+
+def _ckpt_load_body(tmp: str, kind: str) -> dict:
+    ref, fresh, make = _build_for(kind)
+    model = bmt.BMTrainModelWrapper(fresh)
+    ref_opt, opt = make(ref), make(model)
+    _train(ref, ref, (ref_opt,), range(2))
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=tmp)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train(ref, model, (ref_opt, opt), range(2, 4))
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if kind == "muon":
+            assert torch.equal(whole(p), ref_params[name].detach()), name
+        else:
+            torch.testing.assert_close(whole(p), ref_params[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+    return _layout_facts(model)
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_checkpoints_of_muon_and_adafactor_resume_at_another_world_size(tmp_path: Path, kind: str) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_ckpt_save_body, 2, ckpt, kind)
+    for world in (1, 3):
+        run_distributed(_ckpt_load_body, world, ckpt, kind)
