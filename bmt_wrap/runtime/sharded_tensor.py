@@ -255,7 +255,7 @@ def _unsupported(func: Any, args: tuple, kwargs: dict, why: str = "") -> Sharded
 def _local_arg(x: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
     """One argument of an elementwise op, as the local op needs it."""
     if isinstance(x, ShardedTensor):
-        if not x._layout.same_as(layout):
+        if x._layout is not layout and not x._layout.same_as(layout):
             raise _NotLocal  # another range or another shape: broadcasting needs the full values
         return x._local
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() != 1:
@@ -273,6 +273,8 @@ def _local_call(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ShardLayout]
     assert ref is not None
     layout = ref._layout
     local_args = [_local_arg(x, layout, func, args, kwargs) if isinstance(x, torch.Tensor) else x for x in args]
+    if not kwargs:  # the common case: skip building a second container
+        return func(*local_args), layout
     local_kwargs = {k: _local_arg(v, layout, func, args, kwargs) if isinstance(v, torch.Tensor) else v
                     for k, v in kwargs.items()}
     return func(*local_args, **local_kwargs), layout
@@ -425,6 +427,8 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     dtype = kwargs.get("dtype")
     if (dim is not None and sorted(d % t.dim() for d in dim) != list(range(t.dim()))) or keepdim or p < 0:
         return _materialize(func, args, kwargs)  # a norm along some dimensions
+    if t._layout.buffer.comm.world_size == 1:  # the range is the whole tensor
+        return torch.linalg.vector_norm(t._local, p, dtype=dtype)
     part = _powers(t._local, p, dtype).reshape(1)
     t._layout.all_reduce(part, "max" if math.isinf(p) else "sum", "norm")
     out_dtype = dtype or t.dtype
