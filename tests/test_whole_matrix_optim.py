@@ -214,16 +214,20 @@ def test_newton_schulz_on_a_local_range_would_miss_the_tolerance() -> None:
     assert float((local_rows - whole_rows).norm() / whole_rows.norm()) > 5e-3  # beyond even AdamW's tolerance
 
 
-def _adafactor_body(foreach: bool) -> dict:
+def _adafactor_body(foreach: bool, closure: bool) -> dict:
     torch.manual_seed(0)
     ref = _CubeNet()
     model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
     ref_opt = torch.optim.Adafactor(ref.parameters(), lr=0.01, weight_decay=0.01, foreach=foreach)
     opt = torch.optim.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01, foreach=foreach)
+    bmt.reset_comm_stats()
     for step in range(3):
         _same_grads(ref, model, step)
         ref_opt.step()
-        opt.step()
+        opt.step((lambda: None) if closure else None)  # a closure keeps torch's step: it materialises
+    stats = bmt.comm_stats()
+    if not closure and bmt.world_size() > 1:
+        assert "materialize" not in stats and "all_gather" not in stats, "statistics by partial sums, no gather"
     ref_params = dict(ref.named_parameters())
     dims = set()
     for name, p in model.named_parameters():
@@ -235,9 +239,9 @@ def _adafactor_body(foreach: bool) -> dict:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adafactor_on_sharded_parameters_matches_torch(world_size: int, foreach: bool) -> None:
-    results = run_distributed(_adafactor_body, world_size, foreach)
+@pytest.mark.parametrize(("foreach", "closure"), [(False, False), (True, False), (True, True)])
+def test_adafactor_on_sharded_parameters_matches_torch(world_size: int, foreach: bool, closure: bool) -> None:
+    results = run_distributed(_adafactor_body, world_size, foreach, closure)
     assert results[0]["dims"] == [1, 2, 3]
     if world_size > 1:
         assert results[0]["straddles"]

@@ -18,32 +18,54 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..runtime.sharded_tensor import ShardedTensor
-from .muon import restore_gradients, take_fast_path
+from .adafactor import sharded_adafactor_step
+from .muon import sharded_muon_step
 
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                 torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta,
                 torch.optim.ASGD, torch.optim.Rprop)
+# Whole-matrix optimizers: their own sharded step replaces torch's (exact types: a subclass may differ).
+_WHOLE_MATRIX = {torch.optim.Muon: sharded_muon_step, torch.optim.Adafactor: sharded_adafactor_step}
 _SWAP = "_bmt_local_step"
 _TWIN = "_bmt_twin"
+_HIDDEN = "_bmt_hidden_grads"
 _HOOKS: list[Any] = []
 
 
 def install_fast_paths() -> None:
     """Once per process, after every other step hook (they see the sharded parameters): optimizers with a
-    sharded fast path take it (``muon.py``, and this module's twins)."""
+    sharded fast path take it (``muon.py``, ``adafactor.py``, and this module's twins)."""
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
         _HOOKS.append(register_optimizer_step_post_hook(_after_step))
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if not take_fast_path(optimizer, args, kwargs):
+    if not take_whole_matrix_step(optimizer, args, kwargs):
         enter_local_step(optimizer, args, kwargs)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     leave_local_step(optimizer)
-    restore_gradients(optimizer)
+    for p, g in optimizer.__dict__.pop(_HIDDEN, []):
+        p.grad = g
+
+
+def take_whole_matrix_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
+    """Before a ``torch.optim.Muon``/``Adafactor`` step over sharded parameters: run the sharded step now
+    and hide the gradients from torch's own step (given back after it); whether it did. A step with a
+    closure makes its gradients inside, so it keeps torch's step (which materialises each matrix)."""
+    step = _WHOLE_MATRIX.get(type(optimizer))
+    if step is None or args[1:] or kwargs.get("closure") is not None:  # args[0] is the optimizer
+        return False
+    if not any(isinstance(p, ShardedTensor) for g in optimizer.param_groups for p in g["params"]):
+        return False
+    step(optimizer)
+    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    optimizer.__dict__[_HIDDEN] = hidden
+    return True
 
 
 def enter_local_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

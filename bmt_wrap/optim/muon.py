@@ -8,7 +8,7 @@ returns each holder its range. The parameters then get torch's decoupled weight 
 ranges, so the result equals ``torch.optim.Muon`` on the unsharded model bit for bit.
 
 ``bmt.optim.Muon`` is ``torch.optim.Muon`` (same arguments, same ``state_dict``) with this step;
-a plain ``torch.optim.Muon`` over sharded parameters takes the same path (``take_fast_path``).
+a plain ``torch.optim.Muon`` over sharded parameters takes the same path (``local_step.py``'s hooks).
 """
 
 from __future__ import annotations
@@ -148,28 +148,3 @@ def _plan_for(optimizer: torch.optim.Muon, gi: int, params: list[torch.Tensor], 
     plan = plan_muon(matrices, comm.world_size, ns_steps)
     plans[gi] = (key, plan)
     return plan
-
-
-def take_fast_path(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
-    """Before a ``torch.optim.Muon`` step over sharded parameters: run the sharded step now and hide the
-    gradients from torch's own step (``restore_gradients`` puts them back); whether it did. A step with a
-    closure makes its gradients inside, so it keeps torch's step (materialising each matrix)."""
-    if type(optimizer) is not torch.optim.Muon or args[1:] or kwargs.get("closure") is not None:  # [0]: self
-        return False
-    if not any(isinstance(p, ShardedTensor) for g in optimizer.param_groups for p in g["params"]):
-        return False
-    sharded_muon_step(optimizer)
-    hidden = []
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if p.grad is not None:
-                hidden.append((p, p.grad))
-                p.grad = None
-    optimizer.__dict__["_bmt_hidden_grads"] = hidden
-    return True
-
-
-def restore_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """After the step: give back the gradients ``take_fast_path`` hid."""
-    for p, g in optimizer.__dict__.pop("_bmt_hidden_grads", []):
-        p.grad = g
