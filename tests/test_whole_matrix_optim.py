@@ -227,7 +227,7 @@ def _adafactor_body(foreach: bool, closure: bool) -> dict:
         opt.step((lambda: None) if closure else None)  # a closure keeps torch's step: it materialises
     stats = bmt.comm_stats()
     if not closure and bmt.world_size() > 1:
-        assert "materialize" not in stats and "all_gather" not in stats, "statistics by partial sums, no gather"
+        assert "materialize" not in stats and "all_gather" not in stats, ("no gather", stats)
     ref_params = dict(ref.named_parameters())
     dims = set()
     for name, p in model.named_parameters():

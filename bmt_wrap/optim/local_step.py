@@ -2,7 +2,7 @@
 
 SGD, Adam, AdamW and the other optimizers below compute each element from the same element of the
 parameter, its gradient and its state, so on a sharded parameter their step is exactly the step on this
-rank's range. Before such a step (``install_fast_paths``' global step hooks) every sharded parameter in the
+rank's range. Before such a step (the optimizer's own step hooks, ``install_fast_paths``) every sharded parameter in the
 param groups is replaced by its *twin*, a plain 1-D tensor viewing the same range, with its gradient's
 range as ``.grad`` and its state's ranges as state; after the step the parameters, and their state
 as ``ShardedTensor``s again, are put back. The step then pays no ``__torch_dispatch__`` (1.3-1.5x on
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..runtime.sharded_tensor import ShardedTensor
 from .adafactor import sharded_adafactor_step
@@ -29,15 +29,23 @@ _WHOLE_MATRIX = {torch.optim.Muon: sharded_muon_step, torch.optim.Adafactor: sha
 _SWAP = "_bmt_local_step"
 _TWIN = "_bmt_twin"
 _HIDDEN = "_bmt_hidden_grads"
+_ATTACHED = "_bmt_fast_paths"
 _HOOKS: list[Any] = []
 
 
 def install_fast_paths() -> None:
-    """Once per process, after every other step hook (they see the sharded parameters): optimizers with a
-    sharded fast path take it (``muon.py``, ``adafactor.py``, and this module's twins)."""
+    """Once per process: each optimizer, at its first step, gets this module's step hooks as its own.
+    torch runs an optimizer's own pre-hooks after every global one and its own post-hooks before them,
+    so the other hooks (state-dict, ``no_sync`` and GradScaler checks) see the sharded parameters."""
     if not _HOOKS:
-        _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
-        _HOOKS.append(register_optimizer_step_post_hook(_after_step))
+        _HOOKS.append(register_optimizer_step_pre_hook(_attach))
+
+
+def _attach(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if not optimizer.__dict__.get(_ATTACHED):
+        optimizer.__dict__[_ATTACHED] = True
+        optimizer.register_step_pre_hook(_before_step)
+        optimizer.register_step_post_hook(_after_step)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -56,7 +64,7 @@ def take_whole_matrix_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs
     and hide the gradients from torch's own step (given back after it); whether it did. A step with a
     closure makes its gradients inside, so it keeps torch's step (which materialises each matrix)."""
     step = _WHOLE_MATRIX.get(type(optimizer))
-    if step is None or args[1:] or kwargs.get("closure") is not None:  # args[0] is the optimizer
+    if step is None or _closure(args, kwargs) is not None:
         return False
     if not any(isinstance(p, ShardedTensor) for g in optimizer.param_groups for p in g["params"]):
         return False
@@ -71,7 +79,7 @@ def take_whole_matrix_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs
 def enter_local_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Swap twins in for the sharded parameters of an elementwise optimizer's step (args[0] is the optimizer)."""
     leave_local_step(optimizer)  # a step that raised left its twins in place
-    if type(optimizer) not in _ELEMENTWISE or args[1:] or kwargs.get("closure") is not None:
+    if type(optimizer) not in _ELEMENTWISE or _closure(args, kwargs) is not None:
         return
     saved: list[tuple[dict, list]] = []
     pairs: list[tuple[ShardedTensor, torch.Tensor, list[tuple[str, ShardedTensor]]]] = []
@@ -125,6 +133,11 @@ def leave_local_step(optimizer: torch.optim.Optimizer) -> None:
             if type(v) is torch.Tensor and v.dim() == 1 and v.numel() == n:
                 kept[k] = ShardedTensor.wrap(v, layout)
         state[p] = kept
+
+
+def _closure(args: tuple, kwargs: dict) -> Any:
+    """The closure a step was given (a step hook's ``args[0]`` is the optimizer)."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
 
 
 def _twins(optimizer: torch.optim.Optimizer, params: list) -> list | None:
