@@ -93,14 +93,14 @@ def enter_local_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
             if twin is p:
                 continue
             grad = p.grad
-            twin.grad = None if grad is None else grad._local
+            twin.grad = None if grad is None else grad.to_local()
             kept = state.pop(p, None)
             sharded: list[tuple[str, ShardedTensor]] = []
             if kept:  # the same dict, its sharded values as their ranges
                 for k, v in kept.items():
                     if isinstance(v, ShardedTensor):
                         sharded.append((k, v))
-                        kept[k] = v._local
+                        kept[k] = v.to_local()
                 state[twin] = kept
             pairs.append((p, twin, sharded))
         saved.append((group, params))
@@ -125,9 +125,9 @@ def leave_local_step(optimizer: torch.optim.Optimizer) -> None:
         if kept is None:
             continue
         for k, v in sharded:
-            if kept.get(k) is v._local:
+            if kept.get(k) is v.to_local():
                 kept[k] = v
-        layout = p._layout
+        layout = p.shard_layout
         n = layout.end - layout.start
         for k, v in kept.items():  # state the step made (its first): sharded like the parameter
             if type(v) is torch.Tensor and v.dim() == 1 and v.numel() == n:
@@ -157,7 +157,7 @@ def _twins(optimizer: torch.optim.Optimizer, params: list) -> list | None:
 
 def _twin(p: ShardedTensor) -> torch.Tensor:
     """The plain 1-D view of ``p``'s range the step updates (made once per parameter and storage)."""
-    local = p._local
+    local = p.to_local()
     cached = p.__dict__.get(_TWIN)
     if cached is not None and cached[0] is local:
         return cached[1]
