@@ -133,3 +133,8 @@ class UnsupportedError(BMTError, NotImplementedError):
 class BlockListError(WrapError, AssertionError):
     """A block list cannot hold a block as given (one ``Block`` twice, a non-pipeline block in a pipeline
     list). Also an ``AssertionError``: BMTrain raises that, and code written for it catches it."""
+
+
+class MaterializeWarning(UserWarning):
+    """An op on a sharded tensor needed its full value and gathered it (a collective on every rank), once
+    per kind of op; ``bmt.comm_stats()["materialize"]`` counts every such gather."""

@@ -77,6 +77,19 @@ def test_param_ops_benchmark_writes_its_table(tmp_path: Path) -> None:
     assert "command: python benchmarks/param_ops.py" in out.read_text()
 
 
+def test_muon_step_benchmark_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "muon_step.md"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(BENCHMARKS / "muon_step.py"), "--d-model", "32", "--layers", "2", "--rounds", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "route" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["unsharded", "sharded, fast path", "gather everything"]
+    moved = {r.split("|")[1].strip(): float(r.split("|")[5]) for r in rows}
+    assert moved["sharded, fast path"] <= 1.0, "at most 4·S/W bytes per rank"
+    assert "command: torchrun --nproc_per_node=2 benchmarks/muon_step.py" in out.read_text()
+
+
 def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:
     from assemble_results import assemble, tables_outside_markers
 

@@ -479,3 +479,73 @@ def _inspect_tensor_body(use_checkpoint: bool) -> list[dict]:
 @pytest.mark.parametrize("use_checkpoint", [True, False])
 def test_inspect_tensor_records_values_and_gradients(use_checkpoint: bool) -> None:
     run_distributed(_inspect_tensor_body, 2, use_checkpoint)
+
+
+# ---- BMTrain's test_grad_accu and test_init_parameters, as they are written (issue 28 item 5) ---------
+class _BmtLinear(bmt.DistributedModule):
+    """BMTrain's tests' Linear: two DistributedParameters drawn by init_method."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = bmt.DistributedParameter(torch.empty(d_out, d_in), init_method=nn.init.xavier_normal_)
+        self.bias = bmt.DistributedParameter(torch.empty(d_out), init_method=nn.init.zeros_)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _grad_accu_body() -> list[bool]:
+    answers = []
+    for make in (lambda: _BmtLinear(3 * D, 3 * D), lambda: bmt.CheckpointBlock(_BmtLinear(3 * D, 3 * D)),
+                 lambda: bmt.TransformerBlockList([bmt.CheckpointBlock(_BmtLinear(3 * D, 3 * D))])):
+        m = make()
+        bmt.init_parameters(m)
+        weight = next(p for name, p in m.named_parameters() if name.endswith("weight"))
+        inp = torch.randn(1, 10, 3 * D)
+        m(inp).sum().backward()
+        grad1 = weight.grad.clone()
+        m(inp).sum().backward()
+        grad2 = weight.grad
+        assert torch.allclose(grad1 * 2, grad2)  # BMTrain's assertion, on sharded gradients
+        answers.append(torch.allclose(grad1, grad2))  # a full reduction: the same (False) on every rank
+    return answers
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_allclose_of_sharded_gradients_as_bmtrains_grad_accu_compares_them(world_size: int) -> None:
+    assert run_distributed(_grad_accu_body, world_size) == [[False] * 3] * world_size
+
+
+def _init_parameters_body() -> int:
+    shape = (3, 5)
+    torch.manual_seed(33)
+    weight = nn.init.xavier_normal_(torch.empty(shape))  # BMTrain's Linear_NormalInitBefore
+    plain = nn.Linear(*reversed(shape))
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        plain.bias.zero_()
+    want = (plain.weight.data.clone().view(-1), plain.bias.data.clone().view(-1))
+    torch.manual_seed(33)
+    drawn = _BmtLinear(*reversed(shape))
+    bmt.init_parameters(drawn)
+    torch.manual_seed(33)
+    block = bmt.CheckpointBlock(_BmtLinear(*reversed(shape)))
+    bmt.init_parameters(block)
+    wrapped = bmt.BMTrainModelWrapper(plain)
+    rets = [want] + [(m.weight.data.view(-1), m.bias.data.view(-1)) for m in (drawn, block, wrapped)]
+    for a in rets:  # BMTrain compares flattened .data of plain and sharded parameters, every pair
+        for b in rets:
+            assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+            assert a[0].shape == (15,) and a[0].flatten().shape == a[0].reshape(-1).shape == (15,)
+    flat = wrapped.weight.data.view(-1)
+    assert isinstance(flat, ShardedTensor) and torch.equal(flat.to_local(), wrapped.weight.to_local())
+    assert not (flat == want[0] + 1).all()
+    bmt.reset_comm_stats()
+    assert (flat == want[0]).all() and (flat.view(shape) == weight).all()
+    return bmt.comm_stats().get("materialize", {}).get("calls", 0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_flattened_data_of_sharded_parameters_compares_as_bmtrains_init_parameters(world_size: int) -> None:
+    calls = run_distributed(_init_parameters_body, world_size)
+    assert calls == [0] * world_size, "compared with a plain tensor: local"

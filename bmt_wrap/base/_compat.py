@@ -22,7 +22,7 @@ from torch import nn
 __all__ = [
     "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
-    "hf_initialize_weights_replaced", "make_tensor_subclass", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "release_mesh_groups", "reorder_kwargs", "set_version_counters",
+    "hf_initialize_weights_replaced", "make_tensor_subclass", "muon_adjusted_lr", "muon_orthogonalize", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "release_mesh_groups", "reorder_kwargs", "set_version_counters",
     "tensor_version",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
@@ -59,6 +59,19 @@ def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype, devi
 def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """The norm of each tensor (one multi-tensor kernel; what ``clip_grad_norm_`` calls)."""
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def muon_orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                       eps: float) -> torch.Tensor:
+    """torch's Muon Newton-Schulz step on one full matrix (bf16 out), so a sharded Muon matches it bit for bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    return _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch's Muon learning-rate adjustment for a matrix of ``shape``."""
+    from torch.optim._muon import _adjust_lr
+    return _adjust_lr(lr, adjust_lr_fn, shape)
 
 
 def register_foreach_type(cls: type) -> None:

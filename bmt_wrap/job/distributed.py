@@ -23,6 +23,7 @@ from .. import errors
 from ..base._compat import default_store, release_group_defaults, release_mesh_groups
 from ..base.log import get_logger, set_rank_source
 from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError, UnsupportedError
+from ..runtime.sharded_materialize import materialize_stats, reset_materialize_stats
 from ..runtime.comm import (
     Communicator,
     CountingCommunicator,
@@ -505,12 +506,17 @@ def comm_stats(by_group: bool = False) -> dict[str, Any]:
     """Calls and algorithmic bytes per collective since the last reset: op -> {"calls", "bytes"}; with
     ``by_group``, per group scope first ("world", and under a mesh "shard" and "replicate")."""
     comm = get_state().comm
-    return comm.by_scope() if by_group else comm.snapshot()
+    stats = comm.by_scope() if by_group else comm.snapshot()
+    materialized = materialize_stats()
+    if materialized["calls"]:  # ops that gathered a sharded tensor's full value (runtime/sharded_materialize.py)
+        stats["materialize"] = materialized
+    return stats
 
 
 def reset_comm_stats() -> None:
     """Zero the collective counters."""
     get_state().comm.reset()
+    reset_materialize_stats()
 
 
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:

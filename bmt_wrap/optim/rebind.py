@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..base.log import get_logger
 from ..runtime.param import DistributedParameter, replaced_by
@@ -23,18 +23,25 @@ from ..runtime.sharded_tensor import ShardedTensor
 from ..save_load.optim_shards import local_value
 
 _HOOK: list[Any] = []
+_STEPPED = "_bmt_stepped"
 
 
 def install_rebind_hook() -> None:
     """Once per process: every optimizer step first moves the optimizer off replaced parameters."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_rebind_hook))
+        _HOOK.append(register_optimizer_step_post_hook(_mark_stepped))
 
 
 def _rebind_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     rebind(optimizer)
-    if getattr(optimizer, "_init_state", None) is None:  # AdamOptimizer keeps its own local views
+    # AdamOptimizer keeps its own local views; after a first step optim_shards' load hooks lay state out.
+    if getattr(optimizer, "_init_state", None) is None and not optimizer.__dict__.get(_STEPPED):
         lay_out_state(optimizer)
+
+
+def _mark_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    optimizer.__dict__[_STEPPED] = True
 
 
 def lay_out_state(optimizer: torch.optim.Optimizer) -> None:
@@ -59,7 +66,7 @@ def rebind(optimizer: torch.optim.Optimizer) -> int:
     moved: dict[int, tuple[torch.Tensor, DistributedParameter]] = {}
     for group in optimizer.param_groups:
         params = group["params"]
-        successors = [replaced_by(p) for p in params]
+        successors = [None if isinstance(p, ShardedTensor) else replaced_by(p) for p in params]
         if any(s is not None for s in successors):
             for p, s in zip(params, successors, strict=True):
                 if s is not None:

@@ -19,8 +19,13 @@ Operations run on the local range where that gives the full tensor's answer, and
   collectives: every rank reduces its range and one all-reduce combines them, so every rank gets the
   plain answer. Call them on every rank, like any collective.
 
-Anything else (views, matmuls, indexing) raises ``ShardedTensorError`` naming the op: read full values
-with ``p.full_tensor()`` or ``with bmt.gathered(model):``.
+- reshapes that keep the flattened order (``view``, ``reshape``, ``flatten``, ``squeeze``/``unsqueeze``) are
+  the same range under another full shape: no communication.
+
+Anything else (transposes, matmuls, reductions along a dimension, indexing, broadcasting against a smaller
+tensor) gathers the full value of each sharded operand (that parameter's slot only), runs the op on plain
+tensors and returns plain tensors; an op that writes into a sharded tensor keeps its range
+(``sharded_materialize.py``). Like the reductions, these are collectives: call them on every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ..base._compat import (
 from ..base.plan import FlatBufferSpec
 from ..errors import ShardedTensorError
 from .comm import Communicator
+from .sharded_materialize import run_on_full_values
 
 aten = torch.ops.aten
 
@@ -84,16 +90,35 @@ class ShardLayout:
         """This rank's range of a full tensor (a view when ``full`` is contiguous)."""
         return full.reshape(-1)[self.start:self.end]
 
+    def reshaped(self, shape: torch.Size) -> ShardLayout:
+        """The same range of the same elements seen as a tensor of ``shape`` (same numel, same order)."""
+        other = object.__new__(ShardLayout)
+        for name in ShardLayout.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.full_shape = torch.Size(shape)
+        return other
+
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor from every rank's ``local`` range (a collective)."""
+        """The full tensor (a fresh one) from every rank's ``local`` range: a collective over the shard
+        group that moves this slot's pieces only, never the rest of the flat buffer."""
         b = self.buffer
-        send = local.new_zeros(b.shard_numel)
-        a, e = b.local_ranges[self.slot]
-        send[a:e].copy_(local)
-        full = local.new_empty(b.full_numel)
-        b.comm.all_gather_into(full, send, label=f"{self.name} full_tensor")
-        spec = b.spec.slots[self.slot]
-        return full[spec.offset:spec.offset + spec.numel].view(self.full_shape)
+        comm = b.comm
+        n = comm.world_size
+        if n == 1 or self.full_shape.numel() == 0:
+            return local.reshape(self.full_shape).clone()
+        sizes = [e - s for s, e in (b.slot_source_range(self.slot, r) for r in range(n))]
+        holders = [r for r in range(n) if sizes[r] > 0]
+        label = f"{self.name} full value"
+        if len(holders) == 1:  # the whole slot on one rank: one broadcast, no padding
+            full = local.clone() if comm.rank == holders[0] else local.new_empty(self.full_shape.numel())
+            comm.broadcast(full, holders[0], label=label)
+            return full.view(self.full_shape)
+        piece = max(sizes)
+        send = local.new_empty(piece)
+        send[:local.numel()].copy_(local)
+        out = local.new_empty(n * piece)
+        comm.all_gather_into(out, send, label=label)
+        return torch.cat([out[r * piece:r * piece + sizes[r]] for r in holders]).view(self.full_shape)
 
     def all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
         """Combine every rank's partial result ``t`` in place."""
@@ -123,6 +148,11 @@ class ShardedTensor(torch.Tensor):
             raise ShardedTensorError(f"a local range of {layout.name!r} has {layout.end - layout.start} elements; "
                                      f"got a tensor of shape {tuple(local.shape)}")
         return ShardedTensor._wrap(ShardedTensor, local, layout)
+
+    def __hash__(self) -> int:
+        # Tensor.__hash__ is id(self), but reached through torch-function handling: ~15 us per call, and
+        # optimizers look their state up by parameter several times per step.
+        return id(self)
 
     def to_local(self) -> torch.Tensor:
         """This rank's elements: a 1-D view of the flattened full tensor's range ``[start, end)``."""
@@ -169,6 +199,10 @@ _ELEMENTWISE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.z
                 aten._to_copy.default, aten.clone.default, aten.zeros_like.default, aten.ones_like.default,
                 aten.empty_like.default, aten.full_like.default, aten.masked_fill_.Scalar,
                 aten.masked_fill_.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+# Views of a contiguous tensor that keep its flattened order: a flattened ShardedTensor is the same range.
+_ORDER_KEEPING_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                        aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
+                        aten.squeeze.dims, aten.unsqueeze.default}
 _RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
                  aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.cauchy_.default,
                  aten.log_normal_.default, aten.geometric_.default}
@@ -179,19 +213,27 @@ def _handler_for(func: Any) -> Callable[[Any, tuple, dict], Any]:
     special = _SPECIAL.get(func)
     if special is not None:
         return special
-    if func._schema.name == "aten::_foreach_max":
-        return _refuse
+    if func._schema.name == "aten::_foreach_max":  # a max per tensor: no local answer
+        return _materialize
     if func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
         return _foreach
     if func in _RANDOM_FILLS:
         return _random_fill
+    if func in _ORDER_KEEPING_VIEWS:
+        return _reshape_view
     if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE:
         return _in_place if func._schema.is_mutable else _elementwise
-    return _refuse
+    return _materialize
 
 
-def _refuse(func: Any, args: tuple, kwargs: dict) -> Any:
-    raise _unsupported(func, args, kwargs)
+class _NotLocal(Exception):
+    """An op's operands do not line up on this rank's range: it needs the full values."""
+
+
+def _materialize(func: Any, args: tuple, kwargs: dict) -> Any:
+    if inside_ddp_constructor():
+        raise _unsupported(func, args, kwargs)
+    return run_on_full_values(func, args, kwargs, ShardedTensor)
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
@@ -222,14 +264,12 @@ def _unsupported(func: Any, args: tuple, kwargs: dict, why: str = "") -> Sharded
 def _local_arg(x: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
     """One argument of an elementwise op, as the local op needs it."""
     if isinstance(x, ShardedTensor):
-        if not x._layout.same_as(layout):
-            raise _unsupported(func, args, kwargs, f"; it is combined with {x._layout.name!r}, whose range "
-                                                   "differs")
+        if x._layout is not layout and not x._layout.same_as(layout):
+            raise _NotLocal  # another range or another shape: broadcasting needs the full values
         return x._local
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() != 1:
         if x.shape != layout.full_shape:
-            raise _unsupported(func, args, kwargs, f"; a plain tensor of shape {tuple(x.shape)} is neither a "
-                                                   "scalar nor of the full shape")
+            raise _NotLocal  # broadcasting against a smaller tensor
         return layout.local_of_full(x)
     return x
 
@@ -242,34 +282,66 @@ def _local_call(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ShardLayout]
     assert ref is not None
     layout = ref._layout
     local_args = [_local_arg(x, layout, func, args, kwargs) if isinstance(x, torch.Tensor) else x for x in args]
+    if not kwargs:  # the common case: skip building a second container
+        return func(*local_args), layout
     local_kwargs = {k: _local_arg(v, layout, func, args, kwargs) if isinstance(v, torch.Tensor) else v
                     for k, v in kwargs.items()}
     return func(*local_args, **local_kwargs), layout
 
 
 def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    out, layout = _local_call(func, args, kwargs)
-    return _wrap_like(out, layout, func, args, kwargs)
+    try:
+        out, layout = _local_call(func, args, kwargs)
+    except _NotLocal:
+        return _materialize(func, args, kwargs)
+    if not isinstance(out, torch.Tensor) or out.shape != (layout.end - layout.start,):
+        return _materialize(func, args, kwargs)  # broadcast to another shape
+    return ShardedTensor._wrap(ShardedTensor, out, layout)
 
 
 def _in_place(func: Any, args: tuple, kwargs: dict) -> Any:
-    if not isinstance(args[0], ShardedTensor):
-        raise _unsupported(func, args, kwargs, "; writing it into a plain tensor needs the full value")
-    _local_call(func, args, kwargs)
+    if not isinstance(args[0], ShardedTensor):  # writing into a plain tensor reads the full values
+        return _materialize(func, args, kwargs)
+    try:
+        _local_call(func, args, kwargs)
+    except _NotLocal:
+        return _materialize(func, args, kwargs)
     return args[0]
 
 
-def _wrap_like(out: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict) -> Any:
-    if not isinstance(out, torch.Tensor):
-        raise _unsupported(func, args, kwargs)
-    if out.shape != (layout.end - layout.start,):
-        raise _unsupported(func, args, kwargs, "; the op changes the shape")
+def _wrap_like(out: torch.Tensor, layout: ShardLayout) -> ShardedTensor:
     return ShardedTensor._wrap(ShardedTensor, out, layout)
+
+
+def _all_local(lists: list[Any]) -> list[list[torch.Tensor]] | None:
+    """The local ranges of lists of sharded tensors whose layouts match index by index (what optimizers
+    and ``clip_grad_norm_`` pass: a parameter's gradient and state share its layout object), or None."""
+    try:
+        first = [t._layout for t in lists[0]]
+        for lst in lists[1:]:
+            if any(t._layout is not lay for t, lay in zip(lst, first, strict=True)):
+                return None
+        return [[t._local for t in lst] for lst in lists]
+    except (AttributeError, ValueError):  # a plain tensor among them, or lists of other lengths
+        return None
 
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """A multi-tensor op: lists are matched index by index; each index keeps its own layout."""
     lists = [a for a in args if _is_tensor_list(a)]
+    fast = _all_local(lists) if not any(_is_tensor_list(v) or isinstance(v, ShardedTensor)
+                                        for v in kwargs.values()) else None
+    if fast is not None and not any(isinstance(a, ShardedTensor) for a in args):
+        it = iter(fast)
+        out = func(*[next(it) if _is_tensor_list(a) else a for a in args], **kwargs)
+        if func._schema.is_mutable:
+            return None if out is None else args[0]
+        if all(o.shape == t.shape for o, t in zip(out, fast[0], strict=True)):
+            return [ShardedTensor._wrap(ShardedTensor, o, t._layout) for o, t in zip(out, lists[0], strict=True)]
+    return _foreach_mixed(func, args, kwargs, lists)
+
+
+def _foreach_mixed(func: Any, args: tuple, kwargs: dict, lists: list[Any]) -> Any:
     layouts: list[ShardLayout | None] = []
     for i in range(len(lists[0])):
         ref = _first_sharded([lst[i] for lst in lists])
@@ -277,15 +349,27 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
     def local(x: Any) -> Any:
         if isinstance(x, ShardedTensor):  # one sharded tensor where a scalar belongs
-            raise _unsupported(func, args, kwargs)
+            raise _NotLocal
         if not _is_tensor_list(x):
             return x
         return [t if lay is None else _local_arg(t, lay, func, args, kwargs) for t, lay in zip(x, layouts, strict=True)]
 
-    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    if func._schema.is_mutable:
+    mutable = func._schema.is_mutable
+    if mutable and any(lay is not None and not isinstance(t, ShardedTensor)
+                       for t, lay in zip(args[0], layouts, strict=True)):
+        return _materialize(func, args, kwargs)  # writing into plain tensors reads full values
+    try:
+        local_args = [local(a) for a in args]
+        local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    except _NotLocal:
+        return _materialize(func, args, kwargs)
+    out = func(*local_args, **local_kwargs)
+    if mutable:
         return None if out is None else args[0]
-    return [o if lay is None else _wrap_like(o, lay, func, args, kwargs) for o, lay in zip(out, layouts, strict=True)]
+    if any(lay is not None and o.shape != (lay.end - lay.start,)
+           for o, lay in zip(out, layouts, strict=True)):
+        return _materialize(func, args, kwargs)
+    return [o if lay is None else _wrap_like(o, lay) for o, lay in zip(out, layouts, strict=True)]
 
 
 def _unscale_and_check(func: Any, args: tuple, kwargs: dict) -> None:
@@ -319,11 +403,13 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     return ShardedTensor.wrap(func(t._local), t._layout)
 
 
-def _same_shape_view(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
-    t, size = args[0], args[1]
-    if list(size) != list(t.shape):
-        raise _unsupported(func, args, kwargs, "; a view to another shape needs the full value")
-    return ShardedTensor.wrap(t._local.view(-1), t._layout)
+def _reshape_view(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
+    """A view that keeps the flattened order (``view(-1)``, ``flatten``, ``unsqueeze`` ...): the same range
+    under another full shape, no communication."""
+    t = args[0]
+    shape = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs).shape  # torch's own size rules
+    layout = t._layout if shape == t.shape else t._layout.reshaped(shape)
+    return ShardedTensor.wrap(t._local.view(-1), layout)
 
 
 def _powers(local: torch.Tensor, p: float, dtype: torch.dtype | None) -> torch.Tensor:
@@ -349,7 +435,9 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype")
     if (dim is not None and sorted(d % t.dim() for d in dim) != list(range(t.dim()))) or keepdim or p < 0:
-        raise _unsupported(func, args, kwargs, "; only the norm over all elements is a sharded reduction")
+        return _materialize(func, args, kwargs)  # a norm along some dimensions
+    if t._layout.buffer.comm.world_size == 1:  # the range is the whole tensor
+        return torch.linalg.vector_norm(t._local, p, dtype=dtype)
     part = _powers(t._local, p, dtype).reshape(1)
     t._layout.all_reduce(part, "max" if math.isinf(p) else "sum", "norm")
     out_dtype = dtype or t.dtype
@@ -360,6 +448,15 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     tensors = args[0]
     p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    fast = _all_local([tensors])
+    if (fast is not None and len({t.dtype for t in fast[0]}) == 1
+            and (not math.isinf(p) or all(t.numel() for t in fast[0]))):
+        # Every tensor sharded: one foreach kernel on the ranges, one all-reduce for the whole list.
+        parts = torch.stack(foreach_norm(fast[0], p, dtype)).double()
+        if not (math.isinf(p) or p == 0):
+            parts = parts ** p
+        tensors[0]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        return list(_finish_norms(parts, p).to(dtype or tensors[0].dtype).unbind())
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
     out: list[torch.Tensor | None] = [None] * len(tensors)
     plain = [i for i in range(len(tensors)) if i not in set(sharded)]
@@ -379,7 +476,7 @@ def _full_reduction(op: str) -> Callable[[Any, tuple, dict], torch.Tensor]:
     def reduce(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         t = args[0]
         if len(args) > 1 or any(k != "dtype" for k in kwargs):
-            raise _unsupported(func, args, kwargs, "; only reductions over all elements are sharded reductions")
+            return _materialize(func, args, kwargs)  # a reduction along some dimensions
         local = t._local if "dtype" not in kwargs else t._local.to(kwargs["dtype"])
         if op == "sum" or op == "mean":
             part = local.sum().reshape(1).double()
@@ -401,18 +498,34 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
         return False
     ref = a if isinstance(a, ShardedTensor) else b
     lay = ref._layout
-    same = torch.tensor([1.0 if torch.equal(_local_arg(a, lay, func, args, kwargs),
-                                            _local_arg(b, lay, func, args, kwargs)) else 0.0],
-                        device=ref._local.device)
+    try:
+        la, lb = _local_arg(a, lay, func, args, kwargs), _local_arg(b, lay, func, args, kwargs)
+    except _NotLocal:
+        return _materialize(func, args, kwargs)
+    same = torch.tensor([1.0 if torch.equal(la, lb) else 0.0], device=ref._local.device)
     lay.all_reduce(same, "min", "equal")
     return bool(same.item() == 1.0)
+
+
+def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.allclose``: each rank compares its range, one all-reduce; every rank gets the same answer."""
+    a, b = args[0], args[1]
+    ref = a if isinstance(a, ShardedTensor) else b
+    lay = ref._layout
+    try:
+        la, lb = _local_arg(a, lay, func, args, kwargs), _local_arg(b, lay, func, args, kwargs)
+    except _NotLocal:
+        return _materialize(func, args, kwargs)
+    close = torch.tensor([1.0 if func(la, lb, *args[2:], **kwargs) else 0.0], device=ref._local.device)
+    lay.all_reduce(close, "min", "allclose")
+    return bool(close.item() == 1.0)
 
 
 def _any_all(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     """``t.any()`` / ``t.all()`` over every rank's range (one all-reduce; an empty range is neutral)."""
     t = args[0]
     if len(args) > 1 or kwargs:
-        raise _unsupported(func, args, kwargs, "; only reductions over all elements are sharded reductions")
+        return _materialize(func, args, kwargs)  # along some dimensions
     local = bool(func(t._local)) if t._local.numel() else func is aten.all.default
     flag = torch.tensor([1.0 if local else 0.0], device=t._local.device)
     t._layout.all_reduce(flag, "max" if func is aten.any.default else "min", "any/all")
@@ -431,7 +544,6 @@ def _new_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
-    aten.view.default: _same_shape_view,
     aten.linalg_vector_norm.default: _vector_norm,
     aten._foreach_norm.Scalar: _foreach_norm,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale_and_check,
@@ -443,6 +555,7 @@ _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.all.default: _any_all,
     aten.is_same_size.default: _is_same_size,
     aten.equal.default: _equal,
+    aten.allclose.default: _allclose,
     aten.new_zeros.default: _new_factory,
     aten.new_ones.default: _new_factory,
     aten.new_empty.default: _new_factory,

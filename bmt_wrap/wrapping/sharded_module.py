@@ -20,6 +20,7 @@ from torch import nn
 from ..base._compat import dcp_state_dict_request, register_state_dict_hooks
 from ..errors import WrapError
 from ..job.tp_values import local_value, whole_shape, whole_value
+from ..optim.local_step import install_fast_paths
 from ..optim.rebind import install_rebind_hook
 from ..runtime.active_engine import get_engine
 from ..runtime.group import ShardGroup
@@ -120,6 +121,7 @@ def install_state_hooks(module: nn.Module) -> None:
     module._bmt_state_hooks = True
     install_rebind_hook()  # first: optimizers built before wrapping move onto these parameters
     install_step_hook()  # optimizers over these parameters then save their state per rank (LocalShard)
+    install_fast_paths()  # last: Muon's exchange, elementwise optimizers on plain ranges
 
 
 def _install_below(root: nn.Module) -> None:
