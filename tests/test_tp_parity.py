@@ -161,6 +161,8 @@ def _parity_body(tp_size: int) -> dict:
         norm = bmt.optim.clip_grad_norm_(model.parameters(), max_norm=1e9)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1e9)
         torch.testing.assert_close(norm.float(), ref_norm, rtol=LOSS_RTOL, atol=0)
+        torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # torch's own, too
+        torch.testing.assert_close(torch_norm.float(), ref_norm, rtol=LOSS_RTOL, atol=0)
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()

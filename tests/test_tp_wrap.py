@@ -5,6 +5,8 @@ save and the ("dp", "tp") mesh; HSDP with TP is refused clearly."""
 
 from __future__ import annotations
 
+import math
+
 import models
 import pytest
 import torch
@@ -258,30 +260,29 @@ def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -
     assert all(r[0] == error and words in r[1] for r in results), results
 
 
-def _norm_body() -> dict:
+def _norm_body(tp: int) -> dict:
     import copy
 
     build, batches, _, tp_plan = _setup("toy", steps=1)
     torch.manual_seed(0)
     ref = build()
-    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=2, tp_plan=tp_plan)
-    ids, tgt = (t.chunk(2)[bmt.rank() // 2] for t in batches[0])
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=tp, tp_plan=tp_plan)
+    dp = WORLD // tp
+    ids, tgt = (t.chunk(dp)[bmt.rank() // tp] for t in batches[0])
     model(ids, tgt).backward()
     ref(*batches[0]).backward()
+    clip = torch.nn.utils.clip_grad_norm_
+    kinds = {"2": (2.0, None), "2 foreach=False": (2.0, False), "inf": (math.inf, None), "1": (1.0, None)}
     return {"ours": float(model.clip_grad_norm_(1e9)),
-            "torch": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
-            "ref": float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))}
+            "torch": {k: float(clip(model.parameters(), 1e9, norm_type=n, foreach=f)) for k, (n, f) in kinds.items()},
+            "ref": {k: float(clip(ref.parameters(), 1e9, norm_type=n, foreach=f)) for k, (n, f) in kinds.items()}}
 
 
-def test_tp_grad_norm_is_plain_pytorchs() -> None:
-    # model.clip_grad_norm_ (and OptimManager's): split parameters' slices summed over TP, replicated ones once
-    for r in run_distributed(_norm_body, WORLD):
-        assert r["ours"] == pytest.approx(r["ref"], rel=1e-5)
-
-
-@pytest.mark.xfail(strict=True, reason="known gap (issue 28): torch.nn.utils.clip_grad_norm_ on TP-split "
-                   "sharded parameters reduces over the dp group only (runtime/sharded_tensor.py's norms do not "
-                   "read the TP marks), so it misses the other TP ranks' slices; model.clip_grad_norm_ is right")
-def test_torch_clip_grad_norm_under_tp_is_plain_pytorchs() -> None:
-    for r in run_distributed(_norm_body, WORLD):
-        assert r["torch"] == pytest.approx(r["ref"], rel=1e-5)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_grad_norms_are_plain_pytorchs(tp: int) -> None:
+    # model.clip_grad_norm_ (and OptimManager's) and torch's own clip_grad_norm_ (norms 2, inf and 1, foreach
+    # or not): split parameters' slices combined over TP, replicated ones once; at tp4 the dp group is one rank
+    for r in run_distributed(_norm_body, WORLD, tp):
+        assert r["ours"] == pytest.approx(r["ref"]["2"], rel=1e-5)
+        for kind, value in r["ref"].items():
+            assert r["torch"][kind] == pytest.approx(value, rel=1e-5), kind

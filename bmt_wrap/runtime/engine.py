@@ -33,7 +33,7 @@ from .module_params import Location
 from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
 from .standalone import shard_standalone
-from .tp_marks import copy_tp_marks
+from .tp_marks import copy_tp_marks, tp_split_dim
 from .tp_reduce import broadcast_under_tp, tp_sum_ranges
 
 
@@ -168,6 +168,8 @@ class Engine:
             for old, new in zip(olds, buf.params, strict=True):
                 if old is not None and old is not new:
                     copy_tp_marks(old, new)
+                    if self.tp is not None and tp_split_dim(new) is not None:
+                        new._layout.tp = self.tp  # its norms combine over the TP group too
             if self.tp is not None:
                 buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
         runtime = runtime or self.explicit

@@ -71,7 +71,7 @@ class ShardStorage(Protocol):
 class ShardLayout:
     """Which elements of a full tensor this rank holds: slot ``slot`` of ``buffer``, fixed at wrap time."""
 
-    __slots__ = ("buffer", "slot", "full_shape", "start", "end", "name")
+    __slots__ = ("buffer", "slot", "full_shape", "start", "end", "name", "tp")
 
     def __init__(self, buffer: ShardStorage, slot: int) -> None:
         self.buffer = buffer
@@ -80,6 +80,9 @@ class ShardLayout:
         self.full_shape = torch.Size(spec.shape)
         self.start, self.end = buffer.slot_source_range(slot)
         self.name = spec.fqn
+        # The tensor-parallel group when this slot is one TP rank's slice of a larger tensor (set by the
+        # engine from the TP marks): norms then also combine over it, so clip_grad_norm_ sees the whole.
+        self.tp: Communicator | None = None
 
     def same_as(self, other: ShardLayout) -> bool:
         """Whether two tensors of these layouts hold the same elements on this rank."""
@@ -125,6 +128,11 @@ class ShardLayout:
         comm = self.buffer.comm
         if comm.world_size > 1:
             comm.all_reduce(t, op, label=f"{what} of sharded {self.name}")
+
+    @property
+    def whole_on_rank(self) -> bool:
+        """Whether this rank's range is the whole tensor (one shard rank, no TP split): no collective."""
+        return self.buffer.comm.world_size == 1 and self.tp is None
 
 
 class ShardedTensor(torch.Tensor):
@@ -428,6 +436,19 @@ def _finish_norms(parts: torch.Tensor, p: float) -> torch.Tensor:
     return parts if math.isinf(p) or p == 0 else parts ** (1.0 / p)
 
 
+def _combine_tp_parts(parts: torch.Tensor, tensors: list, p: float) -> None:
+    """Combine the norm parts of TP-split tensors (already combined over the shard group) over their TP
+    group, in place: each TP rank holds one slice, so the whole tensor's norm needs every slice. One
+    all-reduce for the list; TP peers hold the same parameters, so every peer issues it."""
+    split = [i for i, t in enumerate(tensors) if t._layout.tp is not None]
+    if not split:
+        return
+    tp = tensors[split[0]]._layout.tp
+    sub = parts.reshape(-1)[split].clone()
+    tp.all_reduce(sub, "max" if math.isinf(p) else "sum", label=f"norms of {len(split)} TP-split tensor(s)")
+    parts.reshape(-1)[split] = sub
+
+
 def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
     p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
@@ -436,10 +457,11 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     dtype = kwargs.get("dtype")
     if (dim is not None and sorted(d % t.dim() for d in dim) != list(range(t.dim()))) or keepdim or p < 0:
         return _materialize(func, args, kwargs)  # a norm along some dimensions
-    if t._layout.buffer.comm.world_size == 1:  # the range is the whole tensor
+    if t._layout.whole_on_rank:
         return torch.linalg.vector_norm(t._local, p, dtype=dtype)
     part = _powers(t._local, p, dtype).reshape(1)
     t._layout.all_reduce(part, "max" if math.isinf(p) else "sum", "norm")
+    _combine_tp_parts(part, [t], p)
     out_dtype = dtype or t.dtype
     return _finish_norms(part, p)[0].to(out_dtype)
 
@@ -456,6 +478,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if not (math.isinf(p) or p == 0):
             parts = parts ** p
         tensors[0]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        _combine_tp_parts(parts, tensors, p)
         return list(_finish_norms(parts, p).to(dtype or tensors[0].dtype).unbind())
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -467,6 +490,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         # One all-reduce for the whole list: the norm of every sharded tensor at once.
         parts = torch.stack([_powers(tensors[i]._local, p, dtype) for i in sharded])
         tensors[sharded[0]]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        _combine_tp_parts(parts, [tensors[i] for i in sharded], p)
         for i, v in zip(sharded, _finish_norms(parts, p), strict=True):
             out[i] = v.to(dtype or tensors[i].dtype)
     return out  # type: ignore[return-value]
