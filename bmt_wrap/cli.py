@@ -228,14 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also estimate HSDP (mesh= (N/S, S): shards within nodes of S ranks, replicas across "
                            "them) and split each column's traffic into intra- and inter-node bytes")
     plan.add_argument("--memory", default=None, metavar="SIZE",
-                      help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank and "
-                           "whether it fits (one --world-size)")
+                      help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank "
+                           "and whether it fits (one --world-size)")
     plan.add_argument("--grow", default=None, metavar="KW",
-                      help="with --memory: the factory's keyword to grow (e.g. n_layers); answers its largest "
-                           "value that fits")
+                      help="with --memory: the factory's keyword to grow (e.g. n_layers); answers its "
+                           "largest value that fits")
     plan.add_argument("--streaming", action="store_true",
-                      help="with --memory: the model is built on the meta device and loaded (bmt.from_pretrained), "
-                           "so no full copy exists before wrapping")
+                      help="with --memory: the model is built on the meta device and loaded "
+                           "(bmt.from_pretrained), so no full copy exists before wrapping")
     plan.add_argument("--baseline", default=None, metavar="SIZE",
                       help="with --memory: the process's resident memory before building the model (default: "
                            "this process's, measured)")
@@ -267,8 +267,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         dtype = _dtype_option(opts.dtype, "--dtype")
         model = model.to(dtype) if dtype is not None else model
         discovery = discover_blocks(model)
-        plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
-                          capture=capture(model, discovery, inputs))
+        plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
+                          memory_budget=budget, capture=capture(model, discovery, inputs))
         est = plan.estimates[str(n)]
         p = process_peak(plan, est, baseline, built_full=not opts.streaming)
         params = sum(g.param_numel() for g in plan.groups)
