@@ -136,8 +136,8 @@ def main() -> None:
     for r in ranks:
         lines.append(f"| {r['rank']} | {r['grew'] / mib:.0f} MiB | {r['shard'] / mib:.0f} MiB | "
                      f"{(r['shard'] + 2 * r['block']) / mib:.0f} MiB | {r['full'] / mib:.0f} MiB | "
-                     f"{r['grew'] / r['shard']:.2f}x | {r['rss'] / GIB:.2f} GiB | {ref['rss'] / GIB:.2f} GiB | "
-                     f"{dloss:.1e} |")
+                     f"{r['grew'] / r['shard']:.2f}x | {r['rss'] / GIB:.2f} GiB | "
+                     f"{ref['rss'] / GIB:.2f} GiB | {dloss:.1e} |")
     publish(lines, args.out, command_line(None))
 
 
