@@ -5,14 +5,17 @@
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
 For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
-bmt_wrap, ``bmt-wrap plan --memory B``'s answer; for the others the same model's bytes per parameter),
-steps up or down a layer at a time while the answer holds, and reports the largest layer count that
+bmt_wrap, ``bmt-wrap plan --memory B``'s answer; for the others, two probes at 1 and 3 layers give their
+bytes per layer, extrapolated to B), steps up or down a layer at a time while the answer holds, and
+reports the largest layer count that
 completed ``--steps`` AdamW steps. A job is killed as soon as the summed RSS of its ranks (sampled every
 20 ms) exceeds B, and a job that finished counts only if the sum of its ranks' peak RSS (``ru_maxrss``,
 exact) is within B too. Each probe is a fresh set of rank processes (gloo, ``OMP_NUM_THREADS=1``).
-The largest run of each system is compared with one process training the same model on the same data.
+bmt_wrapper's largest run is compared with one process training the same model on the same data
+(the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
-baseline before building the model. The machine's load during the run is written under the table.
+baseline, the root group's backward and a 64 MiB allocator margin. The machine's load during the run is
+written under the table.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def _rss() -> int:
     return 0
 
 
-def worker(system: str, layers: int, steps: int, limit: int, out: Path) -> None:
-    """Train ``steps`` AdamW steps of the ``layers``-layer GPT under ``system``; write this rank's result."""
+def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, out: Path) -> None:
+    """Train ``steps`` AdamW steps of the ``layers``-layer GPT under ``system`` (``global_batch`` sequences
+    over the ranks: one each); write this rank's result."""
     sys.path.insert(0, str(HERE))
     import torch  # noqa: F401 - the baseline includes it
     from systems import SYSTEMS
@@ -73,13 +77,23 @@ def worker(system: str, layers: int, steps: int, limit: int, out: Path) -> None:
                                call=lambda idx, tgt: ((idx, tgt), {}))
     n = int(os.environ.get("WORLD_SIZE", "1"))
     if system == "deepspeed_zero3":
-        result = _deepspeed(build, WORKLOADS[name], steps, n)
+        result = _deepspeed(build, WORKLOADS[name], steps, n)  # global batch n: one sequence per rank
         result["baseline"] = baseline
         out.write_text(json.dumps(result))
         return
-    SYSTEMS["bmt_wrapper_budget"] = lambda m, wl, ex: bmt.BMTrainModelWrapper(
-        m, memory_budget=int((limit / n - baseline) * 0.9))
-    result = run(system, name, steps, 0, SEQ, n)
+
+    def budget(model: torch.nn.Module, wl: Workload, example: tuple) -> torch.nn.Module:
+        # The rank's share of B less what a process holds beyond the plan's estimate (baseline, the root's
+        # backward) and an allocator margin of 64 MiB.
+        from bmt_wrap import passes
+        from bmt_wrap.passes.capacity import root_backward_bytes
+
+        plan = passes.build_plan(model, passes.discover_blocks(model), world_size=n)
+        spare = limit // n - baseline - root_backward_bytes(plan, n) - 64 * 2**20
+        return bmt.BMTrainModelWrapper(model, memory_budget=spare)
+
+    SYSTEMS["bmt_wrapper_budget"] = budget
+    result = run(system, name, steps, 0, SEQ, global_batch)
     result["baseline"] = baseline
     out.write_text(json.dumps(result))
 
@@ -137,7 +151,7 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        DS_ACCELERATOR="cpu")
             cmd = [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit),
-                   str(Path(tmp) / f"{rank}.json")]
+                   str(world), str(Path(tmp) / f"{rank}.json")]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                           text=True))
         peak_sum, killed, start = 0, False, time.monotonic()
@@ -160,26 +174,39 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
             "rank_peaks": rank_peaks, "results": results}
 
 
-def search(system: str, limit: int, start: int, args: argparse.Namespace, log: list[dict]) -> dict | None:
+def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
+           log: list[dict]) -> dict | None:
     """The largest layer count that passes, stepping a layer at a time from ``start`` (up while it passes,
-    down while it fails); None if even one layer fails."""
+    down while it fails); None if even one layer fails. Without a ``start`` (systems the plan does not
+    predict), two small probes give the system's bytes per layer and the start is their extrapolation."""
     def run(layers: int) -> dict:
-        print(f"  {system} {layers} layers under {limit / GIB:.0f} GiB ...", file=sys.stderr, flush=True)
+        print(f"  {system} {layers} layers under {limit / GIB:.1f} GiB ...", file=sys.stderr, flush=True)
         r = probe(system, layers, limit, args.world_size, args.steps, args.timeout)
-        print(f"    {'ok' if r['ok'] else 'no: ' + r['why'][:120]} (peak sum {sum(r['rank_peaks']) / GIB:.2f} GiB)",
-              file=sys.stderr, flush=True)
+        r["limit"] = limit
+        peak = sum(r["rank_peaks"]) or r["sampled_peak_sum"]
+        verdict = "ok" if r["ok"] else "no: " + r["why"][:120]
+        print(f"    {verdict} (peak sum {peak / GIB:.2f} GiB)", file=sys.stderr, flush=True)
         log.append(r)
         return r
 
+    tried: dict[int, dict] = {}
+    if start is None:
+        small = [tried.setdefault(k, run(k)) for k in (1, 3)]
+        if not small[0]["ok"]:
+            return None
+        if not small[1]["ok"]:
+            return tried[2] if tried.setdefault(2, run(2))["ok"] else small[0]
+        a, b = (sum(r["rank_peaks"]) for r in small)
+        start = 3 + int((limit - b) // max((b - a) / 2, 1))
     layers = max(start, 1)
-    r = run(layers)
+    r = tried.get(layers) or run(layers)
     best = r if r["ok"] else None
     step = 1 if r["ok"] else -1
     while True:
         layers += step
         if layers < 1:
             return best
-        r = run(layers)
+        r = tried.get(layers) or run(layers)
         if r["ok"] and step > 0:
             best = r
         elif r["ok"]:
@@ -188,21 +215,11 @@ def search(system: str, limit: int, start: int, args: argparse.Namespace, log: l
             return best
 
 
-def _start(system: str, limit: int, world: int, baseline: int) -> int:
-    """Where the search starts: bmt_wrap's systems from the plan's prediction, the others from the model's
-    bytes per parameter on each rank (DDP: parameters, gradients, its gradient buckets and AdamW's two
-    moments, 20 bytes; sharded: 16 bytes over the ranks)."""
-    if system.startswith("bmt"):
-        return predict(limit, world)["layers"]
-    per_layer = 12 * D_MODEL * D_MODEL + 13 * D_MODEL
-    fixed = 2 * VOCAB * D_MODEL + SEQ * D_MODEL
-    bytes_per_param = 20 if system == "ddp" else 16 / world
-    return int(((limit / world - baseline) / bytes_per_param - fixed) // per_layer)
-
-
 def predict(limit: int, world: int) -> dict:
     """``bmt-wrap plan --memory`` on this model: the largest layer count and its per-rank peak."""
-    out = subprocess.run([sys.executable, "-m", "bmt_wrap.cli", "plan", f"{__file__}:capacity_model",
+    # ``bmt-wrap plan`` in a fresh process: its baseline is what a rank holds before building the model.
+    out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
+                          "plan", f"{__file__}:capacity_model",
                           "--world-size", str(world), "--memory", str(limit), "--grow", "n_layers",
                           "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json"],
                          capture_output=True, text=True)
@@ -235,13 +252,17 @@ def _load() -> str:
 def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[str]:
     """The Markdown table and the lines around it."""
     head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
-            "peak RSS sum", "plan predicts", "step s (median)", "final loss", "Δloss vs 1 process", "probes"]
-    lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, {args.world_size} ranks, "
-             f"{args.steps} AdamW steps per probe, OMP_NUM_THREADS=1", "",
+            "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
+            "Δloss vs 1 process", "probes"]
+    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)")
+    lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
+             f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
+             f"MALLOC_MMAP_THRESHOLD_={mmap}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
-            "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "step_s",
+            "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "vs_plan",
+            "step_s",
             "loss", "dloss", "probes")) + " |")
     lines += ["", "machine load while it ran: " + "; ".join(loads)]
     return lines
@@ -260,6 +281,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-reference", action="store_true", help="skip the one-process loss comparison")
+    p.add_argument("--starts", default="", metavar="SYSTEM=LAYERS,...",
+                   help="where to start searching for systems the plan does not predict (e.g. from an "
+                        "earlier "
+                        "run's bytes per layer), instead of two small probes")
     p.add_argument("--out", type=Path, default=HERE / "results" / "capacity.md")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -267,8 +292,8 @@ def main() -> None:
     from report import command_line, publish
 
     loads, rows, log = [_load()], [], []
+    starts = {k: int(v) for k, v in (item.split("=") for item in args.starts.split(",") if item)}
     reference: dict[int, dict] = {}
-    baseline = None
     for text in args.budgets.split(","):
         limit = parse_size(text)
         prediction = predict(limit, args.world_size)
@@ -277,42 +302,48 @@ def main() -> None:
             if system == "deepspeed_zero3" and (missing := deepspeed_missing()):
                 rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
                 continue
-            start = _start(system, limit, args.world_size, baseline or prediction["baseline"])
+            start = prediction["layers"] if system.startswith("bmt") else starts.get(system)
             best = search(system, limit, start, args, log)
-            probes = sum(1 for r in log if r["system"] == system and r.get("limit", limit) == limit)
-            for r in log:
-                r.setdefault("limit", limit)
+            probes = sum(1 for r in log if r["system"] == system and r["limit"] == limit)
             row = {"limit": text, "system": system, "probes": probes}
             if best is None:
                 rows.append({**row, "layers": 0})
                 continue
             res = best["results"]
-            baseline = baseline or min(x["baseline"] for x in res)
             times = [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
             row.update(layers=best["layers"], params=f"{res[0]['params'] / 1e6:.0f}M",
-                       peak_rank=_fmt_gib(max(best["rank_peaks"])), peak_sum=_fmt_gib(sum(best["rank_peaks"])),
+                       peak_rank=_fmt_gib(max(best["rank_peaks"])),
+                       peak_sum=_fmt_gib(sum(best["rank_peaks"])),
                        step_s=f"{statistics.median(times):.2f}", loss=f"{res[0]['losses'][-1]:.4f}",
-                       predicted=(f"{prediction['layers']} layers, {_fmt_gib(prediction['peak_per_rank'])}/rank"
+                       predicted=(f"{prediction['layers']} layers, "
+                                  f"{_fmt_gib(prediction['peak_per_rank'])}/rank"
                                   if system == "bmt_wrapper" else "-"))
+            at_prediction = [r for r in log if r["system"] == system and r["limit"] == limit and r["ok"]
+                             and r["layers"] == prediction["layers"]]
+            if system == "bmt_wrapper" and at_prediction:  # measured at the predicted size
+                row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
             if system == "ddp":
                 ddp_layers = best["layers"]
             row["vs_ddp"] = f"{best['layers'] / ddp_layers:.2f}x" if ddp_layers else "-"
-            if not args.no_reference:
+            if not args.no_reference and system == "bmt_wrapper":  # one process is slow: bmt_wrap's size only
                 if best["layers"] not in reference:
                     print(f"  one process, {best['layers']} layers ...", file=sys.stderr, flush=True)
-                    reference[best["layers"]] = probe("single", best["layers"], 0, 1, args.steps, args.timeout)
+                    reference[best["layers"]] = probe("single", best["layers"], 0, args.world_size,
+                                                      args.steps, args.timeout)
                 ref = reference[best["layers"]]
                 if ref["ok"]:
-                    row["dloss"] = f"{max(abs(a - b) for a, b in zip(res[0]['losses'], ref['results'][0]['losses'])):.1e}"
+                    pairs = zip(res[0]["losses"], ref["results"][0]["losses"], strict=True)
+                    row["dloss"] = f"{max(abs(a - b) for a, b in pairs):.1e}"
             rows.append(row)
+            publish(table(rows, args, [*loads, _load()]), args.out, command_line(None))  # each row when done
         loads.append(_load())
-    publish(table(rows, args, loads), args.out, command_line(None))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "probes": log}, indent=1, default=str))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+               Path(sys.argv[7]))
     else:
         main()

@@ -105,7 +105,8 @@ def bmt_engine(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
 
 
 SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
-    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp2_offload": fsdp2_offload, "fsdp1": fsdp1, "bmt_explicit": bmt_explicit,
+    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp2_offload": fsdp2_offload, "fsdp1": fsdp1,
+    "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
 }
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
