@@ -83,8 +83,9 @@ def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) ->
 
 def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> None:
     answers = []
+    limit = str(2 * _peak(6, 0) + 1)
     for extra in ([], ["--streaming"]):
-        assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "64MiB", "--grow", "n_layers",
+        assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
                      "--baseline", "0", "--json", *extra]) == 0
         answers.append(json.loads(capsys.readouterr().out))
     assert answers[1]["layers"] >= answers[0]["layers"] and answers[1]["streaming"]
