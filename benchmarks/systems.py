@@ -37,6 +37,18 @@ def fsdp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     return model
 
 
+def fsdp2_offload(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
+    """``fully_shard`` with ``CPUOffloadPolicy``: shards, gradients and the optimizer step on the host
+    (``pin_memory=False``: pinning needs an accelerator, so on a CPU-only machine offload moves nothing)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for block in wl.block_list(model):
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    return model
+
+
 def fsdp1(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """``FullyShardedDataParallel`` with a transformer wrap policy on the block class."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -108,7 +120,8 @@ def bmt_engine(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
 
 
 SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
-    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp1": fsdp1, "bmt_explicit": bmt_explicit,
+    "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp2_offload": fsdp2_offload, "fsdp1": fsdp1,
+    "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
     "bmt_wrapper_tp2": bmt_wrapper_tp2,
 }

@@ -40,6 +40,7 @@ _FROM = {
     "job.tp_inputs": ["check_tp_inputs_agree"],
     "runtime.param": ["DistributedParameter"],
     "save_load": ["load", "load_checkpoint", "save", "save_checkpoint"],
+    "save_load.pretrained": ["from_pretrained"],
     "wrapping.apply_plan": ["is_wrapped"],
     "wrapping.gathered": ["gathered"],
     "wrapping.init": ["init_parameters"],
@@ -88,7 +89,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BMTrainModelWrapper", "Block", "CheckpointBlock", "DistributedModule", "DistributedParameter",
     "MixedPrecision", "PipelineTransformerBlockList", "TransformerBlockList", "VerifyReport", "WrapPlan", "barrier",
-    "block_layer", "check_tp_inputs_agree", "comm_stats", "config", "distributed", "errors", "gather_result", "gathered", "get_state",
+    "block_layer", "check_tp_inputs_agree", "comm_stats", "config", "distributed", "errors", "from_pretrained",
+    "gather_result", "gathered", "get_state",
     "global_var", "init_distributed", "init_parameters", "inspect", "is_initialized", "is_wrapped", "load",
     "load_checkpoint", "local_rank", "loss", "lr_scheduler", "nccl", "nn", "optim", "passes", "pipe_layer",
     "print_rank", "rank", "reset_comm_stats", "save", "save_checkpoint", "see_memory", "shutdown", "store", "sum_loss",

@@ -3,6 +3,7 @@
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T] [--input SPEC ...] [-v]
+    bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -14,6 +15,11 @@ before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-
 every rank, each with its traffic split into intra-node and inter-node bytes for nodes of S ranks.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens.
+``--memory B`` (bytes summed over the job's ranks) answers whether a training process fits: its peak per
+rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
+plus the larger of wrapping's peak (the full copy built before wrapping; none with ``--streaming``, the
+model built on the meta device and loaded) and training's (the plan's estimate plus the root group's
+backward). With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest ``k`` that fits.
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import json
 import importlib.util
 import inspect
 import re
@@ -38,7 +45,8 @@ from .base._compat import pytree
 from .base.dtypes import to_dtype
 from .base.mixed_precision import MixedPrecision
 from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
-from .errors import BMTError, CLIError, MemoryBudgetError
+from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
+from .passes.capacity import largest_fitting, process_peak
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -133,11 +141,11 @@ def budget_error(budget: int, over: list[MemoryBudgetError], prefetch_depth: int
                     "shrink the batch or lower --prefetch-depth")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, option: str = "--memory-budget") -> int:
     """``40GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes."""
     match = _BYTES.match(text.strip())
     if match is None:
-        raise CLIError(f"bad --memory-budget {text!r}: expected a size such as 40GiB, 512MiB or 80GB")
+        raise CLIError(f"bad {option} {text!r}: expected a size such as 40GiB, 512MiB or 80GB")
     return int(float(match["value"]) * _UNIT[(match["unit"] or "").lower()])
 
 
@@ -176,12 +184,12 @@ def load_factory(target: str) -> Callable[[], object]:
     return factory
 
 
-def build_model(target: str) -> nn.Module:
-    """Call the factory under the meta device: no weight is allocated."""
+def build_model(target: str, **kwargs: object) -> nn.Module:
+    """Call the factory (with ``kwargs``) under the meta device: no weight is allocated."""
     factory = load_factory(target)
     try:
         with torch.device("meta"):
-            model = factory()
+            model = factory(**kwargs)
     except Exception as exc:
         raise CLIError(f"factory {target!r} raised {describe(exc)}") from exc
     if not isinstance(model, nn.Module):
@@ -225,10 +233,84 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp-size", type=int, default=None, metavar="T",
                       help="plan tensor parallelism over T adjacent ranks (tp_size=T): ZeRO shards over N/T "
                            "ranks; the TP traffic needs --input for its token count")
+    plan.add_argument("--memory", default=None, metavar="SIZE",
+                      help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank "
+                           "and whether it fits (one --world-size)")
+    plan.add_argument("--grow", default=None, metavar="KW",
+                      help="with --memory: the factory's keyword to grow (e.g. n_layers); answers its "
+                           "largest value that fits")
+    plan.add_argument("--streaming", action="store_true",
+                      help="with --memory: the model is built on the meta device and loaded "
+                           "(bmt.from_pretrained), so no full copy exists before wrapping")
+    plan.add_argument("--baseline", default=None, metavar="SIZE",
+                      help="with --memory: the process's resident memory before building the model (default: "
+                           "this process's, measured)")
+    plan.add_argument("--json", action="store_true", help="with --memory: print the answer as JSON")
     return parser
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), or 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def _capacity(opts: argparse.Namespace) -> str:
+    """``plan --memory``: the process's peak per rank for the model, or the largest ``--grow`` that fits."""
+    if len(opts.world_size) != 1:
+        raise CLIError("--memory answers for one --world-size at a time")
+    n = opts.world_size[0]
+    limit = parse_bytes(opts.memory, "--memory")
+    baseline = parse_bytes(opts.baseline, "--baseline") if opts.baseline else resident_bytes()
+    inputs = parse_inputs(opts.input)
+    budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
+
+    def peak(k: int | None) -> tuple[int, str]:
+        model = build_model(opts.model, **({opts.grow: k} if opts.grow else {}))
+        dtype = _dtype_option(opts.dtype, "--dtype")
+        model = model.to(dtype) if dtype is not None else model
+        discovery = discover_blocks(model)
+        plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
+                          memory_budget=budget, capture=capture(model, discovery, inputs))
+        est = plan.estimates[str(n)]
+        p = process_peak(plan, est, baseline, built_full=not opts.streaming)
+        params = sum(g.param_numel() for g in plan.groups)
+        return p.total, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
+                         f"{fmt_bytes(p.baseline)} + max(wrapping {fmt_bytes(p.wrapping)}, training "
+                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward)")
+
+    if opts.grow:
+        try:
+            k, total = largest_fitting(lambda k: peak(k)[0], limit // n, start=8)
+        except PlanError as exc:
+            raise CLIError(f"--memory {opts.memory} over {n} ranks: {exc}") from None
+        detail = peak(k)[1]
+    else:
+        k = None
+        total, detail = peak(None)
+    answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
+              "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
+              "streaming": opts.streaming}
+    if opts.json:
+        return json.dumps(answer)
+    head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
+            if opts.grow else f"{'fits' if answer['fits'] else 'does not fit'} {opts.memory} over {n} ranks "
+                              f"({fmt_bytes(limit // n)} per rank)")
+    return f"{opts.model}: {head}\n  {detail}"
+
+
 def _run(opts: argparse.Namespace) -> str:
+    if opts.command == "plan" and opts.memory is not None:
+        if opts.tp_size is not None or opts.shard_size is not None:
+            # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
+            raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
+                           "plan without --memory for their per-rank estimates)")
+        return _capacity(opts)
+    if opts.command == "plan" and (opts.grow or opts.streaming or opts.baseline or opts.json):
+        raise CLIError("--grow, --streaming, --baseline and --json answer --memory: give --memory SIZE")
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
     if inputs is not None:

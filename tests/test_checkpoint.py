@@ -118,8 +118,8 @@ def _mismatch_body(tmp: str) -> dict:
     with pytest.raises(CheckpointError, match=r"three\.safetensors does not match the model's \d+ tensors: missing "
                                               r"keys 'layers\.3\.ln1\.weight', .* … and 6 more \(pass strict=False"):
         bmt.load(_wrapped(0, n_layers=4), path)
-    with pytest.raises(CheckpointError, match=r"'wte\.weight' is torch\.float32 \[64, 16\] in the file but "
-                                              r"'wte\.weight' is torch\.float32 \[64, 32\] in the model; .* … and \d+ "
+    with pytest.raises(CheckpointError, match=r"'wte\.weight' is torch\.float32 \[64, 16\] in three\.safetensors "
+                                              r"but 'wte\.weight' is torch\.float32 \[64, 32\] in the model; .* … and \d+ "
                                               r"more\. Is it"):
         bmt.load(_wrapped(0, n_layers=3, d=32), path)
     return {"unexpected": result.unexpected_keys}

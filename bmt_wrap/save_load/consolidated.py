@@ -22,7 +22,8 @@ from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from .agree import agree
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
-from .formats import SafetensorsWriter, Source, TorchWriter, file_format, open_source
+from .directory import FilesSource, open_checkpoint
+from .formats import SafetensorsWriter, Source, TorchWriter, file_format
 
 
 class LoadResult(NamedTuple):
@@ -108,9 +109,12 @@ class _RankZeroWriter:
 
 
 def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:
-    """Load a file written by ``bmt.save`` or ``torch.save(state_dict)`` (tied aliases optional); a collective.
+    """Load a file written by ``bmt.save`` or ``torch.save(state_dict)`` (tied aliases optional), or a
+    ``save_pretrained`` directory (one file or index-named shards); a collective.
 
-    Each rank reads only its slices. The header, sizes and keys are checked on every rank and the verdict
+    Each rank reads only its slices' bytes, so a rank's memory grows by its shard, not by the model.
+    Floating tensors are cast to the model's dtype, as ``load_state_dict`` does.
+    The header, sizes and keys are checked on every rank and the verdict
     agreed before any data is read, so a bad file raises ``CheckpointError`` on every rank. Meta-device
     models are materialised here: no ``init_parameters`` needed.
     """
@@ -121,7 +125,7 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         result = LoadResult([], [])
         error = None
         try:
-            source = open_source(path)
+            source = open_checkpoint(path)
             plan, result = match_keys(entries, source, strict)
         except CheckpointError as exc:
             error = str(exc)
@@ -130,7 +134,11 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         error = None
         try:
             for entry, key in plan:
-                entry.assign(source.read(key, *entry.local_range()))
+                into = entry.destination(source.info(key)[1])
+                if into is not None:
+                    source.read(key, *entry.local_range(), out=into)  # no temporary: grows by the shard
+                else:
+                    entry.assign(source.read(key, *entry.local_range()))
         except Exception as exc:  # noqa: BLE001 - a read failing on one rank must not leave the others waiting
             error = f"cannot read {path}: {type(exc).__name__}: {exc}"
         agree(error, what="load")
@@ -138,7 +146,8 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         return result
 
 
-def match_keys(entries: list[Entry], source: Source, strict: bool) -> tuple[list[tuple[Entry, str]], LoadResult]:
+def match_keys(entries: list[Entry], source: Source | FilesSource,
+               strict: bool) -> tuple[list[tuple[Entry, str]], LoadResult]:
     """Which file key loads each entry (any of its names); raises naming every mismatch."""
     keys = source.keys()
     present = set(keys)
@@ -151,9 +160,12 @@ def match_keys(entries: list[Entry], source: Source, strict: bool) -> tuple[list
             missing.extend(e.names)
             continue
         shape, dtype = source.info(key)
-        if shape != e.shape or dtype != e.dtype:
-            mismatched.append(f"{key!r} is {dtype} {list(shape)} in the file but {e.name!r} is {e.dtype} "
-                              f"{list(e.shape)} in the model")
+        # Floating values are cast to the model's dtype, as load_state_dict does (a bf16 checkpoint into
+        # fp32 masters); anything else must match.
+        castable = dtype.is_floating_point and e.dtype.is_floating_point
+        if shape != e.shape or (dtype != e.dtype and not castable):
+            mismatched.append(f"{key!r} is {dtype} {list(shape)} in {source.file_of(key).name} but {e.name!r} "
+                              f"is {e.dtype} {list(e.shape)} in the model")
         plan.append((e, key))
     known = {n for e in entries for n in e.names}
     unexpected = [k for k in keys if k not in known]

@@ -66,6 +66,14 @@ class Entry:
         """Elements of the full tensor."""
         return math.prod(self.shape)
 
+    def destination(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The storage this rank's part lives in, when values of ``dtype`` can be read straight into it
+        (a materialised shard of that dtype); else None, and ``assign`` takes a copy."""
+        if self.param is None or self.dtype != dtype:
+            return None
+        local = self.param.to_local().detach()
+        return local if not local.is_meta and local.is_contiguous() else None
+
     @torch.no_grad()
     def assign(self, flat: torch.Tensor) -> None:
         """Set this rank's part from ``flat`` (``local_range()``'s elements), materialising a meta tensor."""

@@ -1,7 +1,7 @@
 """File formats: a streaming safetensors writer, a ``torch.save`` writer, and readers of flattened ranges.
 
 Readers expose one operation, ``read(name, start, end)``: elements ``[start, end)`` of the flattened
-tensor, touching only the rows that hold them (safetensors ``get_slice``; ``torch.load(mmap=True)``).
+tensor, reading only their bytes (safetensors: one positioned read; ``torch.load(mmap=True)``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError
 from .atomic import AtomicFile
@@ -141,44 +140,76 @@ class Source(Protocol):
     def keys(self) -> list[str]:
         """Every tensor name in the file."""
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds ``name``."""
+
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of ``name``."""
 
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of the flattened tensor ``name`` (1-D)."""
+    def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name`` (1-D), into ``out`` when given (a
+        contiguous 1-D tensor of the file's dtype)."""
 
 
 class SafetensorsSource:
-    """A safetensors file, memory-mapped; reads touch only the rows they need."""
+    """A safetensors file read with positioned reads: a range of a tensor is one ``readinto`` of its bytes,
+    so a rank's memory grows by what it reads and nothing else (a memory map's touched pages would count
+    in its RSS until the file is closed, doubling a rank's shard during a load)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = safe_open(str(path), framework="pt", device="cpu")
-        self.metadata: dict[str, str] = self._file.metadata() or {}
+        with open(path, "rb") as f:
+            size = path.stat().st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{size} bytes: shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        self._data_start = 8 + length
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._tensors: dict[str, tuple[tuple[int, ...], str, int, int]] = {}
+        for name, t in header.items():
+            begin, end = t["data_offsets"]
+            if not 0 <= begin <= end <= size - self._data_start:
+                raise ValueError(f"tensor {name!r} lies at bytes {begin}..{end}, beyond the file's end")
+            self._tensors[name] = (tuple(t["shape"]), t["dtype"], begin, end)
 
     def keys(self) -> list[str]:
         """Every tensor name in the file."""
-        return list(self._file.keys())
+        return list(self._tensors)
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds ``name``: this one."""
+        return self.path
 
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of ``name``."""
-        sl = self._file.get_slice(name)
-        dtype = sl.get_dtype()
+        shape, dtype, _, _ = self._tensors[name]
         if dtype not in _TORCH_DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {dtype}, which bmt_wrap does not load")
-        return tuple(sl.get_shape()), _TORCH_DTYPES[dtype]
+        return shape, _TORCH_DTYPES[dtype]
 
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of the flattened tensor ``name``: whole rows are read, then cut."""
-        shape, dtype = self.info(name)
-        if end <= start:
-            return torch.empty(0, dtype=dtype)
-        if not shape:
-            return self._file.get_tensor(name).reshape(-1)[start:end]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-end // row)
-        rows = self._file.get_slice(name)[first:last]
-        return rows.reshape(-1)[start - first * row:end - first * row]
+    def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name``: exactly their bytes are read, straight
+        into ``out`` when given (no temporary)."""
+        _, dtype = self.info(name)
+        out = torch.empty(max(end - start, 0), dtype=dtype) if out is None else out
+        assert out.dtype == dtype and out.is_contiguous() and out.numel() == max(end - start, 0), name
+        if out.numel():
+            begin = self._data_start + self._tensors[name][2] + start * dtype.itemsize
+            view = memoryview(out.view(torch.uint8).numpy())
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(begin)
+                done = 0
+                while done < len(view):  # one read(2) moves at most ~2 GiB
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise CheckpointError(f"{self.path}: tensor {name!r} is cut short: the file is "
+                                              "truncated")
+                    done += got
+        return out
 
 
 class TorchSource:
@@ -196,14 +227,19 @@ class TorchSource:
         """Every tensor name in the file."""
         return list(self._state)
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds ``name``: this one."""
+        return self.path
+
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of ``name``."""
         t = self._state[name]
         return tuple(t.shape), t.dtype
 
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of the flattened tensor ``name``."""
-        return self._state[name].reshape(-1)[start:end]
+    def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name``, copied into ``out`` when given."""
+        part = self._state[name].reshape(-1)[start:end]
+        return part if out is None else out.copy_(part)
 
 
 def open_source(path: Path) -> Source:

@@ -1,0 +1,349 @@
+"""The largest model each system trains under a memory limit: a GPT (d_model 1024, seq 128) grown by layers.
+
+    nice python benchmarks/capacity.py [--budgets 4GiB,8GiB] [--world-size 2]
+        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget] [--steps 3]
+        [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
+
+For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
+bmt_wrap, ``bmt-wrap plan --memory B``'s answer; for the others, two probes at 1 and 3 layers give their
+bytes per layer, extrapolated to B), steps up or down a layer at a time while the answer holds, and
+reports the largest layer count that
+completed ``--steps`` AdamW steps. A job is killed as soon as the summed RSS of its ranks (sampled every
+20 ms) exceeds B, and a job that finished counts only if the sum of its ranks' peak RSS (``ru_maxrss``,
+exact) is within B too. Each probe is a fresh set of rank processes (gloo, ``OMP_NUM_THREADS=1``).
+bmt_wrapper's largest run is compared with one process training the same model on the same data
+(the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
+``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
+baseline, the root group's backward and a 64 MiB allocator margin. The machine's load during the run is
+written under the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+D_MODEL, SEQ, VOCAB = 1024, 128, 8192
+DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget"]
+GIB = 2**30
+
+
+def parse_size(text: str) -> int:
+    """``4GiB`` -> bytes."""
+    units = {"GiB": GIB, "MiB": 2**20, "GB": 10**9, "MB": 10**6}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+# ---- one rank of one probe ----------------------------------------------------------------------------
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, out: Path) -> None:
+    """Train ``steps`` AdamW steps of the ``layers``-layer GPT under ``system`` (``global_batch`` sequences
+    over the ranks: one each); write this rank's result."""
+    sys.path.insert(0, str(HERE))
+    import torch  # noqa: F401 - the baseline includes it
+    from systems import SYSTEMS
+    from toy_gpt import ToyGPT, ToyGPTConfig
+    from workloads import WORKLOADS, Workload, _toy_loss
+    from worker import run
+
+    import bmt_wrap as bmt
+
+    baseline = _rss()
+    name = f"capacity-{layers}"
+
+    def build(seq: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return ToyGPT(ToyGPTConfig(vocab=VOCAB, d_model=D_MODEL, n_layers=layers, seq=seq))
+
+    WORKLOADS[name] = Workload(name, f"GPT {layers} x {D_MODEL}", build, "blocks", VOCAB, _toy_loss,
+                               call=lambda idx, tgt: ((idx, tgt), {}))
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    if system == "deepspeed_zero3":
+        result = _deepspeed(build, WORKLOADS[name], steps, n)  # global batch n: one sequence per rank
+        result["baseline"] = baseline
+        out.write_text(json.dumps(result))
+        return
+
+    def budget(model: torch.nn.Module, wl: Workload, example: tuple) -> torch.nn.Module:
+        # The rank's share of B less what a process holds beyond the plan's estimate (baseline, the root's
+        # backward) and an allocator margin of 64 MiB.
+        from bmt_wrap import passes
+        from bmt_wrap.passes.capacity import root_backward_bytes
+
+        plan = passes.build_plan(model, passes.discover_blocks(model), world_size=n)
+        spare = limit // n - baseline - root_backward_bytes(plan, n) - 64 * 2**20
+        return bmt.BMTrainModelWrapper(model, memory_budget=spare)
+
+    SYSTEMS["bmt_wrapper_budget"] = budget
+    result = run(system, name, steps, 0, SEQ, global_batch)
+    result["baseline"] = baseline
+    out.write_text(json.dumps(result))
+
+
+def _deepspeed(build, wl, steps: int, n: int) -> dict:
+    """DeepSpeed ZeRO-3 (its AdamW, lr and weight decay as the other systems') on gloo: the same model,
+    batches and timing between barriers as ``worker.run``."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    model = build(SEQ)
+    params = sum(p.numel() for p in model.parameters())
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    times, losses = [], []
+    for idx, tgt in wl.batches(steps, n, SEQ):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = wl.loss(engine, idx[rank:rank + 1], tgt[rank:rank + 1])
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / n)
+    dist.barrier()
+    return {"system": "deepspeed_zero3", "rank": rank, "world_size": n, "params": params, "times": times,
+            "losses": losses, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+# ---- the launcher: one probe under a watchdog -----------------------------------------------------------
+def _proc_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout: float) -> dict:
+    """Run one job; ``ok`` when every rank finished and its ranks' summed peak RSS stayed within ``limit``."""
+    nproc = 1 if system == "single" else world
+    port = 20000 + (os.getpid() * 7 + layers * 13 + len(system)) % 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       DS_ACCELERATOR="cpu")
+            cmd = [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit),
+                   str(world), str(Path(tmp) / f"{rank}.json")]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
+        peak_sum, killed, start = 0, False, time.monotonic()
+        while any(p.poll() is None for p in procs):
+            total = sum(_proc_rss(p.pid) for p in procs)
+            peak_sum = max(peak_sum, total)
+            if (limit and total > limit) or time.monotonic() - start > timeout:
+                killed = True
+                for p in procs:
+                    p.kill()
+                break
+            time.sleep(0.02)
+        errors = [p.communicate()[1] for p in procs]
+        results = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("*.json"))]
+    finished = not killed and all(p.returncode == 0 for p in procs) and len(results) == nproc
+    rank_peaks = [r["rss"] for r in results]
+    ok = finished and (not limit or sum(rank_peaks) <= limit)
+    why = "" if ok else ("summed RSS over the limit" if killed or finished else (errors[0] or "")[-300:])
+    return {"system": system, "layers": layers, "ok": ok, "why": why, "sampled_peak_sum": peak_sum,
+            "rank_peaks": rank_peaks, "results": results}
+
+
+def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
+           log: list[dict]) -> dict | None:
+    """The largest layer count that passes, stepping a layer at a time from ``start`` (up while it passes,
+    down while it fails); None if even one layer fails. Without a ``start`` (systems the plan does not
+    predict), two small probes give the system's bytes per layer and the start is their extrapolation."""
+    def run(layers: int) -> dict:
+        print(f"  {system} {layers} layers under {limit / GIB:.1f} GiB ...", file=sys.stderr, flush=True)
+        r = probe(system, layers, limit, args.world_size, args.steps, args.timeout)
+        r["limit"] = limit
+        peak = sum(r["rank_peaks"]) or r["sampled_peak_sum"]
+        verdict = "ok" if r["ok"] else "no: " + r["why"][:120]
+        print(f"    {verdict} (peak sum {peak / GIB:.2f} GiB)", file=sys.stderr, flush=True)
+        log.append(r)
+        return r
+
+    tried: dict[int, dict] = {}
+    if start is None:
+        small = [tried.setdefault(k, run(k)) for k in (1, 3)]
+        if not small[0]["ok"]:
+            return None
+        if not small[1]["ok"]:
+            return tried[2] if tried.setdefault(2, run(2))["ok"] else small[0]
+        a, b = (sum(r["rank_peaks"]) for r in small)
+        start = 3 + int((limit - b) // max((b - a) / 2, 1))
+    layers = max(start, 1)
+    r = tried.get(layers) or run(layers)
+    best = r if r["ok"] else None
+    step = 1 if r["ok"] else -1
+    while True:
+        layers += step
+        if layers < 1:
+            return best
+        r = tried.get(layers) or run(layers)
+        if r["ok"] and step > 0:
+            best = r
+        elif r["ok"]:
+            return r
+        elif step > 0:
+            return best
+
+
+def predict(limit: int, world: int) -> dict:
+    """``bmt-wrap plan --memory`` on this model: the largest layer count and its per-rank peak."""
+    # ``bmt-wrap plan`` in a fresh process: its baseline is what a rank holds before building the model.
+    out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
+                          "plan", f"{__file__}:capacity_model",
+                          "--world-size", str(world), "--memory", str(limit), "--grow", "n_layers",
+                          "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json"],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"bmt-wrap plan failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed cannot run here (not importable with ``DS_ACCELERATOR=cpu``), or None."""
+    out = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    return None if out.returncode == 0 else out.stderr.strip().splitlines()[-1][:160]
+
+
+def capacity_model(n_layers: int = 8) -> object:
+    """The benchmark's GPT at ``n_layers`` (the CLI calls it under the meta device)."""
+    sys.path.insert(0, str(HERE))
+    from toy_gpt import ToyGPT, ToyGPTConfig
+
+    return ToyGPT(ToyGPTConfig(vocab=VOCAB, d_model=D_MODEL, n_layers=n_layers, seq=SEQ))
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        one, five, fifteen = f.read().split()[:3]
+    return f"load average {one} / {five} / {fifteen} (1/5/15 min) on {os.cpu_count()} cores"
+
+
+def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[str]:
+    """The Markdown table and the lines around it."""
+    head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
+            "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
+            "Δloss vs 1 process", "probes"]
+    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)")
+    lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
+             f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
+             f"MALLOC_MMAP_THRESHOLD_={mmap}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
+            "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "vs_plan",
+            "step_s",
+            "loss", "dloss", "probes")) + " |")
+    lines += ["", "machine load while it ran: " + "; ".join(loads)]
+    return lines
+
+
+def _fmt_gib(b: float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+def main() -> None:
+    """Search every (limit, system); compare each largest run with one process; print and write the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budgets", default="4GiB,8GiB")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--no-reference", action="store_true", help="skip the one-process loss comparison")
+    p.add_argument("--starts", default="", metavar="SYSTEM=LAYERS,...",
+                   help="where to start searching for systems the plan does not predict (e.g. from an "
+                        "earlier "
+                        "run's bytes per layer), instead of two small probes")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "capacity.md")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    sys.path.insert(0, str(HERE))
+    from report import command_line, publish
+
+    loads, rows, log = [_load()], [], []
+    starts = {k: int(v) for k, v in (item.split("=") for item in args.starts.split(",") if item)}
+    reference: dict[int, dict] = {}
+    for text in args.budgets.split(","):
+        limit = parse_size(text)
+        prediction = predict(limit, args.world_size)
+        ddp_layers = None
+        for system in args.systems.split(","):
+            if system == "deepspeed_zero3" and (missing := deepspeed_missing()):
+                rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
+                continue
+            start = prediction["layers"] if system.startswith("bmt") else starts.get(system)
+            best = search(system, limit, start, args, log)
+            probes = sum(1 for r in log if r["system"] == system and r["limit"] == limit)
+            row = {"limit": text, "system": system, "probes": probes}
+            if best is None:
+                rows.append({**row, "layers": 0})
+                continue
+            res = best["results"]
+            times = [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
+            row.update(layers=best["layers"], params=f"{res[0]['params'] / 1e6:.0f}M",
+                       peak_rank=_fmt_gib(max(best["rank_peaks"])),
+                       peak_sum=_fmt_gib(sum(best["rank_peaks"])),
+                       step_s=f"{statistics.median(times):.2f}", loss=f"{res[0]['losses'][-1]:.4f}",
+                       predicted=(f"{prediction['layers']} layers, "
+                                  f"{_fmt_gib(prediction['peak_per_rank'])}/rank"
+                                  if system == "bmt_wrapper" else "-"))
+            at_prediction = [r for r in log if r["system"] == system and r["limit"] == limit and r["ok"]
+                             and r["layers"] == prediction["layers"]]
+            if system == "bmt_wrapper" and at_prediction:  # measured at the predicted size
+                row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
+            if system == "ddp":
+                ddp_layers = best["layers"]
+            row["vs_ddp"] = f"{best['layers'] / ddp_layers:.2f}x" if ddp_layers else "-"
+            if not args.no_reference and system == "bmt_wrapper":  # one process is slow: bmt_wrap's size only
+                if best["layers"] not in reference:
+                    print(f"  one process, {best['layers']} layers ...", file=sys.stderr, flush=True)
+                    reference[best["layers"]] = probe("single", best["layers"], 0, args.world_size,
+                                                      args.steps, args.timeout)
+                ref = reference[best["layers"]]
+                if ref["ok"]:
+                    pairs = zip(res[0]["losses"], ref["results"][0]["losses"], strict=True)
+                    row["dloss"] = f"{max(abs(a - b) for a, b in pairs):.1e}"
+            rows.append(row)
+            publish(table(rows, args, [*loads, _load()]), args.out, command_line(None))  # each row when done
+        loads.append(_load())
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "probes": log}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+               Path(sys.argv[7]))
+    else:
+        main()

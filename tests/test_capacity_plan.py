@@ -1,0 +1,104 @@
+"""``bmt-wrap plan --memory``: a training process's peak per rank (baseline + max(wrapping, training + the
+root group's backward)) and the largest ``--grow`` value under a limit. Measured peaks against these
+predictions are the capacity benchmark's (benchmarks/capacity.py), not a unit test's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bmt_wrap.cli import main
+from bmt_wrap.errors import PlanError
+from bmt_wrap.passes import build_plan, capture, discover_blocks
+from bmt_wrap.passes.capacity import largest_fitting, process_peak, root_backward_bytes
+
+TOY = str(Path(__file__).with_name("toy.py"))
+MIB = 2**20
+
+
+def _plan(n_layers: int, world_size: int = 2):
+    from toy import ToyGPT
+
+    with torch.device("meta"):
+        model = ToyGPT(n_layers=n_layers)  # what the CLI builds from toy.py:ToyGPT --grow n_layers
+    discovery = discover_blocks(model)
+    plan = build_plan(model, discovery, world_size=world_size, capture=capture(model, discovery, None))
+    return plan, plan.estimates[str(world_size)]
+
+
+def _peak(n_layers: int, baseline: int, streaming: bool = False) -> int:
+    plan, est = _plan(n_layers)
+    return process_peak(plan, est, baseline, built_full=not streaming).total
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=60), st.integers(0, 3000), st.integers(1, 40))
+def test_largest_fitting_is_the_last_k_whose_peak_fits(steps: list[int], limit: int, start: int) -> None:
+    peaks = [sum(steps[:k]) for k in range(1, len(steps) + 1)]  # increasing in k
+    peak_of = lambda k: peaks[k - 1] if k <= len(peaks) else 10**9  # noqa: E731
+    if peaks[0] > limit:
+        with pytest.raises(PlanError, match="even the smallest model"):
+            largest_fitting(peak_of, limit, start)
+        return
+    k, peak = largest_fitting(peak_of, limit, start)
+    assert peak == peaks[k - 1] <= limit and (k == len(peaks) or peaks[k] > limit)
+
+
+def test_process_peak_adds_the_root_backward_and_the_full_copy_before_wrapping() -> None:
+    plan, est = _plan(4)
+    root_grads = sum(b.full_grad_bytes(2) for g in plan.groups if g.is_root for b in g.buffers)
+    assert root_backward_bytes(plan, 2) == 2 * root_grads + root_grads // 2
+    built = process_peak(plan, est, baseline=100 * MIB)
+    assert built.training == est.total + root_backward_bytes(plan, 2)
+    assert built.wrapping == sum(g.param_bytes() for g in plan.groups) + est.params + est.gathered
+    assert built.total == 100 * MIB + max(built.wrapping, built.training)
+    streamed = process_peak(plan, est, baseline=100 * MIB, built_full=False)
+    assert streamed.wrapping == 0 and streamed.total == 100 * MIB + built.training
+
+
+def test_plan_memory_grow_answers_the_largest_layer_count(capsys: pytest.CaptureFixture[str]) -> None:
+    baseline = 50 * MIB
+    limit = 2 * _peak(6, baseline) + 1  # over 2 ranks: exactly 6 layers fit
+    code = main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", str(limit), "--grow", "n_layers",
+                 "--baseline", str(baseline), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["layers"] == 6 and answer["peak_per_rank"] == _peak(6, baseline)
+    assert _peak(7, baseline) > limit // 2
+    assert answer["fits"] and answer["baseline"] == baseline and answer["limit_per_rank"] == limit // 2
+
+
+def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB", "--baseline", "100MiB"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "fits 1GiB over 2 ranks (512.00 MiB per rank)" in out
+    assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward)" in out
+
+
+def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> None:
+    answers = []
+    limit = str(2 * _peak(6, 0) + 1)
+    for extra in ([], ["--streaming"]):
+        assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
+                     "--baseline", "0", "--json", *extra]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[1]["layers"] >= answers[0]["layers"] and answers[1]["streaming"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "2", "4", "--memory", "1GiB"], "--memory answers for one --world-size at a time"),
+    (["--world-size", "2", "--grow", "n_layers"],
+     "--grow, --streaming, --baseline and --json answer --memory"),
+    (["--world-size", "2", "--memory", "lots"], "bad --memory 'lots'"),
+    (["--world-size", "2", "--memory", "1KiB", "--grow", "n_layers", "--baseline", "0"],
+     "--memory 1KiB over 2 ranks: even the smallest model (1) needs"),
+])
+def test_plan_memory_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["plan", f"{TOY}:ToyGPT", *argv]) == 2
+    assert message in capsys.readouterr().err
