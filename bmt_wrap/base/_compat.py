@@ -56,6 +56,10 @@ def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype, devi
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
+# aten's view without the aliasing checks (reshape dispatches to it): a view op a sharded tensor answers.
+UNSAFE_VIEW_OP = torch.ops.aten._unsafe_view.default
+
+
 def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """The norm of each tensor (one multi-tensor kernel; what ``clip_grad_norm_`` calls)."""
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))

@@ -169,7 +169,7 @@ class Engine:
                 if old is not None and old is not new:
                     copy_tp_marks(old, new)
                     if self.tp is not None and tp_split_dim(new) is not None:
-                        new._layout.tp = self.tp  # its norms combine over the TP group too
+                        new.shard_layout.tp = self.tp  # its norms (and its gradient's) combine over TP too
             if self.tp is not None:
                 buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
         runtime = runtime or self.explicit

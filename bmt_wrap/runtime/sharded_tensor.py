@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ..base._compat import (
+    UNSAFE_VIEW_OP,
     disabled_torch_function,
     foreach_norm,
     inside_ddp_constructor,
@@ -208,7 +209,7 @@ _ELEMENTWISE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.z
                 aten.empty_like.default, aten.full_like.default, aten.masked_fill_.Scalar,
                 aten.masked_fill_.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
 # Views of a contiguous tensor that keep its flattened order: a flattened ShardedTensor is the same range.
-_ORDER_KEEPING_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+_ORDER_KEEPING_VIEWS = {aten.view.default, UNSAFE_VIEW_OP, aten.reshape.default,
                         aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
                         aten.squeeze.dims, aten.unsqueeze.default}
 _RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
