@@ -98,6 +98,8 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
     (["--world-size", "2", "--memory", "lots"], "bad --memory 'lots'"),
     (["--world-size", "2", "--memory", "1KiB", "--grow", "n_layers", "--baseline", "0"],
      "--memory 1KiB over 2 ranks: even the smallest model (1) needs"),
+    (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2"], "--memory answers for ZeRO-3 over every rank"),
+    (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "drop --tp-size/--shard-size"),
 ])
 def test_plan_memory_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["plan", f"{TOY}:ToyGPT", *argv]) == 2
