@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from optim import BF16_STEP_BYTES, compare, copy_bandwidth
+from report import publish
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from toy_gpt import ToyGPT, ToyGPTConfig
@@ -45,22 +47,23 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def optimizer_table(numel: int, steps: int) -> None:
+def optimizer_table(numel: int, steps: int) -> list[str]:
     """Section 1: our fused Adam against torch's, in ms per step and GB/s."""
     kernel = "CuPy kernel" if cupy_usable(torch.empty(0, device="cuda")) else "torch fused (CuPy not installed)"
     copy = copy_bandwidth(numel, "cuda")
-    print(f"## Fused Adam, {numel / 1e6:.0f}M elements, 100 parameter views of one flat buffer; ours: {kernel}; "
-          f"device copy bandwidth {copy / 1e9:.0f} GB/s\n")
-    print("| shard | ours ms | ours GB/s | torch fused ms | torch fused GB/s | ours / torch time |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"#### Fused Adam, {numel / 1e6:.0f}M elements, 100 parameter views of one flat buffer; ours: {kernel}; "
+             f"device copy bandwidth {copy / 1e9:.0f} GB/s", "",
+             "| shard | ours ms | ours GB/s | torch fused ms | torch fused GB/s | ours / torch time |",
+             "|---|---|---|---|---|---|"]
     for dtype, label, ours_bytes, torch_bytes in ((torch.float32, "fp32", FP32_STEP_BYTES, FP32_STEP_BYTES),
                                                  (torch.bfloat16, "bf16 (+fp32 master for ours)", BF16_STEP_BYTES,
                                                   TORCH_BF16_STEP_BYTES)):
         m = compare(numel, 100, dtype, steps, "cuda")
         ours, fused = m["ours"], m["torch fused"]
-        print(f"| {label} | {ours * 1e3:.2f} | {ours_bytes * numel / ours / 1e9:.0f} | {fused * 1e3:.2f} | "
-              f"{torch_bytes * numel / fused / 1e9:.0f} | {ours / fused:.2f}x |")
+        lines.append(f"| {label} | {ours * 1e3:.2f} | {ours_bytes * numel / ours / 1e9:.0f} | {fused * 1e3:.2f} | "
+                     f"{torch_bytes * numel / fused / 1e9:.0f} | {ours / fused:.2f}x |")
         torch.cuda.empty_cache()
+    return lines
 
 
 def train_step_stats(kind: str, cfg: ToyGPTConfig, batch: int, steps: int, warmup: int) -> dict:
@@ -88,7 +91,7 @@ def train_step_stats(kind: str, cfg: ToyGPTConfig, batch: int, steps: int, warmu
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-        loss = float(out)
+        loss = float(out.detach())
     peak = torch.cuda.max_memory_allocated()
     del model, opt, out
     torch.cuda.empty_cache()
@@ -96,36 +99,38 @@ def train_step_stats(kind: str, cfg: ToyGPTConfig, batch: int, steps: int, warmu
             "loss": loss}
 
 
-def model_table(layers: int, batch: int, steps: int) -> None:
+def model_table(layers: int, batch: int, steps: int) -> list[str]:
     """Section 2: plain, plain + torch checkpointing, and wrapped, on the same model and data."""
     cfg = ToyGPTConfig(vocab=32768, d_model=1024, n_layers=layers, n_heads=16, seq=1024)
     params = sum(p.numel() for p in ToyGPT(cfg).parameters())
-    print(f"\n## Training step, toy GPT {layers} x 1024, vocab {cfg.vocab}, {params / 1e6:.0f}M params, batch {batch} "
-          f"x seq {cfg.seq}, bf16 autocast, fused AdamW, {steps} steps after 3 warm-up\n")
-    print("| training | step ms: median (min-max) | vs plain | peak CUDA memory | vs plain | final loss |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"#### Training step, toy GPT {layers} x 1024, vocab {cfg.vocab}, {params / 1e6:.0f}M params, batch "
+             f"{batch} x seq {cfg.seq}, bf16 autocast, fused AdamW, {steps} steps after 3 warm-up", "",
+             "| training | step ms: median (min-max) | vs plain | peak CUDA memory | vs plain | final loss |",
+             "|---|---|---|---|---|---|"]
     rows = [train_step_stats(kind, cfg, batch, steps, 3) for kind in ("plain", "torch checkpoint", "bmt_wrap")]
     base = rows[0]
     for r in rows:
-        print(f"| {r['kind']} | {r['median'] * 1e3:.1f} ({r['min'] * 1e3:.1f}-{r['max'] * 1e3:.1f}) | "
-              f"{r['median'] / base['median']:.2f}x | {r['peak'] / 2**30:.2f} GiB | {r['peak'] / base['peak']:.2f}x | "
-              f"{r['loss']:.4f} |")
+        lines.append(f"| {r['kind']} | {r['median'] * 1e3:.1f} ({r['min'] * 1e3:.1f}-{r['max'] * 1e3:.1f}) | "
+                     f"{r['median'] / base['median']:.2f}x | {r['peak'] / 2**30:.2f} GiB | "
+                     f"{r['peak'] / base['peak']:.2f}x | {r['loss']:.4f} |")
+    return lines
 
 
 def main() -> None:
-    """Both sections, as Markdown tables for benchmarks/RESULTS.md."""
+    """Both sections, as Markdown tables, printed and written to ``--out`` (RESULTS.md quotes that file)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=100_000_000)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu.md")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(NO_CUDA)
     bmt.init_distributed(seed=0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}\n")
-    optimizer_table(args.numel, args.steps)
-    model_table(args.layers, args.batch, args.steps)
+    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    lines = [device, "", *optimizer_table(args.numel, args.steps), "", *model_table(args.layers, args.batch, args.steps)]
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,17 @@ def launch(source: str, function: str, device: torch.device, grid: int, block: i
 
     packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
     kernel = cupy_function(source, function)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+    with cupy.cuda.Device(device.index), _cupy_stream(cupy, torch.cuda.current_stream(device)):
         kernel((grid,), (block,), packed)
+
+
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream) -> Any:
+    """CuPy's view of a torch stream: ``Stream.from_external`` where CuPy has it (CuPy 14 deprecates
+    ``ExternalStream``, warning at every launch) and torch's stream speaks the CUDA stream protocol."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 def grid_for(numel: int, block: int, device: torch.device) -> int:
