@@ -516,10 +516,11 @@ def _full_reduction(op: str) -> Callable[[Any, tuple, dict], torch.Tensor]:
     return reduce
 
 
-def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
-    """``torch.equal``: same shape and every rank's range equal (one all-reduce)."""
-    a, b = args
-    if a.shape != b.shape or a.dtype != b.dtype:
+def _everywhere(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.equal`` / ``torch.allclose``: each rank compares its range, one all-reduce; every rank gets
+    the same answer (``equal`` is False for another shape or dtype, as torch's)."""
+    a, b = args[0], args[1]
+    if func is aten.equal.default and (a.shape != b.shape or a.dtype != b.dtype):
         return False
     ref = a if isinstance(a, ShardedTensor) else b
     lay = ref._layout
@@ -527,23 +528,9 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
         la, lb = _local_arg(a, lay, func, args, kwargs), _local_arg(b, lay, func, args, kwargs)
     except _NotLocal:
         return _materialize(func, args, kwargs)
-    same = torch.tensor([1.0 if torch.equal(la, lb) else 0.0], device=ref._local.device)
-    lay.all_reduce(same, "min", "equal")
-    return bool(same.item() == 1.0)
-
-
-def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
-    """``torch.allclose``: each rank compares its range, one all-reduce; every rank gets the same answer."""
-    a, b = args[0], args[1]
-    ref = a if isinstance(a, ShardedTensor) else b
-    lay = ref._layout
-    try:
-        la, lb = _local_arg(a, lay, func, args, kwargs), _local_arg(b, lay, func, args, kwargs)
-    except _NotLocal:
-        return _materialize(func, args, kwargs)
-    close = torch.tensor([1.0 if func(la, lb, *args[2:], **kwargs) else 0.0], device=ref._local.device)
-    lay.all_reduce(close, "min", "allclose")
-    return bool(close.item() == 1.0)
+    agree = torch.tensor([1.0 if func(la, lb, *args[2:], **kwargs) else 0.0], device=ref._local.device)
+    lay.all_reduce(agree, "min", func.__name__.split(".")[0])
+    return bool(agree.item() == 1.0)
 
 
 def _any_all(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -579,8 +566,8 @@ _SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.any.default: _any_all,
     aten.all.default: _any_all,
     aten.is_same_size.default: _is_same_size,
-    aten.equal.default: _equal,
-    aten.allclose.default: _allclose,
+    aten.equal.default: _everywhere,
+    aten.allclose.default: _everywhere,
     aten.new_zeros.default: _new_factory,
     aten.new_ones.default: _new_factory,
     aten.new_empty.default: _new_factory,

@@ -10,6 +10,7 @@ counting communicator like every other collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,48 +72,32 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim, "tp gather")
+DimFn = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
+
+
+class _AlongDim(torch.autograd.Function):
+    """A TP op along a dimension: ``forward_fn`` moves the value, ``backward_fn`` its gradient."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _own_slice(grad, ctx.comm, ctx.dim), None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.dim = comm, dim
-        return _own_slice(x.detach(), comm, dim)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int,  # type: ignore[override]
+                forward_fn: DimFn, backward_fn: DimFn) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.backward_fn = comm, dim, backward_fn
+        return forward_fn(x.detach(), comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.comm, ctx.dim, "tp scatter grad"), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.backward_fn(grad, ctx.comm, ctx.dim), None, None, None, None
 
 
-class _GatherSumGrads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim, "tp gather")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.comm, ctx.dim, "tp gather grad"), None, None
+def _labelled(fn: Callable[..., torch.Tensor], label: str) -> DimFn:
+    return lambda x, comm, dim: fn(x, comm, dim, label)
 
 
-class _ReduceScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, comm, dim, "tp reduce-scatter")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.comm, ctx.dim, "tp reduce-scatter grad"), None, None
+_GATHER = (_labelled(_all_gather, "tp gather"), _own_slice)
+_SCATTER = (_own_slice, _labelled(_all_gather, "tp scatter grad"))
+_GATHER_SUM_GRADS = (_labelled(_all_gather, "tp gather"), _labelled(_reduce_scatter, "tp gather grad"))
+_REDUCE_SCATTER = (_labelled(_reduce_scatter, "tp reduce-scatter"),
+                   _labelled(_all_gather, "tp reduce-scatter grad"))
 
 
 def _check_split(x: torch.Tensor, comm: Communicator, dim: int, what: str) -> None:
@@ -133,27 +118,27 @@ def reduce_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
     """Every TP rank's ``x`` concatenated along ``dim``; backward keeps this rank's slice of the gradient."""
-    return _GatherFromTP.apply(x, comm, dim)
+    return _AlongDim.apply(x, comm, dim, *_GATHER)
 
 
 def scatter_to_tp(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
     """This TP rank's slice of ``x`` along ``dim``; backward gathers the gradient's slices."""
     _check_split(x, comm, dim, "scatter_to_tp")
-    return _ScatterToTP.apply(x, comm, dim)
+    return _AlongDim.apply(x, comm, dim, *_SCATTER)
 
 
 def gather_sum_grads(x: torch.Tensor, comm: Communicator, dim: int = 0) -> torch.Tensor:
     """``gather_from_tp`` for a result each rank uses differently (its own tokens, its own output columns):
     backward sums the gradient over the group and keeps this rank's slice (one reduce-scatter), which is
     ``copy_to_tp`` after ``gather_from_tp`` at half the bytes."""
-    return _GatherSumGrads.apply(x, comm, dim)
+    return _AlongDim.apply(x, comm, dim, *_GATHER_SUM_GRADS)
 
 
 def reduce_scatter_to_tp(x: torch.Tensor, comm: Communicator, dim: int = 0) -> torch.Tensor:
     """``x`` summed over the TP group, this rank's slice along ``dim`` (``scatter_to_tp`` after
     ``reduce_from_tp`` at half the bytes); backward gathers the gradient's slices."""
     _check_split(x, comm, dim, "reduce_scatter_to_tp")
-    return _ReduceScatterToTP.apply(x, comm, dim)
+    return _AlongDim.apply(x, comm, dim, *_REDUCE_SCATTER)
 
 
 def gather_tp_slices(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:

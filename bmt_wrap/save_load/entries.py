@@ -69,8 +69,8 @@ class Entry:
     def destination(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The storage this rank's part lives in, when values of ``dtype`` can be read straight into it
         (a materialised shard of that dtype); else None, and ``assign`` takes a copy."""
-        if self.param is None or self.dtype != dtype:
-            return None
+        if self.param is None or self.dtype != dtype or self.tp_split:
+            return None  # a TP-split parameter's range is of its TP slice, not of the file's whole tensor
         local = self.param.to_local().detach()
         return local if not local.is_meta and local.is_contiguous() else None
 
