@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
-import json
 import importlib.util
 import inspect
+import json
 import re
 import sys
 import traceback

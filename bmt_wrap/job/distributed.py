@@ -23,7 +23,6 @@ from .. import errors
 from ..base._compat import default_store, release_group_defaults, release_mesh_groups
 from ..base.log import get_logger, set_rank_source
 from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError, UnsupportedError
-from ..runtime.sharded_materialize import materialize_stats, reset_materialize_stats
 from ..runtime.comm import (
     Communicator,
     CountingCommunicator,
@@ -36,6 +35,7 @@ from ..runtime.comm import (
     TorchCommunicator,
     cupy_available,
 )
+from ..runtime.sharded_materialize import materialize_stats, reset_materialize_stats
 
 BACKENDS = ("auto", "gloo", "nccl", "cupy")
 

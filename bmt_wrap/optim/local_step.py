@@ -146,7 +146,7 @@ def _twins(optimizer: torch.optim.Optimizer, params: list) -> list | None:
     cache = optimizer.__dict__.setdefault(_TWIN, {})
     key = tuple(map(id, params))
     hit = cache.get(id(params))
-    if hit is not None and hit[0] == key and all(t is p or t is _twin(p) for p, t in zip(params, hit[1])):
+    if hit is not None and hit[0] == key and all(t is p or t is _twin(p) for p, t in zip(params, hit[1], strict=True)):
         return hit[1]
     if not any(isinstance(p, ShardedTensor) for p in params):
         return None

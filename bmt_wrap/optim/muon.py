@@ -111,7 +111,7 @@ def _orthogonalize(optimizer: torch.optim.Muon, gi: int, group: dict, params: li
         s, e = _range(params[i], r)
         at = plan.back_offsets.get((i, r), 0)
         out[i] = returned[at:at + e - s]
-    for i, p in enumerate(params):
+    for i in range(len(params)):
         if out[i] is None:  # this rank holds none of it
             out[i] = updates[i][:0]
     return out  # type: ignore[return-value]

@@ -290,7 +290,7 @@ class BlockCall:
                 f"forward saved {_summary(self.packed)}. The block depends on state that changed between forward "
                 "and backward; turn checkpointing off for it (BMTrainModelWrapper(model, checkpoint=False) or the "
                 "plan's checkpoint flag).")
-        for i, (a, b) in enumerate(zip(self.packed_values or [], saved)):
+        for i, (a, b) in enumerate(zip(self.packed_values or [], saved, strict=False)):
             if a.is_floating_point() and not torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
                 diff = float((a.double() - b.detach().double()).abs().max())
                 raise RecomputeError(

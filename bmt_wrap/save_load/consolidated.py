@@ -21,8 +21,8 @@ from ..job.tp_values import whole_value
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from .agree import agree
-from .entries import Entry, by_buffer, materialize, meta_names, model_entries
 from .directory import FilesSource, open_checkpoint
+from .entries import Entry, by_buffer, materialize, meta_names, model_entries
 from .formats import SafetensorsWriter, Source, TorchWriter, file_format
 
 

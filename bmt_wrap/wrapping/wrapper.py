@@ -13,17 +13,21 @@ from .. import passes
 from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
+from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError, WrapError
 from ..explicit.block import CheckpointBlock
 from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
-from ..base.tp_plan import TensorParallelPlan
 from .apply_plan import apply_plan, is_wrapped, update_schedule
-from .tensor_parallel import (apply_tensor_parallel, guard_tp_inputs, tensor_parallel_layout,
-                              tensor_parallel_section)
 from .consistency import check_same_wrap
 from .generate import attach_generate
+from .tensor_parallel import (
+    apply_tensor_parallel,
+    guard_tp_inputs,
+    tensor_parallel_layout,
+    tensor_parallel_section,
+)
 from .verify import attach_verify
 
 
