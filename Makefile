@@ -2,6 +2,7 @@
 #   make demo   - install, then train a small GPT on 2 ranks with torchrun (gloo on CPU, NCCL on GPU)
 #   make test   - install, then run the whole test suite
 #   make test-fast - install, then run only the tests that start no process (the inner loop; CI runs `make test`)
+#   make install-bench - the test venv plus the benchmarks' peers (DeepSpeed, CPU build)
 #   make check-cuda - compile-check the CUDA kernels with nvcc and with NVRTC as CuPy does (no GPU needed)
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13$(comma)<2.15,torch==2.13.0)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 
-.PHONY: demo test test-fast install-test install-examples check-cuda clean
+.PHONY: demo test test-fast install-test install-bench install-examples check-cuda clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,11 @@ $(VENV)/.torch: | $(VENV)/bin/python
 
 install-test: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[test]"
+
+# The benchmarks' peers beyond torch's own: DeepSpeed (an sdist whose build imports torch, so it is built
+# against the venv's torch instead of pulling another into an isolated build environment; no CUDA ops).
+install-bench: install-test
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
 
 install-examples: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[examples]"
