@@ -1,7 +1,8 @@
 """The largest model each system trains under a memory limit: a GPT (d_model 1024, seq 128) grown by layers.
 
     nice python benchmarks/capacity.py [--budgets 4GiB,8GiB] [--world-size 2]
-        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget] [--steps 3]
+        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_mmap]
+        [--steps 3]
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
 For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
@@ -14,8 +15,10 @@ exact) is within B too. Each probe is a fresh set of rank processes (gloo, ``OMP
 bmt_wrapper's largest run is compared with one process training the same model on the same data
 (the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
-baseline, the root group's backward and a 64 MiB allocator margin. The machine's load during the run is
-written under the table.
+baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_mmap`` is the wrapper in
+processes started with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed tensors leave the process: the plan's
+assumption); every other system runs with glibc's defaults. The machine's load during the run is written
+under the table.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 D_MODEL, SEQ, VOCAB = 1024, 128, 8192
-DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget"]
+DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget",
+                   "bmt_wrapper_mmap"]
+# bmt_wrapper_mmap: the wrapper in processes whose glibc maps every allocation of 1 MiB or more and unmaps it
+# when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+PREDICTED = ("bmt_wrapper", "bmt_wrapper_mmap")  # the systems whose size the plan's answer is
 GIB = 2**30
 
 
@@ -61,8 +69,8 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
     import torch  # noqa: F401 - the baseline includes it
     from systems import SYSTEMS
     from toy_gpt import ToyGPT, ToyGPTConfig
-    from workloads import WORKLOADS, Workload, _toy_loss
     from worker import run
+    from workloads import WORKLOADS, Workload, _toy_loss
 
     import bmt_wrap as bmt
 
@@ -93,6 +101,7 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
         return bmt.BMTrainModelWrapper(model, memory_budget=spare)
 
     SYSTEMS["bmt_wrapper_budget"] = budget
+    SYSTEMS["bmt_wrapper_mmap"] = SYSTEMS["bmt_wrapper"]  # the same wrapper; its processes' allocator differs
     result = run(system, name, steps, 0, SEQ, global_batch)
     result["baseline"] = baseline
     out.write_text(json.dumps(result))
@@ -102,7 +111,6 @@ def _deepspeed(build, wl, steps: int, n: int) -> dict:
     """DeepSpeed ZeRO-3 (its AdamW, lr and weight decay as the other systems') on gloo: the same model,
     batches and timing between barriers as ``worker.run``."""
     import deepspeed
-    import torch
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -150,6 +158,8 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        DS_ACCELERATOR="cpu")
+            if system == "bmt_wrapper_mmap":
+                env.update(MMAP_ENV)
             cmd = [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit),
                    str(world), str(Path(tmp) / f"{rank}.json")]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -254,10 +264,9 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
     head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
             "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
             "Δloss vs 1 process", "probes"]
-    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)")
     lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
              f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
-             f"MALLOC_MMAP_THRESHOLD_={mmap}", "",
+             f"host allocator: {allocator_setting()}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
@@ -266,6 +275,14 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
             "loss", "dloss", "probes")) + " |")
     lines += ["", "machine load while it ran: " + "; ".join(loads)]
     return lines
+
+
+def allocator_setting() -> str:
+    """The host allocator's settings the probes ran with, in words."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} for every system"
+    return ("glibc's defaults, except bmt_wrapper_mmap: "
+            + ", ".join(f"{k}={v}" for k, v in MMAP_ENV.items()))
 
 
 def _fmt_gib(b: float) -> str:
@@ -317,10 +334,10 @@ def main() -> None:
                        step_s=f"{statistics.median(times):.2f}", loss=f"{res[0]['losses'][-1]:.4f}",
                        predicted=(f"{prediction['layers']} layers, "
                                   f"{_fmt_gib(prediction['peak_per_rank'])}/rank"
-                                  if system == "bmt_wrapper" else "-"))
+                                  if system in PREDICTED else "-"))
             at_prediction = [r for r in log if r["system"] == system and r["limit"] == limit and r["ok"]
                              and r["layers"] == prediction["layers"]]
-            if system == "bmt_wrapper" and at_prediction:  # measured at the predicted size
+            if system in PREDICTED and at_prediction:  # measured at the predicted size
                 row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
             if system == "ddp":
                 ddp_layers = best["layers"]

@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The host allocator setting under which the process holds what its tensors hold (docs/design.md "Capacity").
+EXACT_ALLOCATOR = "MALLOC_MMAP_THRESHOLD_=1048576"
+
+
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS), or 0 where /proc is absent."""
     try:
@@ -293,13 +297,15 @@ def _capacity(opts: argparse.Namespace) -> str:
         total, detail = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
               "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
-              "streaming": opts.streaming}
+              "streaming": opts.streaming, "assumes": EXACT_ALLOCATOR}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
             if opts.grow else f"{'fits' if answer['fits'] else 'does not fit'} {opts.memory} over {n} ranks "
                               f"({fmt_bytes(limit // n)} per rank)")
-    return f"{opts.model}: {head}\n  {detail}"
+    return (f"{opts.model}: {head}\n  {detail}\n  counts tensors: exact for a job run with {EXACT_ALLOCATOR} "
+            "(freed tensors leave the process); under glibc's default its heap can hold more (docs/design.md "
+            "\"Capacity\")")
 
 
 def _run(opts: argparse.Namespace) -> str:

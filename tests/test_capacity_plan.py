@@ -71,6 +71,7 @@ def test_plan_memory_grow_answers_the_largest_layer_count(capsys: pytest.Capture
     assert answer["layers"] == 6 and answer["peak_per_rank"] == _peak(6, baseline)
     assert _peak(7, baseline) > limit // 2
     assert answer["fits"] and answer["baseline"] == baseline and answer["limit_per_rank"] == limit // 2
+    assert answer["assumes"] == "MALLOC_MMAP_THRESHOLD_=1048576"
 
 
 def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,6 +80,8 @@ def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) ->
     assert code == 0, err
     assert "fits 1GiB over 2 ranks (512.00 MiB per rank)" in out
     assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward)" in out
+    # The allocator setting the count is exact for (docs/design.md "Capacity") is stated with the answer.
+    assert "exact for a job run with MALLOC_MMAP_THRESHOLD_=1048576" in out
 
 
 def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> None:
