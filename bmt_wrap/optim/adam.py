@@ -160,18 +160,22 @@ class AdamOptimizer(torch.optim.Optimizer):
         return loss
 
     def _item(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        g = p.grad
         local = local_view(p).detach()
-        if g is None:
+        if p.grad is None:
             return (local,)
-        if g.is_sparse:
-            raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
-                                 "nn.Embedding(sparse=True)): build that layer with sparse=False")
+        grad = self._dense_grad(p)
         state = self.state[p]
         if not state:
             self._init_state(p, state)
         master = (state["master"],) if "master" in state else ()
-        return (local, local_view(g), state["exp_avg"], state["exp_avg_sq"]) + master
+        return (local, grad, state["exp_avg"], state["exp_avg_sq"]) + master
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s gradient over its local range; sparse gradients are refused."""
+        if p.grad.is_sparse:
+            raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
+                                 "nn.Embedding(sparse=True)): build that layer with sparse=False")
+        return local_view(p.grad)
 
     def _advance(self, p: torch.Tensor, group: dict[str, Any]) -> AdamHyper:
         state = self.state[p]
