@@ -1,7 +1,8 @@
 """The largest model each system trains under a memory limit: a GPT (d_model 1024, seq 128) grown by layers.
 
     nice python benchmarks/capacity.py [--budgets 4GiB,8GiB] [--world-size 2]
-        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget] [--steps 3]
+        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_disk]
+        [--steps 3]
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
 For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
@@ -14,8 +15,11 @@ exact) is within B too. Each probe is a fresh set of rank processes (gloo, ``OMP
 bmt_wrapper's largest run is compared with one process training the same model on the same data
 (the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
-baseline, the root group's backward and a 64 MiB allocator margin. The machine's load during the run is
-written under the table.
+baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_disk`` is the wrapper
+trained by ``bmt.optim.AdamDiskOptimizer`` (Adam's moments in a file per rank under ``$BMT_OPTIMIZER_DIR``
+or the temp dir, which must be a disk, not tmpfs), predicted by ``bmt-wrap plan --memory B
+--optimizer-state disk``; its row gives the bytes each rank read and wrote per step, measured and planned.
+The machine's load during the run is written under the table.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 D_MODEL, SEQ, VOCAB = 1024, 128, 8192
-DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget"]
+DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget",
+                   "bmt_wrapper_disk"]
+#: Systems the plan predicts, and the ``bmt-wrap plan`` options that describe them.
+PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"]}
 GIB = 2**30
 
 
@@ -215,13 +222,14 @@ def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
             return best
 
 
-def predict(limit: int, world: int) -> dict:
-    """``bmt-wrap plan --memory`` on this model: the largest layer count and its per-rank peak."""
+def predict(limit: int, world: int, options: list[str]) -> dict:
+    """``bmt-wrap plan --memory`` (with ``options``) on this model: the largest layer count and its per-rank
+    peak."""
     # ``bmt-wrap plan`` in a fresh process: its baseline is what a rank holds before building the model.
     out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
                           "plan", f"{__file__}:capacity_model",
                           "--world-size", str(world), "--memory", str(limit), "--grow", "n_layers",
-                          "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json"],
+                          "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json", *options],
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"bmt-wrap plan failed: {out.stderr[-2000:]}")
@@ -253,7 +261,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
     """The Markdown table and the lines around it."""
     head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
             "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
-            "Δloss vs 1 process", "probes"]
+            "Δloss vs 1 process", "disk read+written/step/rank (plan)", "probes"]
     mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)")
     lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
              f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
@@ -263,7 +271,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
         lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
             "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "vs_plan",
             "step_s",
-            "loss", "dloss", "probes")) + " |")
+            "loss", "dloss", "disk_io", "probes")) + " |")
     lines += ["", "machine load while it ran: " + "; ".join(loads)]
     return lines
 
@@ -296,12 +304,15 @@ def main() -> None:
     reference: dict[int, dict] = {}
     for text in args.budgets.split(","):
         limit = parse_size(text)
-        prediction = predict(limit, args.world_size)
+        systems = args.systems.split(",")
+        predictions = {s: predict(limit, args.world_size, options) for s, options in PREDICTED.items()
+                       if s in systems or s == "bmt_wrapper"}  # bmt_wrapper's also starts bmt_wrapper_budget
         ddp_layers = None
-        for system in args.systems.split(","):
+        for system in systems:
             if system == "deepspeed_zero3" and (missing := deepspeed_missing()):
                 rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
                 continue
+            prediction = predictions.get(system, predictions["bmt_wrapper"])
             start = prediction["layers"] if system.startswith("bmt") else starts.get(system)
             best = search(system, limit, start, args, log)
             probes = sum(1 for r in log if r["system"] == system and r["limit"] == limit)
@@ -317,11 +328,15 @@ def main() -> None:
                        step_s=f"{statistics.median(times):.2f}", loss=f"{res[0]['losses'][-1]:.4f}",
                        predicted=(f"{prediction['layers']} layers, "
                                   f"{_fmt_gib(prediction['peak_per_rank'])}/rank"
-                                  if system == "bmt_wrapper" else "-"))
+                                  if system in PREDICTED else "-"))
             at_prediction = [r for r in log if r["system"] == system and r["limit"] == limit and r["ok"]
                              and r["layers"] == prediction["layers"]]
-            if system == "bmt_wrapper" and at_prediction:  # measured at the predicted size
+            if system in PREDICTED and at_prediction:  # measured at the predicted size
                 row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
+            if res[0].get("disk_io"):
+                io = max(r["disk_io"]["read"] + r["disk_io"]["written"] for r in res)
+                planned = 2 * prediction["disk_read_per_step"] if best["layers"] == prediction["layers"] else None
+                row["disk_io"] = _fmt_gib(io) + (f" ({_fmt_gib(planned)})" if planned else "")
             if system == "ddp":
                 ddp_layers = best["layers"]
             row["vs_ddp"] = f"{best['layers'] / ddp_layers:.2f}x" if ddp_layers else "-"
