@@ -244,3 +244,86 @@ def test_wrapped_model_trains_identically(world_size: int, dtype: str, tmp_path:
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
         assert b["io"].read == b["io"].written > 0
     assert os.listdir(tmp_path) == [], "close() deletes each rank's state file"
+
+
+def _resume_body(tmp: str) -> None:
+    n, r = bmt.world_size(), bmt.rank()
+    batches = lm_batches(4, 4, seed=2)
+
+    def setup(seed: int) -> tuple:
+        torch.manual_seed(seed)
+        model = bmt.BMTrainModelWrapper(ToyGPT())
+        mgr = bmt.optim.OptimManager(loss_scale=2.0 ** 10)
+        opt = AdamDiskOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, offload_dir=tmp,
+                                chunk_bytes=MIN_CHUNK_BYTES)
+        mgr.add_optimizer(opt)
+        return model, mgr, opt
+
+    def train(model, mgr, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            idx, tgt = batches[step]
+            loss = model(idx.chunk(n)[r], tgt.chunk(n)[r])
+            mgr.backward(loss)
+            mgr.step()
+            mgr.zero_grad()
+            losses.append(float(bmt.sum_loss(loss)))
+        return losses
+
+    model, mgr, opt = setup(0)
+    train(model, mgr, range(2))
+    bmt.save_checkpoint(Path(tmp) / "ckpt", model, mgr, step=2)
+    straight = train(model, mgr, range(2, 4))
+    resumed_model, resumed_mgr, resumed_opt = setup(1)
+    bmt.load_checkpoint(Path(tmp) / "ckpt", resumed_model, resumed_mgr)
+    assert train(resumed_model, resumed_mgr, range(2, 4)) == straight
+    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    opt.close()
+    resumed_opt.close()
+
+
+def test_checkpoint_resume_is_bit_exact_on_two_ranks(tmp_path: Path) -> None:
+    run_distributed(_resume_body, 2, str(tmp_path))
+
+
+def _dcp_body(tmp: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    n, r = bmt.world_size(), bmt.rank()
+    batches = lm_batches(4, 4, seed=3)
+
+    def setup(seed: int) -> tuple:
+        torch.manual_seed(seed)
+        model = bmt.BMTrainModelWrapper(ToyGPT())
+        return model, AdamDiskOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, offload_dir=tmp)
+
+    def train(model, opt, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            idx, tgt = batches[step]
+            loss = model(idx.chunk(n)[r], tgt.chunk(n)[r])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(bmt.sum_loss(loss)))
+        return losses
+
+    model, opt = setup(0)
+    train(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(tmp) / "dcp")
+    straight = train(model, opt, range(2, 4))
+    model2, opt2 = setup(1)
+    msd, osd = get_state_dict(model2, opt2)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=Path(tmp) / "dcp")
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert train(model2, opt2, range(2, 4)) == straight
+    opt.close()
+    opt2.close()
+
+
+def test_dcp_round_trip_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
+    run_distributed(_dcp_body, 2, str(tmp_path))

@@ -312,11 +312,15 @@ class AdamDiskOptimizer(AdamOptimizer):
         return -(-n // chunk)
 
     # ---- checkpoints ----------------------------------------------------------------------------------
+    def full_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """``self.state`` as ``AdamOptimizer`` keeps it (what checkpoints save): each parameter's state
+        tensors read from the file into new memory, beside its step count."""
+        return defaultdict(dict, {p: {**st, **self._read_state(p)} if p in self._places else dict(st)
+                                  for p, st in self.state.items()})
+
     def state_dict(self) -> dict[str, Any]:
         """The state as ``AdamOptimizer`` gives it: its tensors are read from the file into memory."""
-        live = self.state
-        self.state = defaultdict(dict, {p: {**st, **self._read_state(p)} if p in self._places else dict(st)
-                                        for p, st in live.items()})
+        live, self.state = self.state, self.full_state()
         try:
             return super().state_dict()
         finally:
