@@ -187,6 +187,8 @@ def test_truncated_file_raises_naming_it_and_close_deletes_it(tmp_path: Path) ->
         opt.step()
     opt.close()
     assert not os.path.exists(os.path.dirname(path))
+    with pytest.raises(OptimizerError, match="was closed"):
+        opt.step()
     other = AdamDiskOptimizer([p], offload_dir=tmp_path)
     directory = os.path.dirname(other.state_path)
     del other

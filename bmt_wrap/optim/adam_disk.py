@@ -20,9 +20,9 @@ from .fusion import plan_runs
 from .grad_scaler_guard import check_no_grad_scaler
 from .state_file import IOStats, StateFile
 
-#: Default staging buffer: 32 MiB moves ~2.8M elements' state per read (bf16: moments, master, gradient).
+#: Default staging buffer: 32 MiB, a pass over 4M fp32 parameter elements (two 4-byte moments each) or
+#: 2M bf16 ones (moments, master and the gradient's fp32 copy).
 DEFAULT_CHUNK_BYTES = 32 * 2**20
-
 
 #: Chunks are cut at multiples of this many elements from the start of a fused range, so the fused kernel
 #: (whose vector loops and per-thread ranges work in 64-byte units) rounds every element as it would in
@@ -55,8 +55,8 @@ class _Place(NamedTuple):
 
 
 class _Piece(NamedTuple):
-    """A range updated as one tensor by the in-memory optimizer: ``count`` elements from ``start`` of
-    ``param``/``grad`` (1-D), whose state starts at element ``state_start`` of ``region``."""
+    """1-D ranges of parameter and gradient that the in-memory optimizer updates as one tensor, whose
+    state starts at element ``state_start`` of ``region``."""
 
     param: torch.Tensor
     grad: torch.Tensor

@@ -62,8 +62,14 @@ class StateFile:
         """Close and delete the file (idempotent)."""
         self._finalizer()
 
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise OptimizerError(f"optimizer state file {self.path!r} was closed (close() deletes it): build a "
+                                 "new optimizer, or load its state_dict() into one")
+
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` of zeros at the end of the file; return their offset."""
+        self._check_open()
         offset = self.size
         if nbytes > 0:
             try:
@@ -77,6 +83,7 @@ class StateFile:
 
     def read(self, dst: torch.Tensor, offset: int) -> None:
         """Fill contiguous host tensor ``dst`` from the file at ``offset``."""
+        self._check_open()
         view = _bytes_of(dst)
         done = 0
         while done < len(view):
@@ -93,6 +100,7 @@ class StateFile:
 
     def write(self, src: torch.Tensor, offset: int) -> None:
         """Write contiguous host tensor ``src`` into the file at ``offset``."""
+        self._check_open()
         view = _bytes_of(src)
         done = 0
         while done < len(view):
