@@ -90,6 +90,21 @@ def test_equals_in_memory_bit_for_bit_with_chunks_inside_parameters(dtype: torch
     _assert_same(mem, disk, opt_mem, opt_disk)
 
 
+def test_master_ranges_are_cut_where_the_in_memory_scratch_fills(tmp_path: Path) -> None:
+    # AdamOptimizer streams master ranges through a 2^22-element scratch filled across ranges in storage
+    # order, so the second parameter is cut 1,194,303 elements in (4,194,304 - 3,000,001): there the fused
+    # kernel's scalar tail rounds 15 elements, as the disk optimizer's must, or the last bits differ.
+    # (Both sets of parameters lie in one buffer, 64 elements apart: two runs, in the same order.)
+    sizes = (3_000_001, 2_999_999)
+    flat = torch.randn(sum(sizes) + 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    mem, disk = ([torch.nn.Parameter(buf[:sizes[0]]), torch.nn.Parameter(buf[sizes[0] + 64:])]
+                 for buf in (flat, flat.clone()))
+    opt_mem = AdamOptimizer(mem, lr=1e-2, weight_decay=0.01)
+    opt_disk = AdamDiskOptimizer(disk, lr=1e-2, weight_decay=0.01, offload_dir=tmp_path)
+    _train([(mem, opt_mem), (disk, opt_disk)], 2, torch.bfloat16)
+    _assert_same(mem, disk, opt_mem, opt_disk)
+
+
 def test_a_parameter_without_gradient_keeps_its_state_as_in_memory(tmp_path: Path) -> None:
     mem = _flat_params([300, 200, 100], gap=16, dtype=torch.bfloat16)
     disk = _clone(mem)
