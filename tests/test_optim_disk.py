@@ -278,6 +278,27 @@ def test_wrapped_model_trains_identically(world_size: int, dtype: str, tmp_path:
     assert os.listdir(tmp_path) == [], "close() deletes each rank's state file"
 
 
+def _before_wrapping_body(kind: str, offload_dir: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = ToyGPT(d=32, n_layers=3)
+    opt = (AdamOptimizer(model.parameters(), lr=3e-3, weight_decay=0.01) if kind == "memory" else
+           AdamDiskOptimizer(model.parameters(), lr=3e-3, weight_decay=0.01, offload_dir=offload_dir))
+    batches = lm_batches(3, 2, seed=6)
+    for step, (idx, tgt) in enumerate(batches):
+        if step == 1:  # one step on the plain model, then wrap it under the optimizer's feet
+            model = bmt.BMTrainModelWrapper(model)
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().to_local().clone() for p in model.parameters()]
+
+
+def test_stepped_before_wrapping_carries_its_state_over(tmp_path: Path) -> None:
+    mem = run_distributed(_before_wrapping_body, 1, "memory", str(tmp_path))[0]
+    disk = run_distributed(_before_wrapping_body, 1, "disk", str(tmp_path))[0]
+    assert all(torch.equal(a, b) for a, b in zip(mem, disk, strict=True))
+
+
 def _resume_body(tmp: str) -> None:
     n, r = bmt.world_size(), bmt.rank()
     batches = lm_batches(4, 4, seed=2)

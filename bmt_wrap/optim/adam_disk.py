@@ -238,7 +238,7 @@ class AdamDiskOptimizer(AdamOptimizer):
         state = self.state[p]
         if state and p not in self._places:
             raise OptimizerError(f"{type(self).__name__} has state for a parameter it never placed in its "
-                                 "file (an optimizer built before wrapping?): build it after wrapping")
+                                 "file (set in optimizer.state by hand?): give state with load_state_dict()")
         if not state:
             self._init_state(p, state)
         return (local, grad)
