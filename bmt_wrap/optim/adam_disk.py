@@ -16,7 +16,6 @@ from ..runtime.sharded_tensor import local_view
 from . import torch_adam
 from .adam import AdamOptimizer
 from .adam_math import AdamHyper
-from .fusion import plan_runs
 from .grad_scaler_guard import check_no_grad_scaler
 from .state_file import IOStats, StateFile
 
@@ -119,16 +118,10 @@ class AdamDiskOptimizer(AdamOptimizer):
     def _reserve(self) -> None:
         """Place every trainable parameter not yet placed as ``AdamOptimizer`` lays out its memory: adjacent
         views of one flat buffer share a region, at the same relative offsets, so runs fuse over it too."""
-        params = [p for g in self.param_groups for p in g["params"]
-                  if p.requires_grad and p not in self._places]
-        items = [(local_view(p).detach(),) for p in params]
-        for run in plan_runs(items, [0] * len(items)):
-            (cover,) = run.views(items)
+        for cover, members in self._layout_runs(self._places):
             region = self._region(cover, cover.numel())
-            for i in run.members:
-                (local,) = items[i]
-                start = 0 if len(run.members) == 1 else local.storage_offset() - cover.storage_offset()
-                self._places[params[i]] = _Place(region, start, local.numel())
+            for p, local, start in members:
+                self._places[p] = _Place(region, start, local.numel())
 
     def _place(self, p: torch.Tensor) -> _Place:
         """``p``'s place in the file."""
