@@ -335,7 +335,8 @@ def main() -> None:
                 row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
             if res[0].get("disk_io"):
                 io = max(r["disk_io"]["read"] + r["disk_io"]["written"] for r in res)
-                planned = 2 * prediction["disk_read_per_step"] if best["layers"] == prediction["layers"] else None
+                at_plan = best["layers"] == prediction["layers"]
+                planned = 2 * prediction["disk_read_per_step"] if at_plan else None
                 row["disk_io"] = _fmt_gib(io) + (f" ({_fmt_gib(planned)})" if planned else "")
             if system == "ddp":
                 ddp_layers = best["layers"]

@@ -69,7 +69,7 @@ def block_medians(steps: dict[str, Callable[[], object]], rounds: int, device: s
 
 def compare(numel: int, views: int, dtype: torch.dtype, rounds: int, device: str,
             disk_dir: str) -> dict[str, float]:
-    """Median step times of ours, torch fused and torch foreach (and ours on disk, on the CPU) on one shard."""
+    """Median step times of ours, torch fused, torch foreach (and ours on disk, on the CPU) on one shard."""
     params = flat_shard(numel, views, dtype, device)
     optimizers = {
         "ours": AdamOptimizer(params, lr=1e-4, weight_decay=0.01),
@@ -77,7 +77,8 @@ def compare(numel: int, views: int, dtype: torch.dtype, rounds: int, device: str
         "torch foreach": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
     }
     if device == "cpu":
-        optimizers["ours on disk"] = AdamDiskOptimizer(params, lr=1e-4, weight_decay=0.01, offload_dir=disk_dir)
+        optimizers["ours on disk"] = AdamDiskOptimizer(params, lr=1e-4, weight_decay=0.01,
+                                                       offload_dir=disk_dir)
     medians = block_medians({name: opt.step for name, opt in optimizers.items()}, rounds, device)
     assert optimizers["ours"].last_step_runs == 1, "the flat shard is updated by one fused call"
     return medians
@@ -97,7 +98,8 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per optimizer (median reported)")
     parser.add_argument("--views", type=int, default=100, help="parameter views in the engine-layout shard")
-    parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where AdamDiskOptimizer's file goes")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
+                        help="where AdamDiskOptimizer's file goes")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {args.numel / 1e6:.0f}M elements, "

@@ -138,4 +138,5 @@ SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
 #: Systems that bring their own optimizer (the others train with ``torch.optim.AdamW(lr=1e-4, fused=True)``).
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {"bmt_wrapper_disk": adam_on_disk}
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
-OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2", "bmt_wrapper_disk")
+OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2",
+        "bmt_wrapper_disk")

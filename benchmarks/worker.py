@@ -2,7 +2,8 @@
 
 Every system builds the same seeded model, trains it on this rank's slice of the same global batches
 (the single-process system on the whole batch) with ``torch.optim.AdamW(fused=True)`` (or the system's own
-optimizer: ``systems.OPTIMIZERS``), and times each step between barriers. Communication is read from ``bmt.comm_stats()`` around the step only.
+optimizer: ``systems.OPTIMIZERS``), and times each step between barriers. Communication is read from
+``bmt.comm_stats()`` around the step only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Optimizers on sharded parameters: fused Adam (in memory, in host memory or on disk), OptimManager, clipping."""
+"""Optimizers on sharded parameters: fused Adam (in memory, host memory, on disk), OptimManager, clipping."""
 
 from .adam import AdamOptimizer
 from .adam_disk import AdamDiskOptimizer
@@ -11,6 +11,6 @@ from .optim_manager import OptimManager
 from .sharding import REPLICATED_ATTR
 
 __all__ = [
-    "AdamDiskOptimizer", "AdamOffloadOptimizer", "AdamOptimizer", "Muon", "OptimManager", "REPLICATED_ATTR", "Run",
-    "check_no_grad_scaler", "clip_grad_norm_", "install_grad_scaler_guard", "muon_plan", "plan_runs",
+    "AdamDiskOptimizer", "AdamOffloadOptimizer", "AdamOptimizer", "Muon", "OptimManager", "REPLICATED_ATTR",
+    "Run", "check_no_grad_scaler", "clip_grad_norm_", "install_grad_scaler_guard", "muon_plan", "plan_runs",
 ]

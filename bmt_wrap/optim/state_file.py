@@ -64,8 +64,8 @@ class StateFile:
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
-            raise OptimizerError(f"optimizer state file {self.path!r} was closed (close() deletes it): build a "
-                                 "new optimizer, or load its state_dict() into one")
+            raise OptimizerError(f"optimizer state file {self.path!r} was closed (close() deletes it): "
+                                 "build a new optimizer, or load its state_dict() into one")
 
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` of zeros at the end of the file; return their offset."""
