@@ -1,7 +1,8 @@
 """The largest model each system trains under a memory limit: a GPT (d_model 1024, seq 128) grown by layers.
 
     nice python benchmarks/capacity.py [--budgets 4GiB,8GiB] [--world-size 2]
-        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_mmap]
+        [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_mmap,
+                   bmt_wrapper_disk]
         [--steps 3]
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
@@ -17,8 +18,11 @@ bmt_wrapper's largest run is compared with one process training the same model o
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
 baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_mmap`` is the wrapper in
 processes started with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed tensors leave the process: the plan's
-assumption); every other system runs with glibc's defaults. The machine's load during the run is written
-under the table.
+assumption, docs/design.md "Capacity"). ``bmt_wrapper_disk`` is that, trained by
+``bmt.optim.AdamDiskOptimizer`` (Adam's moments in a file per rank under ``$BMT_OPTIMIZER_DIR`` or the temp
+dir, which must be a disk, not tmpfs), predicted by ``bmt-wrap plan --memory B --optimizer-state disk``; its
+row gives the bytes each rank read and wrote per step, measured and planned. Every other system runs with
+glibc's defaults. The machine's load during the run is written under the table.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 D_MODEL, SEQ, VOCAB = 1024, 128, 8192
 DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget",
-                   "bmt_wrapper_mmap"]
-# bmt_wrapper_mmap: the wrapper in processes whose glibc maps every allocation of 1 MiB or more and unmaps it
-# when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
+                   "bmt_wrapper_mmap", "bmt_wrapper_disk"]
+# Systems whose processes get MALLOC_MMAP_THRESHOLD_: glibc maps every allocation of 1 MiB or more and unmaps
+# it when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-PREDICTED = ("bmt_wrapper", "bmt_wrapper_mmap")  # the systems whose size the plan's answer is
+MMAP_SYSTEMS = ("bmt_wrapper_mmap", "bmt_wrapper_disk")
+#: Systems the plan predicts, and the ``bmt-wrap plan`` options that describe them.
+PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_mmap": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"]}
 GIB = 2**30
 
 
@@ -158,7 +164,7 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        DS_ACCELERATOR="cpu")
-            if system == "bmt_wrapper_mmap":
+            if system in MMAP_SYSTEMS:
                 env.update(MMAP_ENV)
             cmd = [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit),
                    str(world), str(Path(tmp) / f"{rank}.json")]
@@ -225,13 +231,14 @@ def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
             return best
 
 
-def predict(limit: int, world: int) -> dict:
-    """``bmt-wrap plan --memory`` on this model: the largest layer count and its per-rank peak."""
+def predict(limit: int, world: int, options: list[str]) -> dict:
+    """``bmt-wrap plan --memory`` (with ``options``) on this model: the largest layer count and its per-rank
+    peak."""
     # ``bmt-wrap plan`` in a fresh process: its baseline is what a rank holds before building the model.
     out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
                           "plan", f"{__file__}:capacity_model",
                           "--world-size", str(world), "--memory", str(limit), "--grow", "n_layers",
-                          "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json"],
+                          "--input", f"int64[1,{SEQ}]", "--input", f"int64[1,{SEQ}]", "--json", *options],
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"bmt-wrap plan failed: {out.stderr[-2000:]}")
@@ -263,7 +270,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
     """The Markdown table and the lines around it."""
     head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
             "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
-            "Δloss vs 1 process", "probes"]
+            "Δloss vs 1 process", "disk read+written/step/rank (plan)", "probes"]
     lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
              f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
              f"host allocator: {allocator_setting()}", "",
@@ -272,7 +279,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
         lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
             "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "vs_plan",
             "step_s",
-            "loss", "dloss", "probes")) + " |")
+            "loss", "dloss", "disk_io", "probes")) + " |")
     lines += ["", "machine load while it ran: " + "; ".join(loads)]
     return lines
 
@@ -281,7 +288,7 @@ def allocator_setting() -> str:
     """The host allocator's settings the probes ran with, in words."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} for every system"
-    return ("glibc's defaults, except bmt_wrapper_mmap: "
+    return (f"glibc's defaults, except {' and '.join(MMAP_SYSTEMS)}: "
             + ", ".join(f"{k}={v}" for k, v in MMAP_ENV.items()))
 
 
@@ -313,12 +320,15 @@ def main() -> None:
     reference: dict[int, dict] = {}
     for text in args.budgets.split(","):
         limit = parse_size(text)
-        prediction = predict(limit, args.world_size)
+        systems = args.systems.split(",")
+        predictions = {s: predict(limit, args.world_size, options) for s, options in PREDICTED.items()
+                       if s in systems or s == "bmt_wrapper"}  # bmt_wrapper's also starts bmt_wrapper_budget
         ddp_layers = None
-        for system in args.systems.split(","):
+        for system in systems:
             if system == "deepspeed_zero3" and (missing := deepspeed_missing()):
                 rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
                 continue
+            prediction = predictions.get(system, predictions["bmt_wrapper"])
             start = prediction["layers"] if system.startswith("bmt") else starts.get(system)
             best = search(system, limit, start, args, log)
             probes = sum(1 for r in log if r["system"] == system and r["limit"] == limit)
@@ -339,6 +349,11 @@ def main() -> None:
                              and r["layers"] == prediction["layers"]]
             if system in PREDICTED and at_prediction:  # measured at the predicted size
                 row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
+            if res[0].get("disk_io"):
+                io = max(r["disk_io"]["read"] + r["disk_io"]["written"] for r in res)
+                at_plan = best["layers"] == prediction["layers"]
+                planned = 2 * prediction["disk_read_per_step"] if at_plan else None
+                row["disk_io"] = _fmt_gib(io) + (f" ({_fmt_gib(planned)})" if planned else "")
             if system == "ddp":
                 ddp_layers = best["layers"]
             row["vs_ddp"] = f"{best['layers'] / ddp_layers:.2f}x" if ddp_layers else "-"

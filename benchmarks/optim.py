@@ -6,22 +6,25 @@ engine's layout: many parameter views of one buffer (gradients likewise), which 
 into one call while torch's fused kernel handles each tensor on its own. Each optimizer runs blocks
 of steps, alternating with the others so machine load hits all of them alike; the table shows
 medians. With CUDA it repeats the table on the GPU and reports the achieved bandwidth of the bf16
-update (the CuPy kernel when CuPy is installed) against a device copy.
+update (the CuPy kernel when CuPy is installed) against a device copy. On the CPU it also times
+``AdamDiskOptimizer`` (state in a file under ``--disk-dir``, streamed through its 32 MiB buffer): with the
+file in the page cache this is the cost of the extra copies and system calls, not of the disk itself.
 
-    python benchmarks/optim.py [--numel 100000000] [--steps 7] [--views 100]
+    python benchmarks/optim.py [--numel 100000000] [--steps 7] [--views 100] [--disk-dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 from bmt_wrap.kernels import cupy_usable
-from bmt_wrap.optim import AdamOptimizer
+from bmt_wrap.optim import AdamDiskOptimizer, AdamOptimizer
 
 #: Bytes one bf16 element moves per fused step: grad 2, master 4+4, moments 2×(4+4), param 2.
 BF16_STEP_BYTES = 28
@@ -64,14 +67,18 @@ def block_medians(steps: dict[str, Callable[[], object]], rounds: int, device: s
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def compare(numel: int, views: int, dtype: torch.dtype, rounds: int, device: str) -> dict[str, float]:
-    """Median step times of ours, torch fused and torch foreach on one shard."""
+def compare(numel: int, views: int, dtype: torch.dtype, rounds: int, device: str,
+            disk_dir: str) -> dict[str, float]:
+    """Median step times of ours, torch fused, torch foreach (and ours on disk, on the CPU) on one shard."""
     params = flat_shard(numel, views, dtype, device)
     optimizers = {
         "ours": AdamOptimizer(params, lr=1e-4, weight_decay=0.01),
         "torch fused": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
         "torch foreach": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
     }
+    if device == "cpu":
+        optimizers["ours on disk"] = AdamDiskOptimizer(params, lr=1e-4, weight_decay=0.01,
+                                                       offload_dir=disk_dir)
     medians = block_medians({name: opt.step for name, opt in optimizers.items()}, rounds, device)
     assert optimizers["ours"].last_step_runs == 1, "the flat shard is updated by one fused call"
     return medians
@@ -91,20 +98,24 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per optimizer (median reported)")
     parser.add_argument("--views", type=int, default=100, help="parameter views in the engine-layout shard")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
+                        help="where AdamDiskOptimizer's file goes")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {args.numel / 1e6:.0f}M elements, "
           f"median of 2 × {args.steps} steps\n")
     print(f"{'device':6} {'shard':12} {'views':>5} {'ours ms':>8} {'fused ms':>9} {'foreach ms':>11} "
-          f"{'ours/fused':>11} {'foreach/ours':>13}")
+          f"{'ours/fused':>11} {'foreach/ours':>13} {'disk ms':>8} {'disk/ours':>10}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16+master")):
             for views in (1, args.views):
-                m = compare(args.numel, views, dtype, args.steps, device)
+                m = compare(args.numel, views, dtype, args.steps, device, args.disk_dir)
+                disk = (f" {m['ours on disk'] * 1e3:8.1f} {m['ours on disk'] / m['ours']:9.2f}x"
+                        if "ours on disk" in m else "")
                 print(f"{device:6} {label:12} {views:5} {m['ours'] * 1e3:8.1f} {m['torch fused'] * 1e3:9.1f} "
                       f"{m['torch foreach'] * 1e3:11.1f} {m['ours'] / m['torch fused']:10.2f}x "
-                      f"{m['torch foreach'] / m['ours']:12.2f}x")
+                      f"{m['torch foreach'] / m['ours']:12.2f}x" + disk)
             if device == "cuda" and dtype == torch.bfloat16:
                 kernel = "CuPy kernel" if cupy_usable(torch.empty(0, device="cuda")) else "torch fused (no CuPy)"
                 achieved = BF16_STEP_BYTES * args.numel / m["ours"]

@@ -7,6 +7,8 @@ measured communication.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -119,11 +121,22 @@ def bmt_engine(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     return apply_plan(model, WrapPlan(groups=groups, prefetch_depth=1, order=names, capture="explicit"))
 
 
+def adam_on_disk(model: nn.Module) -> torch.optim.Optimizer:
+    """``bmt.optim.AdamDiskOptimizer`` with the hyperparameters every other system's ``torch.optim.AdamW``
+    has (lr 1e-4, AdamW's defaults: weight decay 0.01, betas (0.9, 0.999), eps 1e-8; the same decoupled
+    update, through the same fused kernel); its state file under ``$BMT_OPTIMIZER_DIR`` or the temp dir."""
+    return bmt.optim.AdamDiskOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                       offload_dir=os.environ.get("BMT_OPTIMIZER_DIR", tempfile.gettempdir()))
+
+
 SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
     "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp2_offload": fsdp2_offload, "fsdp1": fsdp1,
     "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
-    "bmt_wrapper_tp2": bmt_wrapper_tp2,
+    "bmt_wrapper_tp2": bmt_wrapper_tp2, "bmt_wrapper_disk": bmt_wrapper,
 }
+#: Systems that bring their own optimizer (the others train with ``torch.optim.AdamW(lr=1e-4, fused=True)``).
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {"bmt_wrapper_disk": adam_on_disk}
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
-OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2")
+OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2",
+        "bmt_wrapper_disk")

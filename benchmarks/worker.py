@@ -1,8 +1,9 @@
 """One rank of one benchmarked system (run by ``torchrun``; the harness launches it): train, measure, write JSON.
 
 Every system builds the same seeded model, trains it on this rank's slice of the same global batches
-(the single-process system on the whole batch) with ``torch.optim.AdamW(fused=True)``, and times each
-step between barriers. Communication is read from ``bmt.comm_stats()`` around the step only.
+(the single-process system on the whole batch) with ``torch.optim.AdamW(fused=True)`` (or the system's own
+optimizer: ``systems.OPTIMIZERS``), and times each step between barriers. Communication is read from
+``bmt.comm_stats()`` around the step only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from systems import OURS, SYSTEMS, TP_SIZES
+from systems import OPTIMIZERS, OURS, SYSTEMS, TP_SIZES
 from workloads import WORKLOADS
 
 import bmt_wrap as bmt
@@ -46,7 +47,8 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     share = global_batch // dp
     rows = slice(None) if dp == 1 else slice(dp_rank * share, (dp_rank + 1) * share)
     model = SYSTEMS[system](model, wl, (batches[0][0][rows], batches[0][1][rows]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = (OPTIMIZERS[system](model) if system in OPTIMIZERS
+           else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     times, losses, comm = [], [], []
     for i, (idx, tgt) in enumerate(batches):
         _barrier()
@@ -70,7 +72,7 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,
             "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes,
-            "kept": _kept(plan)}
+            "kept": _kept(plan), "disk_io": vars(opt.last_step_io) if hasattr(opt, "last_step_io") else None}
 
 
 def _kept(plan: bmt.WrapPlan | None) -> dict | None:

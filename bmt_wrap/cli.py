@@ -4,6 +4,7 @@
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
+                  [--optimizer-state memory|disk [--optimizer-chunk 32MiB]]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -20,6 +21,9 @@ rank is the process baseline (this process's resident memory before building any
 plus the larger of wrapping's peak (the full copy built before wrapping; none with ``--streaming``, the
 model built on the meta device and loaded) and training's (the plan's estimate plus the root group's
 backward). With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest ``k`` that fits.
+``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
+leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
+rank reads and writes per step.
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -46,7 +50,7 @@ from .base.dtypes import to_dtype
 from .base.mixed_precision import MixedPrecision
 from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
-from .passes.capacity import largest_fitting, process_peak
+from .passes.capacity import largest_fitting, optimizer_on_disk, process_peak
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -55,6 +59,10 @@ from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
 from .passes.tensor_parallel import plan_tensor_parallel
 from .passes.util import describe
+
+#: ``AdamDiskOptimizer``'s default ``chunk_bytes`` (optim/adam_disk.py; a test checks they agree): the CLI
+#: does not import the optimizers, whose import would count in the process baseline it measures.
+DISK_CHUNK_DEFAULT = "32MiB"
 
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>\d+(?:\s*,\s*\d+)*)?\]$")
 _BYTES = re.compile(r"^(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?$", re.IGNORECASE)
@@ -246,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --memory: the process's resident memory before building the model (default: "
                            "this process's, measured)")
     plan.add_argument("--json", action="store_true", help="with --memory: print the answer as JSON")
+    plan.add_argument("--optimizer-state", choices=["memory", "disk"], default=None,
+                      help="with --memory: where Adam's state lives; disk: bmt.optim.AdamDiskOptimizer's "
+                           "file (default memory)")
+    plan.add_argument("--optimizer-chunk", default=None, metavar="SIZE",
+                      help=f"with --optimizer-state disk: its staging buffer (chunk_bytes; default "
+                           f"{DISK_CHUNK_DEFAULT})")
     return parser
 
 
@@ -272,6 +286,12 @@ def _capacity(opts: argparse.Namespace) -> str:
     inputs = parse_inputs(opts.input)
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
 
+    on_disk = opts.optimizer_state == "disk"
+    if opts.optimizer_chunk and not on_disk:
+        raise CLIError("--optimizer-chunk sizes the disk optimizer's buffer: add --optimizer-state disk")
+    chunk = parse_bytes(opts.optimizer_chunk or DISK_CHUNK_DEFAULT, "--optimizer-chunk")
+    io: dict[int | None, int] = {}
+
     def peak(k: int | None) -> tuple[int, str]:
         model = build_model(opts.model, **({opts.grow: k} if opts.grow else {}))
         dtype = _dtype_option(opts.dtype, "--dtype")
@@ -280,11 +300,16 @@ def _capacity(opts: argparse.Namespace) -> str:
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
                           memory_budget=budget, capture=capture(model, discovery, inputs))
         est = plan.estimates[str(n)]
+        if on_disk:
+            est, io[k] = optimizer_on_disk(est, chunk)
         p = process_peak(plan, est, baseline, built_full=not opts.streaming)
         params = sum(g.param_numel() for g in plan.groups)
+        disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
+                f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
         return p.total, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
                          f"{fmt_bytes(p.baseline)} + max(wrapping {fmt_bytes(p.wrapping)}, training "
-                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward)")
+                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward)"
+                         + disk)
 
     if opts.grow:
         try:
@@ -297,7 +322,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         total, detail = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
               "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
-              "streaming": opts.streaming, "assumes": EXACT_ALLOCATOR}
+              "streaming": opts.streaming, "optimizer_state": opts.optimizer_state or "memory",
+              "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "assumes": EXACT_ALLOCATOR}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
@@ -315,8 +341,10 @@ def _run(opts: argparse.Namespace) -> str:
             raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
                            "plan without --memory for their per-rank estimates)")
         return _capacity(opts)
-    if opts.command == "plan" and (opts.grow or opts.streaming or opts.baseline or opts.json):
-        raise CLIError("--grow, --streaming, --baseline and --json answer --memory: give --memory SIZE")
+    if opts.command == "plan" and (opts.grow or opts.streaming or opts.baseline or opts.json
+                                   or opts.optimizer_state or opts.optimizer_chunk):
+        raise CLIError("--grow, --streaming, --baseline, --json and --optimizer-state answer --memory: give "
+                       "--memory SIZE")
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
     if inputs is not None:

@@ -5,6 +5,7 @@ predictions are the capacity benchmark's (benchmarks/capacity.py), not a unit te
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from bmt_wrap.cli import main
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import build_plan, capture, discover_blocks
-from bmt_wrap.passes.capacity import largest_fitting, process_peak, root_backward_bytes
+from bmt_wrap.passes.capacity import largest_fitting, optimizer_on_disk, process_peak, root_backward_bytes
 
 TOY = str(Path(__file__).with_name("toy.py"))
 MIB = 2**20
@@ -97,7 +98,7 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize("argv,message", [
     (["--world-size", "2", "4", "--memory", "1GiB"], "--memory answers for one --world-size at a time"),
     (["--world-size", "2", "--grow", "n_layers"],
-     "--grow, --streaming, --baseline and --json answer --memory"),
+     "--grow, --streaming, --baseline, --json and --optimizer-state answer --memory"),
     (["--world-size", "2", "--memory", "lots"], "bad --memory 'lots'"),
     (["--world-size", "2", "--memory", "1KiB", "--grow", "n_layers", "--baseline", "0"],
      "--memory 1KiB over 2 ranks: even the smallest model (1) needs"),
@@ -107,3 +108,42 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
 def test_plan_memory_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["plan", f"{TOY}:ToyGPT", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_optimizer_on_disk_keeps_only_the_buffer_and_reads_the_state_each_step() -> None:
+    _, est = _plan(4)
+    small, io = optimizer_on_disk(est, 4096)
+    assert io == est.optimizer > 4096 and small.optimizer == 4096
+    assert small.total == est.total - est.optimizer + 4096
+    assert replace(small, optimizer=est.optimizer) == est, "nothing but the optimizer state changes"
+    assert optimizer_on_disk(est, 2**40)[0].optimizer == est.optimizer, "the buffer touches no more than that"
+
+
+def test_plan_memory_with_optimizer_state_on_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    baseline = 50 * MIB
+    limit = str(2 * _peak(6, baseline) + 1)  # exactly 6 layers fit with the state in memory
+    answers = []
+    for extra in ([], ["--optimizer-state", "disk", "--optimizer-chunk", "4KiB"]):
+        assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
+                     "--baseline", str(baseline), "--json", *extra]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    memory, disk = answers
+    assert memory["optimizer_state"] == "memory" and memory["disk_read_per_step"] is None
+    assert disk["optimizer_state"] == "disk" and disk["layers"] > memory["layers"] == 6
+    plan, est = _plan(disk["layers"])
+    assert disk["disk_read_per_step"] == disk["disk_written_per_step"] == est.optimizer
+    expected = process_peak(plan, optimizer_on_disk(est, 4096)[0], baseline).total
+    assert disk["peak_per_rank"] == expected <= int(limit) // 2
+    assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB", "--baseline", "100MiB",
+                 "--optimizer-state", "disk"]) == 0
+    assert "optimizer state on disk:" in capsys.readouterr().out
+
+
+def test_cli_chunk_default_is_the_optimizers(capsys: pytest.CaptureFixture[str]) -> None:
+    from bmt_wrap.cli import DISK_CHUNK_DEFAULT, parse_bytes
+    from bmt_wrap.optim.adam_disk import DEFAULT_CHUNK_BYTES
+
+    assert parse_bytes(DISK_CHUNK_DEFAULT) == DEFAULT_CHUNK_BYTES
+    assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB",
+                 "--optimizer-chunk", "1MiB"]) == 2
+    assert "add --optimizer-state disk" in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""Optimizers on sharded parameters: fused Adam (in memory or offloaded), OptimManager, gradient clipping."""
+"""Optimizers on sharded parameters: fused Adam (in memory, host memory, on disk), OptimManager, clipping."""
 
 from .adam import AdamOptimizer
+from .adam_disk import AdamDiskOptimizer
 from .adam_offload import AdamOffloadOptimizer
 from .fusion import Run, plan_runs
 from .grad_norm import clip_grad_norm_
@@ -10,6 +11,6 @@ from .optim_manager import OptimManager
 from .sharding import REPLICATED_ATTR
 
 __all__ = [
-    "AdamOffloadOptimizer", "AdamOptimizer", "Muon", "OptimManager", "REPLICATED_ATTR", "Run", "check_no_grad_scaler",
-    "clip_grad_norm_", "install_grad_scaler_guard", "muon_plan", "plan_runs",
+    "AdamDiskOptimizer", "AdamOffloadOptimizer", "AdamOptimizer", "Muon", "OptimManager", "REPLICATED_ATTR",
+    "Run", "check_no_grad_scaler", "clip_grad_norm_", "install_grad_scaler_guard", "muon_plan", "plan_runs",
 ]

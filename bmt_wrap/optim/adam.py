@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -85,22 +85,25 @@ class AdamOptimizer(torch.optim.Optimizer):
         pin = self._offload and torch.cuda.is_available()
         return torch.zeros(shape, dtype=dtype, device=self._state_device(p), pin_memory=pin)
 
-    def _reserve(self) -> None:
-        """Allocate state for every trainable parameter not yet covered, mirroring the parameters' layout:
-        state of adjacent views of one flat buffer is adjacent too, so runs fuse over it as well."""
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p not in self._views]
+    def _layout_runs(self, placed: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[tuple]]]:
+        """Trainable parameters not in ``placed``, as runs of adjacent views of one flat buffer: each run's
+        covering view and its members ``(parameter, local view, offset in the cover)``. State laid out
+        the same way is adjacent too, so the step's runs fuse over it as well."""
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p not in placed]
         items = [(local_view(p).detach(),) for p in params]
         for run in plan_runs(items, [0] * len(items)):
             (cover,) = run.views(items)
+            yield cover, [(params[i], items[i][0], items[i][0].storage_offset() - cover.storage_offset())
+                          for i in run.members]
+
+    def _reserve(self) -> None:
+        """Allocate state for every trainable parameter not yet covered, mirroring the parameters' layout."""
+        for cover, members in self._layout_runs(self._views):
             buffers = [self._zeros(cover.shape, cover) for _ in range(3 if self._keeps_master(cover) else 2)]
-            for i in run.members:
-                (local,) = items[i]
-                if len(run.members) == 1:
-                    views = buffers
-                else:
-                    start = local.storage_offset() - cover.storage_offset()
-                    views = [b[start:start + local.numel()].view(local.shape) for b in buffers]
-                self._views[params[i]] = _StateViews(views[0], views[1], views[2] if len(views) == 3 else None)
+            for p, local, start in members:
+                views = (buffers if len(members) == 1
+                         else [b[start:start + local.numel()].view(local.shape) for b in buffers])
+                self._views[p] = _StateViews(views[0], views[1], views[2] if len(views) == 3 else None)
 
     def _views_for(self, p: torch.Tensor) -> _StateViews:
         if p not in self._views:
@@ -160,18 +163,22 @@ class AdamOptimizer(torch.optim.Optimizer):
         return loss
 
     def _item(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        g = p.grad
         local = local_view(p).detach()
-        if g is None:
+        if p.grad is None:
             return (local,)
-        if g.is_sparse:
-            raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
-                                 "nn.Embedding(sparse=True)): build that layer with sparse=False")
+        grad = self._dense_grad(p)
         state = self.state[p]
         if not state:
             self._init_state(p, state)
         master = (state["master"],) if "master" in state else ()
-        return (local, local_view(g), state["exp_avg"], state["exp_avg_sq"]) + master
+        return (local, grad, state["exp_avg"], state["exp_avg_sq"]) + master
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s gradient over its local range; sparse gradients are refused."""
+        if p.grad.is_sparse:
+            raise OptimizerError(f"{type(self).__name__} needs dense gradients; got a sparse one (e.g. from "
+                                 "nn.Embedding(sparse=True)): build that layer with sparse=False")
+        return local_view(p.grad)
 
     def _advance(self, p: torch.Tensor, group: dict[str, Any]) -> AdamHyper:
         state = self.state[p]

@@ -72,8 +72,12 @@ def rebind(optimizer: torch.optim.Optimizer) -> int:
                 if s is not None:
                     moved[id(p)] = (p, s)
             group["params"] = [p if s is None else s for p, s in zip(params, successors, strict=True)]
+    # An optimizer keeping its state elsewhere (AdamDiskOptimizer's file) reads it in to carry it over.
+    stepped = any(optimizer.state.get(old) for old, _ in moved.values())
+    full = optimizer.full_state() if stepped and hasattr(optimizer, "full_state") else optimizer.state
     for old, new in moved.values():
-        state = optimizer.state.pop(old, None)
+        state = full.get(old)
+        optimizer.state.pop(old, None)
         if state:
             _carry_state(optimizer, old, new, state)
     if moved:

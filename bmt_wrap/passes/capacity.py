@@ -14,7 +14,7 @@ the process (on CPU, glibc with ``MALLOC_MMAP_THRESHOLD_=1048576``; docs/design.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..base.plan import MemoryEstimate, WrapPlan
 from ..errors import PlanError
@@ -49,6 +49,13 @@ def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full:
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
     return ProcessPeak(baseline, wrapping, est.total + root_backward_bytes(plan, n))
+
+
+def optimizer_on_disk(est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:
+    """``est`` with the optimizer state in a file (``bmt.optim.AdamDiskOptimizer``), and the bytes it reads
+    per step per rank (it writes as many back): memory keeps only the staging buffer (no more of it than the
+    state itself touches), and every step streams the whole state through it once."""
+    return replace(est, optimizer=min(buffer_bytes, est.optimizer)), est.optimizer
 
 
 def largest_fitting(peak_of: Callable[[int], int], limit: int, start: int = 1) -> tuple[int, int]:

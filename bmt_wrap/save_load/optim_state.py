@@ -46,7 +46,9 @@ def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
             raise CheckpointError(f"optimizer {k} ({type(opt).__name__}) holds parameters that are not the model's "
                                   f"(shapes {listed(unknown, 3)}): build it over model.parameters()")
         groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": [names[id(p)] for p in g["params"]]})
-    for p, st in opt.state.items():
+    # An optimizer whose state lives elsewhere (AdamDiskOptimizer's file) reads it in to be saved.
+    state = opt.full_state() if hasattr(opt, "full_state") else opt.state
+    for p, st in state.items():
         name = names[id(p)]
         for key, v in st.items():
             if isinstance(v, torch.Tensor):
