@@ -142,25 +142,35 @@ class AdamOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, scale: float = 1.0) -> Any:
         """One Adam update of every parameter with a gradient; gradients arrive multiplied by ``scale``."""
+        loss, _, items, hypers, keys = self._begin_step(closure)
+        runs = self._plans.plan(items, keys)
+        self._apply([(run.views(items), hypers[run.members[0]]) for run in runs], scale)
+        self.last_step_runs = len(runs)
+        return loss
+
+    def _begin_step(self, closure: Callable[[], Any] | None) -> tuple[Any, list[torch.Tensor],
+                                                                       list[tuple[torch.Tensor, ...]],
+                                                                       list[AdamHyper | None], list[int | None]]:
+        """The closure's loss, then every parameter, its step item, its advanced hyperparameters (None
+        without a gradient) and its hyperparameter class."""
         check_no_grad_scaler(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params: list[torch.Tensor] = []
         items: list[tuple[torch.Tensor, ...]] = []
         hypers: list[AdamHyper | None] = []
         for group in self.param_groups:
             for p in group["params"]:
+                params.append(p)
                 items.append(self._item(p))
                 hypers.append(None if p.grad is None else self._advance(p, group))
         # Plan on which items share hyperparameters, not on their values: a scheduler changes lr (and
         # the step count grows) every step, and the layout must not be replanned for that.
         classes: dict[AdamHyper, int] = {}
         keys = [None if h is None else classes.setdefault(h, len(classes)) for h in hypers]
-        runs = self._plans.plan(items, keys)
-        self._apply([(run.views(items), hypers[run.members[0]]) for run in runs], scale)
-        self.last_step_runs = len(runs)
-        return loss
+        return loss, params, items, hypers, keys
 
     def _item(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
         local = local_view(p).detach()

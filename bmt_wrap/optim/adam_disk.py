@@ -16,7 +16,6 @@ from ..runtime.sharded_tensor import local_view
 from . import torch_adam
 from .adam import AdamOptimizer
 from .adam_math import AdamHyper
-from .grad_scaler_guard import check_no_grad_scaler
 from .state_file import IOStats, StateFile
 
 #: Default staging buffer: 32 MiB, a pass over 4M fp32 parameter elements (two 4-byte moments each) or
@@ -195,22 +194,8 @@ class AdamDiskOptimizer(AdamOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, scale: float = 1.0) -> Any:
         """One Adam update of every parameter with a gradient, streaming its state through the buffer."""
-        check_no_grad_scaler(self)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         read, written = self._file.stats.read, self._file.stats.written
-        params: list[torch.Tensor] = []
-        items: list[tuple[torch.Tensor, ...]] = []
-        hypers: list[AdamHyper | None] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                params.append(p)
-                items.append(self._item(p))
-                hypers.append(None if p.grad is None else self._advance(p, group))
-        classes: dict[AdamHyper, int] = {}
-        keys = [None if h is None else classes.setdefault(h, len(classes)) for h in hypers]
+        loss, params, items, hypers, keys = self._begin_step(closure)
         write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         pieces: list[_Piece] = []
         for run in self._plans.plan(items, keys):
