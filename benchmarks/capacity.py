@@ -18,7 +18,8 @@ bmt_wrapper's largest run is compared with one process training the same model o
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
 baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_mmap`` is the wrapper in
 processes started with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed tensors leave the process: the plan's
-assumption, docs/design.md "Capacity"). ``bmt_wrapper_disk`` is that, trained by
+assumption, docs/design.md "Capacity"); ``bmt_wrapper_budget`` runs so too, since it spends the plan's count
+up to the limit. ``bmt_wrapper_disk`` is that, trained by
 ``bmt.optim.AdamDiskOptimizer`` (Adam's moments in a file per rank under ``$BMT_OPTIMIZER_DIR`` or the temp
 dir, which must be a disk, not tmpfs), predicted by ``bmt-wrap plan --memory B --optimizer-state disk``; its
 row gives the bytes each rank read and wrote per step, measured and planned. Every other system runs with
@@ -45,7 +46,9 @@ DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrap
 # Systems whose processes get MALLOC_MMAP_THRESHOLD_: glibc maps every allocation of 1 MiB or more and unmaps
 # it when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-MMAP_SYSTEMS = ("bmt_wrapper_mmap", "bmt_wrapper_disk")
+# bmt_wrapper_budget too: it spends the plan's count of bytes up to the limit, so it needs the setting the
+# count is exact for (under glibc's default heap it went over B from 9 layers up at 4 GiB).
+MMAP_SYSTEMS = ("bmt_wrapper_budget", "bmt_wrapper_mmap", "bmt_wrapper_disk")
 #: Systems the plan predicts, and the ``bmt-wrap plan`` options that describe them.
 PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_mmap": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"]}
 GIB = 2**30
