@@ -10,7 +10,7 @@ update (the CuPy kernel when CuPy is installed) against a device copy. On the CP
 ``AdamDiskOptimizer`` (state in a file under ``--disk-dir``, streamed through its 32 MiB buffer): with the
 file in the page cache this is the cost of the extra copies and system calls, not of the disk itself.
 
-    python benchmarks/optim.py [--numel 100000000] [--steps 7] [--views 100] [--disk-dir /tmp]
+    python benchmarks/optim.py [--numel 100000000] [--steps 7] [--views 100] [--disk-dir /tmp] [--out table.md]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -93,36 +94,40 @@ def copy_bandwidth(numel: int, device: str) -> float:
 
 
 def main() -> None:
-    """Run the CPU comparison (and the GPU one when available) and print the tables."""
+    """Run the CPU comparison (and the GPU one when available); print and write the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per optimizer (median reported)")
     parser.add_argument("--views", type=int, default=100, help="parameter views in the engine-layout shard")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
                         help="where AdamDiskOptimizer's file goes")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "optim.md")
     args = parser.parse_args()
+    from report import command_line, publish
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {args.numel / 1e6:.0f}M elements, "
-          f"median of 2 × {args.steps} steps\n")
-    print(f"{'device':6} {'shard':12} {'views':>5} {'ours ms':>8} {'fused ms':>9} {'foreach ms':>11} "
-          f"{'ours/fused':>11} {'foreach/ours':>13} {'disk ms':>8} {'disk/ours':>10}")
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {args.numel / 1e6:.0f}M elements, "
+             f"median of 2 × {args.steps} steps; AdamDiskOptimizer's file under {args.disk_dir} (in the page "
+             "cache: the cost of the copies and system calls, not of the disk)", "",
+             "| device | shard | views | ours ms | torch fused ms | torch foreach ms | ours / fused | "
+             "foreach / ours | on disk ms | on disk / ours |", "|" + "---|" * 10]
+    notes = []
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16+master")):
             for views in (1, args.views):
                 m = compare(args.numel, views, dtype, args.steps, device, args.disk_dir)
-                disk = (f" {m['ours on disk'] * 1e3:8.1f} {m['ours on disk'] / m['ours']:9.2f}x"
-                        if "ours on disk" in m else "")
-                print(f"{device:6} {label:12} {views:5} {m['ours'] * 1e3:8.1f} {m['torch fused'] * 1e3:9.1f} "
-                      f"{m['torch foreach'] * 1e3:11.1f} {m['ours'] / m['torch fused']:10.2f}x "
-                      f"{m['torch foreach'] / m['ours']:12.2f}x" + disk)
+                disk = (f"{m['ours on disk'] * 1e3:.1f} | {m['ours on disk'] / m['ours']:.2f}x"
+                        if "ours on disk" in m else "- | -")
+                lines.append(f"| {device} | {label} | {views} | {m['ours'] * 1e3:.1f} | {m['torch fused'] * 1e3:.1f} "
+                             f"| {m['torch foreach'] * 1e3:.1f} | {m['ours'] / m['torch fused']:.2f}x | "
+                             f"{m['torch foreach'] / m['ours']:.2f}x | {disk} |")
             if device == "cuda" and dtype == torch.bfloat16:
                 kernel = "CuPy kernel" if cupy_usable(torch.empty(0, device="cuda")) else "torch fused (no CuPy)"
                 achieved = BF16_STEP_BYTES * args.numel / m["ours"]
                 copy = copy_bandwidth(args.numel, device)
-                print(f"       {kernel}: {achieved / 1e9:.0f} GB/s achieved ({BF16_STEP_BYTES} B/element), "
-                      f"{achieved / copy:.0%} of copy bandwidth ({copy / 1e9:.0f} GB/s)")
-
+                notes.append(f"{kernel}: {achieved / 1e9:.0f} GB/s achieved ({BF16_STEP_BYTES} B/element), "
+                             f"{achieved / copy:.0%} of copy bandwidth ({copy / 1e9:.0f} GB/s)")
+    publish(lines + ([""] + notes if notes else []), args.out, command_line())
 
 if __name__ == "__main__":
     main()
