@@ -259,3 +259,20 @@ def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 64, seed: int 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
             for _ in range(steps)]
+
+
+def train_managed(model: nn.Module, mgr: Any, batches: list[tuple[torch.Tensor, ...]], steps: range) -> list[float]:
+    """``steps`` of ``batches`` through an ``OptimManager``, each rank on its slice; the rank-mean losses."""
+    import bmt_wrap as bmt
+
+    n, r = bmt.world_size(), bmt.rank()
+    losses = []
+    for step in steps:
+        idx, tgt = batches[step]
+        loss = model(idx.chunk(n)[r], tgt.chunk(n)[r])
+        mgr.backward(loss)
+        mgr.step()
+        mgr.zero_grad()
+        losses.append(float(bmt.sum_loss(loss)))
+    return losses
+

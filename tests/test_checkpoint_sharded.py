@@ -11,7 +11,7 @@ import pytest
 import safetensors
 import torch
 from dist_harness import run_distributed
-from parity import ADAMW_REL, LOSS_RTOL, lm_batches, whole
+from parity import ADAMW_REL, LOSS_RTOL, lm_batches, train_managed, whole
 from toy import ToyGPT
 
 import bmt_wrap as bmt
@@ -35,17 +35,7 @@ def _setup(seed: int, optim: str, dropout: float = 0.0) -> tuple:
 
 
 def _train(model, mgr, steps: range) -> list[float]:
-    n, r = bmt.world_size(), bmt.rank()
-    batches = lm_batches(STEPS, 4)
-    losses = []
-    for step in steps:
-        idx, tgt = batches[step]
-        loss = model(idx.chunk(n)[r], tgt.chunk(n)[r])
-        mgr.backward(loss)
-        mgr.step()
-        mgr.zero_grad()
-        losses.append(float(bmt.sum_loss(loss)))
-    return losses
+    return train_managed(model, mgr, lm_batches(STEPS, 4), steps)
 
 
 def _resume_body(tmp: str, optim: str) -> None:

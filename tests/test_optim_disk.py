@@ -14,7 +14,7 @@ import torch
 from dist_harness import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parity import lm_batches
+from parity import lm_batches, train_managed
 from toy import ToyGPT
 
 import bmt_wrap as bmt
@@ -300,7 +300,6 @@ def test_stepped_before_wrapping_carries_its_state_over(tmp_path: Path) -> None:
 
 
 def _resume_body(tmp: str) -> None:
-    n, r = bmt.world_size(), bmt.rank()
     batches = lm_batches(4, 4, seed=2)
 
     def setup(seed: int) -> tuple:
@@ -313,15 +312,7 @@ def _resume_body(tmp: str) -> None:
         return model, mgr, opt
 
     def train(model, mgr, steps: range) -> list[float]:
-        losses = []
-        for step in steps:
-            idx, tgt = batches[step]
-            loss = model(idx.chunk(n)[r], tgt.chunk(n)[r])
-            mgr.backward(loss)
-            mgr.step()
-            mgr.zero_grad()
-            losses.append(float(bmt.sum_loss(loss)))
-        return losses
+        return train_managed(model, mgr, batches, steps)
 
     model, mgr, opt = setup(0)
     train(model, mgr, range(2))
