@@ -47,6 +47,7 @@ from torch import nn
 
 from .base._compat import pytree
 from .base.dtypes import to_dtype
+from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
 from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
@@ -263,10 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The host allocator setting under which the process holds what its tensors hold (docs/design.md "Capacity").
-EXACT_ALLOCATOR = "MALLOC_MMAP_THRESHOLD_=1048576"
-
-
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS), or 0 where /proc is absent."""
     try:
@@ -323,13 +320,13 @@ def _capacity(opts: argparse.Namespace) -> str:
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
               "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
               "streaming": opts.streaming, "optimizer_state": opts.optimizer_state or "memory",
-              "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "assumes": EXACT_ALLOCATOR}
+              "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "assumes": EXACT_SETTING}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
             if opts.grow else f"{'fits' if answer['fits'] else 'does not fit'} {opts.memory} over {n} ranks "
                               f"({fmt_bytes(limit // n)} per rank)")
-    return (f"{opts.model}: {head}\n  {detail}\n  counts tensors: exact for a job run with {EXACT_ALLOCATOR} "
+    return (f"{opts.model}: {head}\n  {detail}\n  counts tensors: exact for a job run with {EXACT_SETTING} "
             "(freed tensors leave the process); under glibc's default its heap can hold more (docs/design.md "
             "\"Capacity\")")
 

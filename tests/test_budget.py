@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from parity import train_side_by_side
 
 import bmt_wrap as bmt
 from bmt_wrap import BMTrainModelWrapper
+from bmt_wrap.base.host_allocator import EXACT_SETTING, THRESHOLD_VAR, counts_exactly
 from bmt_wrap.cli import main
 from bmt_wrap.errors import MemoryBudgetError
 from bmt_wrap.passes import (
@@ -292,3 +295,40 @@ def test_parameters_kept_gathered_reuse_their_storage_every_step() -> None:
     # one in place): a kept block that freed its buffer after each backward paid that every step.
     for seen in run_distributed(_kept_storage_body, 2):
         assert seen[0][1] > 0 and len(set(seen)) == 1, seen
+
+
+# ---- a budget spent on host memory under an allocator that keeps freed tensors ---------------------------
+def _budget_warnings(budget: int | None, threshold: str | None) -> list[str]:
+    """The allocator warnings of one wrap, with ``THRESHOLD_VAR`` as given in this rank's environment."""
+    saved = os.environ.pop(THRESHOLD_VAR, None)
+    if threshold is not None:
+        os.environ[THRESHOLD_VAR] = threshold
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            BMTrainModelWrapper(M.TOY["toy_gpt"][0](), memory_budget=budget)
+    finally:
+        os.environ.pop(THRESHOLD_VAR, None)
+        if saved is not None:
+            os.environ[THRESHOLD_VAR] = saved
+    return [str(w.message) for w in caught if THRESHOLD_VAR in str(w.message)]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the warning is about glibc's heap; this is not glibc")
+def test_a_host_budget_under_glibcs_default_allocator_warns_with_the_setting_that_makes_it_exact() -> None:
+    (found,) = run_distributed(_budget_warnings, 1, 1 << 40, None)
+    assert len(found) == 1, found
+    assert EXACT_SETTING in found[0] and "memory_budget=" in found[0] and "docs/design.md" in found[0]
+    assert run_distributed(_budget_warnings, 1, 1 << 40, "1048576") == [[]]  # the setting: nothing to say
+    assert run_distributed(_budget_warnings, 1, None, None) == [[]]  # no budget: nothing is promised
+
+
+def test_the_count_is_exact_off_glibc_or_with_the_threshold_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(THRESHOLD_VAR, raising=False)
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert not counts_exactly()
+    monkeypatch.setenv(THRESHOLD_VAR, "1048576")
+    assert counts_exactly()
+    monkeypatch.delenv(THRESHOLD_VAR)
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))  # musl, macOS: no glibc heap to warn of
+    assert counts_exactly()

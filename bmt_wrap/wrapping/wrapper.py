@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from .. import passes
+from ..base.host_allocator import EXACT_SETTING, counts_exactly
 from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
@@ -103,6 +104,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
+    if memory_budget is not None and state.device.type == "cpu":
+        _warn_if_budget_inexact()
     with collective_purpose("wrap"):
         tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
         layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
@@ -177,6 +180,18 @@ def _warn_if_no_blocks(model: nn.Module, plan: WrapPlan, discovery: passes.Disco
         "forward and at least 0.5% of the parameters. To compile layers, wrap first and then call "
         "`layer.compile()` on each (docs/compile.md); to choose blocks yourself, pass plan= (bmt-wrap dump "
         "--format json writes one to edit).", UserWarning, stacklevel=3)
+
+
+def _warn_if_budget_inexact() -> None:
+    """Warn when a budget spent on host memory counts tensors the allocator does not give back."""
+    if counts_exactly():
+        return
+    warnings.warn(
+        "memory_budget= is spent by counting tensors, and under glibc's default allocator this CPU process "
+        "holds more than its tensors (its heap keeps what they free), so resident memory can pass the "
+        f"budget. Start the job with {EXACT_SETTING} in its environment (freed tensors then leave the process; "
+        "it costs some step time: docs/design.md \"Capacity\"), or pass a budget with headroom.",
+        UserWarning, stacklevel=3)
 
 
 def _refuse_sharded_parts(model: nn.Module) -> None:
