@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from report import publish
 
 import bmt_wrap as bmt
-from report import publish
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

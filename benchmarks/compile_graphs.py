@@ -35,9 +35,8 @@ STEPS = 3
 
 def _build(name: str):  # noqa: ANN202 - a model
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
     from toy import ToyGPT
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if name == "toy":
@@ -75,7 +74,6 @@ def _losses(model, name: str, batches) -> list[float]:  # noqa: ANN001
 def run_case(name: str, how: str, backend: str) -> dict:
     """One case in this process: graphs, breaks and the loss difference to the uncompiled plain model."""
     import torch
-
     from torch._dynamo.utils import counters
 
     import bmt_wrap as bmt

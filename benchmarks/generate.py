@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
+from report import publish
 
 import bmt_wrap as bmt
-from report import publish
 
 
 def main() -> None:

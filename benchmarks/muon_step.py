@@ -21,12 +21,12 @@ import os
 from pathlib import Path
 
 import torch
-
-import bmt_wrap as bmt
-from bmt_wrap.base._compat import muon_adjusted_lr, muon_orthogonalize
 from optim import block_medians
 from report import publish
 from toy_gpt import ToyGPT, ToyGPTConfig
+
+import bmt_wrap as bmt
+from bmt_wrap.base._compat import muon_adjusted_lr, muon_orthogonalize
 
 OUT = Path(__file__).resolve().parent / "results" / "muon_step.md"
 

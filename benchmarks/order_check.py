@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+from report import publish
+from toy_gpt import ToyGPT, ToyGPTConfig
 
 import bmt_wrap as bmt
 from bmt_wrap.runtime.comm import GlooCommunicator
-from report import publish
-from toy_gpt import ToyGPT, ToyGPTConfig
 
 
 def _gloo(comm: object) -> GlooCommunicator:

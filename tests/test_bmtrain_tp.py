@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bmt_wrap.global_var import config
 from dist_harness import COMM_TIMEOUT, run_distributed
 
 import bmt_wrap as bmt
+from bmt_wrap.global_var import config
 
 
 def _bmt_grad(layer: torch.nn.Module, name: str) -> torch.Tensor:

@@ -10,8 +10,15 @@ import torch
 
 from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import MemoryBudgetError, PlanError
-from bmt_wrap.passes import (Capture, build_plan, capture, discover_blocks, estimate, schedule,
-                             self_checkpointing_modules)
+from bmt_wrap.passes import (
+    Capture,
+    build_plan,
+    capture,
+    discover_blocks,
+    estimate,
+    schedule,
+    self_checkpointing_modules,
+)
 from bmt_wrap.passes.budget import MAX_PREFETCH_DEPTH
 from bmt_wrap.passes.planner import SCHEDULE_NOTE
 from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan

@@ -9,12 +9,12 @@ from collections import Counter
 import models as M
 import pytest
 import torch
-from bmt_wrap.plan import WrapPlan
 
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import Capture, Step, build_plan, capture, discover_blocks, schedule_graph, steps
 from bmt_wrap.passes.render import graph_records, render_dot, render_json, render_text
 from bmt_wrap.passes.schedule_graph import MARKER_KINDS, step_of
+from bmt_wrap.plan import WrapPlan
 
 ALL = {**M.TOY, **M.HF}
 

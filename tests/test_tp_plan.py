@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 from torch import nn
@@ -9,7 +10,6 @@ from torch import nn
 from bmt_wrap import passes
 from bmt_wrap.base.plan import WrapPlan
 from bmt_wrap.errors import TensorParallelPlanError
-import models
 
 TOY_PLAN = {"embed": "embedding_rowwise", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
             "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise", "layers.*.fc1": "colwise",
