@@ -90,6 +90,19 @@ def test_muon_step_benchmark_writes_its_table(tmp_path: Path) -> None:
     assert "command: torchrun --nproc_per_node=2 benchmarks/muon_step.py" in out.read_text()
 
 
+def test_phase_peaks_benchmark_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "phase_peaks.md"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "phase_peaks.py"), "--models", "gpt:2", "--steps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| gpt")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    start, phases, peak = float(cells[2]), [float(c) for c in cells[3:7]], float(cells[7])
+    assert peak == max(phases) and all(p >= start for p in phases), row  # each phase peaks above the step's start
+    assert "MALLOC_MMAP_THRESHOLD_=1048576" in text and "command: python benchmarks/phase_peaks.py" in text
+
+
 def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:
     from assemble_results import assemble, tables_outside_markers
 
