@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,16 +44,18 @@ MIB = 2**20
 PHASES = ("forward", "blocks' backward", "root backward", "optimizer step")
 
 
-def build(kind: str, layers: int) -> tuple[torch.nn.Module, int, int]:
-    """The model, its vocabulary and its sequence length."""
+def factory(kind: str) -> tuple[Callable[[int], torch.nn.Module], int, int]:
+    """The model's builder (by layer count), its vocabulary and its sequence length; importing it here
+    keeps the model library's import out of what a measured step is compared with."""
     sys.path.insert(0, str(HERE))
     if kind == "gpt":
         from capacity import SEQ, VOCAB, capacity_model
 
-        return capacity_model(layers), VOCAB, SEQ
+        return capacity_model, VOCAB, SEQ
     from streaming import LLAMA_SEQ, LLAMA_VOCAB, llama_1b
 
-    return llama_1b(layers), LLAMA_VOCAB, LLAMA_SEQ
+    importlib.import_module("transformers.models.llama.modeling_llama")  # llama_1b imports it when called
+    return llama_1b, LLAMA_VOCAB, LLAMA_SEQ
 
 
 def loss_of(kind: str, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -83,7 +87,8 @@ def tensor_bytes() -> int:
 
 def plan_terms(kind: str, layers: int, world: int) -> dict[str, int]:
     """The plan's training peak per rank above the baseline, and its root-backward term."""
-    model, _, seq = build(kind, layers)
+    make, _, seq = factory(kind)
+    model = make(layers)
     ids = torch.zeros(1, seq, dtype=torch.long)
     inputs = ((ids, ids), {}) if kind == "gpt" else ((), {"input_ids": ids, "labels": ids})
     discovery = discover_blocks(model)
@@ -95,12 +100,12 @@ def plan_terms(kind: str, layers: int, world: int) -> dict[str, int]:
 
 def measure(kind: str, layers: int, steps: int) -> dict:
     """This rank's phase peaks above its RSS before building, per step after the first."""
+    make, vocab, seq = factory(kind)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = _status("VmRSS")
     torch.manual_seed(0)
-    model, vocab, seq = build(kind, layers)
-    model = bmt.BMTrainModelWrapper(model)
+    model = bmt.BMTrainModelWrapper(make(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     peaks: dict[str, int] = {}
 
