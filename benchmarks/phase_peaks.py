@@ -129,6 +129,7 @@ def measure(kind: str, layers: int, steps: int) -> dict:
     for step in range(steps):
         ids = torch.randint(0, vocab, (1, seq), generator=gen)
         gc.collect()
+        peaks.clear()
         start, held = _status("VmRSS") - base, tensor_bytes()
         _restart_peak()
         forward["on"] = True
@@ -140,6 +141,9 @@ def measure(kind: str, layers: int, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         mark(PHASES[3])
+        if PHASES[1] not in peaks:
+            raise SystemExit(f"{kind} x {layers}: the first block's input never got its gradient, so the blocks' "
+                             "backward could not be told from the root's")
         if step:  # the first step allocates the optimizer's state and the pools: not a steady step
             rows.append({"start": start, "tensors": held, **peaks})
     return {"rank": bmt.rank(), "steps": rows}
