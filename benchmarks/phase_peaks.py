@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from streaming import proc_status
 
 import bmt_wrap as bmt
 from bmt_wrap.base.host_allocator import EXACT_SETTING, THRESHOLD_VAR
@@ -61,11 +62,6 @@ def factory(kind: str) -> tuple[Callable[[int], torch.nn.Module], int, int]:
 def loss_of(kind: str, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model's language-modelling loss on ``ids`` (predicting the same tokens: only memory matters)."""
     return model(ids, ids) if kind == "gpt" else model(input_ids=ids, labels=ids).loss
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def _restart_peak() -> None:
@@ -103,14 +99,14 @@ def measure(kind: str, layers: int, steps: int) -> dict:
     make, vocab, seq = factory(kind)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     torch.manual_seed(0)
     model = bmt.BMTrainModelWrapper(make(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     peaks: dict[str, int] = {}
 
     def mark(phase: str) -> None:
-        peaks[phase] = _status("VmHWM") - base
+        peaks[phase] = proc_status("VmHWM") - base
         _restart_peak()
 
     forward = {"on": False}  # the recompute in backward calls the block again: mark only the real forward
@@ -130,7 +126,7 @@ def measure(kind: str, layers: int, steps: int) -> dict:
         ids = torch.randint(0, vocab, (1, seq), generator=gen)
         gc.collect()
         peaks.clear()
-        start, held = _status("VmRSS") - base, tensor_bytes()
+        start, held = proc_status("VmRSS") - base, tensor_bytes()
         _restart_peak()
         forward["on"] = True
         loss = loss_of(kind, model, ids)

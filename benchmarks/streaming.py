@@ -37,7 +37,8 @@ LLAMA_VOCAB, LLAMA_SEQ = 32000, 64  # the 1.1B reference's activations at seq 64
 GIB = 2**30
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A byte count from this process's /proc status (VmRSS, VmHWM), 0 where it is absent."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
@@ -140,7 +141,7 @@ def rank_job(kind: str, layers: int, steps: int, path: Path, out: Path) -> None:
         from transformers import LlamaForCausalLM
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
-    before = _status("VmRSS")  # the process baseline: everything imported, nothing built
+    before = proc_status("VmRSS")  # the process baseline: everything imported, nothing built
     if kind == "llama-1b":
         model = bmt.from_pretrained(LlamaForCausalLM, path)  # meta build, wrap and load in one
         first_block = model.model.layers[0]
@@ -148,7 +149,7 @@ def rank_job(kind: str, layers: int, steps: int, path: Path, out: Path) -> None:
         model = bmt.BMTrainModelWrapper(_model(layers, "meta"))
         bmt.load(model, path)
         first_block = model.blocks[0]
-    grew = _status("VmHWM") - before
+    grew = proc_status("VmHWM") - before
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     block = sum(p.numel() * p.element_size() for p in first_block.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())
