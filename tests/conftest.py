@@ -7,7 +7,7 @@ import os
 import pytest
 from dist_harness import shutdown_all
 from hypothesis import settings
-from process_scan import FORBID_PROCESSES_ENV, ProcessScan, forbid_processes, item_roots
+from process_scan import FORBID_PROCESSES_ENV, ProcessScan, forbid_processes, item_roots, warm_import_helpers
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -21,6 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # A process started anyway means the scan missed one: that must fail loudly, not quietly slow the
     # inner loop down or hang it on a worker group.
     if os.environ.get(FORBID_PROCESSES_ENV) == "1":
+        # A library that starts a helper on its first import (matplotlib's font cache, on a fresh machine)
+        # does so here, before the guard: the guard is for the processes tests start.
+        warm_import_helpers()
         patch = pytest.MonkeyPatch()
         forbid_processes(patch)
         config.add_cleanup(patch.undo)

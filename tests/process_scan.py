@@ -37,6 +37,10 @@ _OS_STARTERS = {id(getattr(os, name)) for name in ("fork", "forkpty", "system", 
                                                      "posix_spawnp", "spawnl", "spawnle", "spawnlp", "spawnlpe",
                                                      "spawnv", "spawnve", "spawnvp", "spawnvpe")
                 if hasattr(os, name)}
+# Modules whose first import on a fresh machine starts a helper to build a cache on disk: matplotlib runs
+# fc-list for its font cache (lightning reaches it through torchmetrics). ``warm_import_helpers`` imports
+# them before the guard goes on, so that start is the machine's set-up, not a test's.
+IMPORT_HELPERS = ("matplotlib.font_manager",)
 _CONTAINERS = (list, tuple, set, frozenset)
 _CACHE_WRAPPER = type(functools.cache(lambda: None))
 
@@ -263,7 +267,8 @@ def _refuse(what: str, original: Callable[..., Any]) -> Callable[..., NoReturn]:
     def refuse(*args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(f"{what} started a process under {FORBID_PROCESSES_ENV}=1, which `make test-fast` "
                            "sets for the tests that tests/process_scan.py found to start none: teach the scan "
-                           "what it missed, or mark this test @pytest.mark.process")
+                           "what it missed, or mark this test @pytest.mark.process; if a library's first "
+                           "import started it to build a cache, add that module to process_scan.IMPORT_HELPERS")
     return refuse
 
 
@@ -276,3 +281,10 @@ def forbid_processes(patch: pytest.MonkeyPatch) -> None:
               if hasattr(os, name)]
     for owner, name, what in doors:
         patch.setattr(owner, name, _refuse(what, getattr(owner, name)))
+
+
+def warm_import_helpers() -> None:
+    """Import the installed ``IMPORT_HELPERS``, letting each build its cache now (call before the guard)."""
+    for name in IMPORT_HELPERS:
+        if importlib.util.find_spec(name.partition(".")[0]) is not None:
+            importlib.import_module(name)

@@ -6,10 +6,11 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-from process_scan import ProcessScan, forbid_processes, item_roots
+from process_scan import FORBID_PROCESSES_ENV, ROOT, ProcessScan, forbid_processes, item_roots
 
 # Source text, not functions of this file: a test naming a starting helper is marked `process` itself,
 # and these tests belong in the fast tier. Compiled under this file's name, the examples count as the
@@ -140,3 +141,14 @@ def test_the_scan_still_sees_the_starters_the_guard_replaced(examples: dict[str,
     # `make test-fast` collects under the guard: its tiers must be those `make test` sees.
     forbid_processes(monkeypatch)
     assert ProcessScan().starts_process(examples["forks_in_a_lambda"])
+
+
+def test_a_fresh_font_cache_does_not_fail_the_fast_tier(tmp_path: Path) -> None:
+    # Lightning imports matplotlib (through torchmetrics), whose first import on a fresh machine runs fc-list
+    # to build its font cache: conftest must let it run before the guard goes on, not inside the test.
+    env = {**os.environ, FORBID_PROCESSES_ENV: "1", "MPLCONFIGDIR": str(tmp_path / "matplotlib")}
+    test = "tests/test_checkpoint_sharded.py::test_a_missing_directory_is_named"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not process", test],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "1 passed" in run.stdout
