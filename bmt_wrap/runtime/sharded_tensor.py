@@ -10,8 +10,9 @@ copy-out around the collectives (docs/design.md, "Parameters").
 Operations run on the local range where that gives the full tensor's answer, and nowhere else:
 
 - elementwise ops (torch's ``pointwise`` tag, ``copy_``/``fill_``/``*_like``, every ``_foreach_`` and
-  fused optimizer op) between sharded tensors of one layout, scalars and plain tensors of the full shape
-  (read at this rank's range) — what torch's optimizers and ``clip_grad_norm_`` do;
+  fused optimizer op) between sharded tensors of one layout, scalars, one-element plain tensors of any
+  ndim up to the full shape's, and plain tensors of the full shape (or it less leading 1s; read at this
+  rank's range) — what torch's optimizers, ``clip_grad_norm_`` and ``x.div_(x.norm(keepdim=True))`` do;
 - random in-place fills (``nn.init.*``) draw the full tensor, as the unwrapped model would, and keep
   this rank's range, so identically seeded ranks hold the same values as plain PyTorch;
 - full reductions (``linalg.vector_norm``, ``_foreach_norm``, ``sum``, ``mean``, ``max``, ``min``,
@@ -276,11 +277,18 @@ def _local_arg(x: Any, layout: ShardLayout, func: Any, args: tuple, kwargs: dict
         if x._layout is not layout and not x._layout.same_as(layout):
             raise _NotLocal  # another range or another shape: broadcasting needs the full values
         return x._local
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.numel() != 1:
-        if x.shape != layout.full_shape:
-            raise _NotLocal  # broadcasting against a smaller tensor
-        return layout.local_of_full(x)
-    return x
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    full = layout.full_shape
+    if x.dim() > len(full):
+        raise _NotLocal  # broadcasting widens the result: its shape is not the full shape
+    if x.shape == full[len(full) - x.dim():] and x.numel() == full.numel():
+        return layout.local_of_full(x)  # the full shape, or it less leading 1s: the same flattened order
+    if x.numel() == 1:
+        # One value for every element; as it is, it would broadcast the 1-D range to its ndim (in place:
+        # an error). 1-D, not 0-d: dtype promotion treats a dimensioned operand unlike a 0-d one.
+        return x.reshape(1)
+    raise _NotLocal  # broadcasting against a smaller tensor
 
 
 def _local_call(func: Any, args: tuple, kwargs: dict) -> tuple[Any, ShardLayout]:
