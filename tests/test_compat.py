@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "bmt_wrap"
 # Private torch / transformers names as code spells them (strings and comments are not code).
 _PRIVATE = re.compile(
     r"\btorch\._[A-Za-z]|\butils\._pytree\b|\bexport\._|\._version\b|_execution_engine|_make_subclass"
-    r"|_register_state_dict_hook|_register_load_state_dict|\bsys\._getframe|_get_default_store"
+    r"|_register_state_dict_hook|_register_load_state_dict|\bsys\._getframe|_get_default_store|_python_dispatch"
     r"|\bdistributed_c10d\b|\._initialize_weights\b|_maybe_opt_step|_unsafe_")
 
 
@@ -313,3 +313,24 @@ def test_shutdown_frees_the_group_a_live_device_mesh_holds() -> None:
     words, err = _fresh_process(code)
     assert words == ["freed", "True"], (words, err)
     assert "still hold" not in err, err
+
+
+def test_watch_writes_sees_every_written_tensor() -> None:
+    a, b, c = torch.zeros(3), torch.ones(3), torch.zeros(3)
+    bn = nn.BatchNorm1d(3)
+    written: list[int] = []
+    with _compat.watch_writes(lambda t: written.append(t.untyped_storage().data_ptr())):
+        a.add_(1)  # marked in-place
+        a.data.mul_(2)  # behind autograd: no version bump, still an op
+        torch.add(b, b, out=c)  # out=
+        _compat.foreach_mul_([b], 2.0)  # a list of written tensors
+        bn(torch.randn(4, 3))  # running statistics, unmarked in the schema
+        (a + b).sum()  # writes nothing it was given
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert written.count(ptr(a)) == 2 and ptr(c) in written and ptr(b) in written
+    assert ptr(bn.running_mean) in written and ptr(bn.running_var) in written
+    bn.eval()
+    written.clear()
+    with _compat.watch_writes(lambda t: written.append(t.untyped_storage().data_ptr())):
+        bn(torch.randn(4, 3))  # evaluation reads the statistics only
+    assert written == []

@@ -23,7 +23,7 @@ __all__ = [
     "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
     "hf_initialize_weights_replaced", "make_tensor_subclass", "muon_adjusted_lr", "muon_orthogonalize", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "release_mesh_groups", "reorder_kwargs", "set_version_counters",
-    "tensor_version",
+    "tensor_version", "watch_writes",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
 ]
@@ -92,6 +92,42 @@ def register_foreach_type(cls: type) -> None:
 def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """``data`` as an instance of the tensor subclass ``cls``, sharing its storage (what Parameter does)."""
     return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+# Ops that write an argument their schema does not mark as written: batch norm's running statistics
+# (argument indices 3 and 4, when argument 5, ``training``, is true).
+_UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    schema = func._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):  # the _foreach_ ops' Tensor(a!)[]
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+    unmarked = _UNMARKED_WRITES.get(schema.name.partition("::")[2])
+    if unmarked and len(args) > 5 and args[5]:
+        yield from (args[i] for i in unmarked if isinstance(args[i], torch.Tensor))
+
+
+@contextmanager
+def watch_writes(before_write: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``before_write(t)`` before each op (below autograd, every dispatched aten op) writes ``t``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            for t in _written(func, args, kwargs):
+                before_write(t)
+            return func(*args, **kwargs)
+
+    with _Watch():
+        yield
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------

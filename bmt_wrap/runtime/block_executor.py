@@ -17,10 +17,11 @@ added the decoder layers' contributions in another order).
 
 from __future__ import annotations
 
+
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -186,8 +187,9 @@ class BlockCall:
                 self.packed_values = []
         params = self._param_nodes()
         self._storage = {f.untyped_storage().data_ptr() for f in self.group.wait_gathered()}
+        watching = self.replay.watching() if self.replay is not None else nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                self.group.installed(params), engine.inside_block():
+                self.group.installed(params), engine.inside_block(), watching:
             out = self.forward_fn(self.module, *args, **kwargs)
         if self.replay is not None:
             self.replay.after_forward()

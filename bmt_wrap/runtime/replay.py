@@ -7,12 +7,18 @@ running statistics). Replayed against that changed state, the recompute would se
 holding the sequence (attention over twice the keys: wrong gradients) and update the statistics twice.
 
 So before the forward, a ``Replay`` takes a structural copy of every mutable non-tensor argument (the
-Python objects are copied, tensors shared, so a cache of any length costs a few object copies) and a
-clone of every buffer the block is known to write; the recompute runs on those copies and the copies are
-thrown away, so nothing the user can see changes twice. Tensors the forward stored into an argument
-(the cache's new keys) need nothing: the forward ran in the model's own graph, so they carry gradients
-as in plain PyTorch. What cannot be replayed (a tensor inside an argument written in place, an object that cannot be
-copied) raises ``RecomputeError`` naming the block, never a wrong gradient.
+Python objects are copied, tensors shared, so a cache of any length costs a few object copies). An
+argument tensor is cloned only if the block writes it: the first call watches the forward's ops and
+clones a tensor just before its first write (copy on write), later calls clone the ones earlier calls
+wrote. Nothing else is copied, so what a call keeps for its recompute does not grow with the blocks
+before it (layer i's arguments reach the cache of all i earlier layers; cloning them all was quadratic
+in depth). A block's own buffers are cloned before its first call and the copies of those the forward
+left alone are dropped after it (kernels may write them without telling: batch norm's statistics). The
+recompute runs on those copies and the copies are thrown away, so nothing the user can see changes
+twice. Tensors the forward stored into an argument (the cache's new keys) need nothing: the forward ran
+in the model's own graph, so they carry gradients as in plain PyTorch. What cannot be replayed (a tensor
+inside an argument written in place by a later call only, or behind torch's back, an object that cannot
+be copied) raises ``RecomputeError`` naming the block, never a wrong gradient.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base._compat import tensor_version
+from ..base._compat import tensor_version, watch_writes
 from ..errors import RecomputeError
 
 Path = tuple[tuple[str, Any], ...]
@@ -57,8 +63,8 @@ class ReplayMemory:
 class _Copier:
     """Copies a Python object graph, sharing tensors (except the ones at ``clone_paths``)."""
 
-    def __init__(self, block: str, clone_all: bool, clone_paths: set[Path]) -> None:
-        self.block, self.clone_all, self.clone_paths = block, clone_all, clone_paths
+    def __init__(self, block: str, clone_paths: set[Path]) -> None:
+        self.block, self.clone_paths = block, clone_paths
         self.memo: dict[int, Any] = {}
         self.seen: list[tuple[Path, torch.Tensor, int]] = []  # every tensor reached, with its version
         self.clones: dict[Path, torch.Tensor] = {}
@@ -67,7 +73,7 @@ class _Copier:
     def copy(self, x: Any, path: Path) -> Any:
         if isinstance(x, torch.Tensor):
             self.seen.append((path, x, tensor_version(x)))
-            if self.clone_all or path in self.clone_paths:
+            if path in self.clone_paths:
                 self.clones[path] = x.detach().clone()
                 return self.clones[path]
             return x
@@ -110,6 +116,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                         and torch.equal(a.nan_to_num(), b.nan_to_num())))
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # no storage (sparse, nested, fake): nothing an op could write behind a path
+        return None
+
+
 def _remake_tuple(x: tuple, items: list[Any]) -> tuple:
     return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
 
@@ -149,10 +162,11 @@ class Replay:
         self.mutable = [i for i, x in enumerate(leaves) if is_mutable_leaf(x)]
         self.first = memory.calls == 0
         memory.calls += 1
-        copier = _Copier(block, clone_all=self.first, clone_paths=memory.written_paths)
+        copier = _Copier(block, clone_paths=memory.written_paths)
         self.copies = {i: copier.copy(leaves[i], (("leaf", i),)) for i in self.mutable}
         self._seen = copier.seen
         self._clones = copier.clones
+        self._unwritten: dict[int, list[tuple[Path, torch.Tensor]]] = {}  # storage -> seen tensors not cloned yet
         self._find_hidden()
         self.buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
         self._buffer_versions = [tensor_version(b) for _, _, b in self.buffers]
@@ -171,16 +185,50 @@ class Replay:
         reads detached copies of them, so it builds no graph into the blocks that made them."""
         return [t for t, _ in self._hidden]
 
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around the forward: on the first call, clone each argument tensor just before its first write."""
+        if not self.first:
+            yield
+            return
+        for path, t, _ in self._seen:
+            storage = _storage_key(t)
+            if storage is not None and path not in self._clones:
+                self._unwritten.setdefault(storage, []).append((path, t))
+        if not self._unwritten:
+            yield
+            return
+        with watch_writes(self._before_write):
+            yield
+
+    def _before_write(self, t: torch.Tensor) -> None:
+        storage = _storage_key(t)
+        for path, seen in self._unwritten.pop(storage, []) if storage is not None else []:
+            self._clones[path] = seen.detach().clone()
+
     def after_forward(self) -> None:
         """Learn what the forward wrote (buffers, argument tensors); drop the references to the arguments."""
         self._check_writes()
-        self._seen, self._clones = [], {}
+        if self.first:
+            for path, clone in self._clones.items():  # what the recompute must read instead of the written
+                i = path[0][1]
+                self.copies[i] = _put(self.copies[i], path[1:], clone)
+            for i, (m, name, _) in enumerate(self.buffers):  # copied only in case the forward wrote them
+                if (id(m), name) not in self.memory.written_buffers:
+                    self.buffer_copies.pop(i, None)
+        self._seen, self._clones, self._unwritten = [], {}, {}
 
     def _check_writes(self) -> None:
-        # Kernels may write without bumping the version counter (BatchNorm's running statistics), so the
-        # first call, which copied everything, compares values; later calls also watch version counters.
+        # The first call saw each write as it happened (``watching``); later calls watch version counters.
         for path, t, version in self._seen:
-            if tensor_version(t) == version and not (self.first and not _same(t, self._clones[path])):
+            moved = tensor_version(t) != version
+            if self.first and moved and path not in self._clones:
+                raise RecomputeError(
+                    f"block {self.block!r} changed the tensor at {_describe(path)} behind torch's dispatcher (its "
+                    "version counter moved, but no op was seen writing it), so its recompute cannot start from "
+                    "the state its forward saw. Turn checkpointing off for this block "
+                    "(BMTrainModelWrapper(model, checkpoint=False) or the plan's checkpoint flag).")
+            if not (path in self._clones if self.first else moved):
                 continue
             known = path in self.memory.written_paths
             self.memory.written_paths.add(path)
@@ -191,6 +239,8 @@ class Replay:
                     "checkpointing off for this block (BMTrainModelWrapper(model, checkpoint=False) or the "
                     "plan's checkpoint flag).")
         for i, (m, name, b) in enumerate(self.buffers):
+            # Kernels may write a buffer without bumping its version (batch norm's running statistics), so the
+            # first call, which copied every buffer, compares values; later calls watch version counters.
             # ``self.x_min = f(self.x_min)`` (IBert) leaves the old tensor untouched and registers a new one.
             reassigned = m._buffers.get(name) is not b
             if reassigned or tensor_version(b) != self._buffer_versions[i] or (
