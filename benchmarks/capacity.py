@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -157,22 +158,22 @@ def _proc_rss(pid: int) -> int:
     return 0
 
 
-def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout: float) -> dict:
-    """Run one job; ``ok`` when every rank finished and its ranks' summed peak RSS stayed within ``limit``."""
-    nproc = 1 if system == "single" else world
-    port = 20000 + (os.getpid() * 7 + layers * 13 + len(system)) % 20000
+def run_ranks(argv: Callable[[int, Path], list[str]], world: int, limit: int, timeout: float,
+              env: dict[str, str]) -> dict:
+    """Start ``world`` rank processes (``argv(rank, result_file)``) under a watchdog that kills them all as
+    soon as their summed RSS passes ``limit`` (0: none) or ``timeout`` passes; ``ok`` when every rank
+    finished and their summed peak RSS (each rank's ``"rss"``) stayed within ``limit``."""
+    sys.path.insert(0, str(HERE))
+    from harness import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for rank in range(nproc):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       DS_ACCELERATOR="cpu")
-            if system in MMAP_SYSTEMS:
-                env.update(MMAP_ENV)
-            cmd = [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit),
-                   str(world), str(Path(tmp) / f"{rank}.json")]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          text=True))
+        for rank in range(world):
+            rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env)
+            procs.append(subprocess.Popen(argv(rank, Path(tmp) / f"{rank}.json"), env=rank_env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         peak_sum, killed, start = 0, False, time.monotonic()
         while any(p.poll() is None for p in procs):
             total = sum(_proc_rss(p.pid) for p in procs)
@@ -185,12 +186,23 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
             time.sleep(0.02)
         errors = [p.communicate()[1] for p in procs]
         results = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("*.json"))]
-    finished = not killed and all(p.returncode == 0 for p in procs) and len(results) == nproc
+    finished = not killed and all(p.returncode == 0 for p in procs) and len(results) == world
     rank_peaks = [r["rss"] for r in results]
     ok = finished and (not limit or sum(rank_peaks) <= limit)
     why = "" if ok else ("summed RSS over the limit" if killed or finished else (errors[0] or "")[-300:])
-    return {"system": system, "layers": layers, "ok": ok, "why": why, "sampled_peak_sum": peak_sum,
-            "rank_peaks": rank_peaks, "results": results}
+    return {"ok": ok, "why": why, "sampled_peak_sum": peak_sum, "rank_peaks": rank_peaks, "results": results}
+
+
+def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout: float) -> dict:
+    """Run one job; ``ok`` when every rank finished and its ranks' summed peak RSS stayed within ``limit``."""
+    env = {"DS_ACCELERATOR": "cpu", **(MMAP_ENV if system in MMAP_SYSTEMS else {})}
+
+    def argv(rank: int, out: Path) -> list[str]:
+        return [sys.executable, __file__, "--worker", system, str(layers), str(steps), str(limit), str(world),
+                str(out)]
+
+    result = run_ranks(argv, 1 if system == "single" else world, limit, timeout, env)
+    return {"system": system, "layers": layers, **result}
 
 
 def search(system: str, limit: int, start: int | None, args: argparse.Namespace,

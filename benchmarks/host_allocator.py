@@ -3,7 +3,7 @@ fixed (``MALLOC_MMAP_THRESHOLD_``: a freed tensor leaves the process, so the pea
 and fixed with torch's transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``: fewer page faults per mapping).
 
     nice python benchmarks/host_allocator.py [--model toy-gpt] [--seq 128] [--steps 6] [--rounds 3]
-        [--systems bmt_wrapper,ddp] [--threshold 1048576]
+        [--systems bmt_wrapper,ddp] [--thresholds 65536,1048576]
 
 Each (system, setting) runs in fresh ``torchrun`` processes (``harness.launch``), interleaved over rounds;
 the table gives the median step time (slowest rank per step, every measured step of every round) and the
@@ -25,11 +25,12 @@ from workloads import WORKLOADS
 GIB = 2**30
 
 
-def settings(threshold: int) -> dict[str, dict[str, str]]:
-    """Each setting's environment variables (glibc and torch read them at start-up)."""
-    fixed = {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
-    return {"glibc default": {}, f"threshold {threshold}": fixed,
-            f"threshold {threshold} + THP": {**fixed, "THP_MEM_ALLOC_ENABLE": "1"}}
+def settings(thresholds: list[int]) -> dict[str, dict[str, str]]:
+    """Each setting's environment variables (glibc and torch read them at start-up): the default, each
+    threshold, and the first threshold with torch's transparent huge pages."""
+    fixed = {t: {"MALLOC_MMAP_THRESHOLD_": str(t)} for t in thresholds}
+    return {"glibc default": {}, **{f"threshold {t}": env for t, env in fixed.items()},
+            f"threshold {thresholds[0]} + THP": {**fixed[thresholds[0]], "THP_MEM_ALLOC_ENABLE": "1"}}
 
 
 def main() -> None:
@@ -43,7 +44,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threshold", type=int, default=1 << 20, help="MALLOC_MMAP_THRESHOLD_ in bytes")
+    p.add_argument("--thresholds", default="65536,1048576",
+                   help="MALLOC_MMAP_THRESHOLD_ values in bytes, comma-separated (the first is the plan's)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "host_allocator.md")
     args = p.parse_args()
@@ -51,7 +53,7 @@ def main() -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
-    variants = settings(args.threshold)
+    variants = settings([int(t) for t in args.thresholds.split(",")])
     base = environment("glibc-default")
     for var in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE"):
         base.pop(var, None)

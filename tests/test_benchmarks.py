@@ -100,7 +100,7 @@ def test_phase_peaks_benchmark_writes_its_table(tmp_path: Path) -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     start, phases, peak = float(cells[2]), [float(c) for c in cells[3:7]], float(cells[7])
     assert peak == max(phases) and all(p >= start for p in phases), row  # each phase peaks above the step's start
-    assert "MALLOC_MMAP_THRESHOLD_=1048576" in text and "command: python benchmarks/phase_peaks.py" in text
+    assert "MALLOC_MMAP_THRESHOLD_=65536" in text and "command: python benchmarks/phase_peaks.py" in text
 
 
 def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:

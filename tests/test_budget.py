@@ -319,7 +319,7 @@ def test_a_host_budget_under_glibcs_default_allocator_warns_with_the_setting_tha
     (found,) = run_distributed(_budget_warnings, 1, 1 << 40, None)
     assert len(found) == 1, found
     assert EXACT_SETTING in found[0] and "memory_budget=" in found[0] and "docs/design.md" in found[0]
-    assert run_distributed(_budget_warnings, 1, 1 << 40, "1048576") == [[]]  # the setting: nothing to say
+    assert run_distributed(_budget_warnings, 1, 1 << 40, "65536") == [[]]  # the setting: nothing to say
     assert run_distributed(_budget_warnings, 1, None, None) == [[]]  # no budget: nothing is promised
 
 
@@ -327,7 +327,7 @@ def test_the_count_is_exact_off_glibc_or_with_the_threshold_fixed(monkeypatch: p
     monkeypatch.delenv(THRESHOLD_VAR, raising=False)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     assert not counts_exactly()
-    monkeypatch.setenv(THRESHOLD_VAR, "1048576")
+    monkeypatch.setenv(THRESHOLD_VAR, "65536")
     assert counts_exactly()
     monkeypatch.delenv(THRESHOLD_VAR)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))  # musl, macOS: no glibc heap to warn of

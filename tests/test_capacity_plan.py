@@ -72,7 +72,7 @@ def test_plan_memory_grow_answers_the_largest_layer_count(capsys: pytest.Capture
     assert answer["layers"] == 6 and answer["peak_per_rank"] == _peak(6, baseline)
     assert _peak(7, baseline) > limit // 2
     assert answer["fits"] and answer["baseline"] == baseline and answer["limit_per_rank"] == limit // 2
-    assert answer["assumes"] == "MALLOC_MMAP_THRESHOLD_=1048576"
+    assert answer["assumes"] == "MALLOC_MMAP_THRESHOLD_=65536"
 
 
 def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,7 +82,7 @@ def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) ->
     assert "fits 1GiB over 2 ranks (512.00 MiB per rank)" in out
     assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward)" in out
     # The allocator setting the count is exact for (docs/design.md "Capacity") is stated with the answer.
-    assert "exact for a job run with MALLOC_MMAP_THRESHOLD_=1048576" in out
+    assert "exact for a job run with MALLOC_MMAP_THRESHOLD_=65536" in out
 
 
 def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> None:
@@ -147,3 +147,34 @@ def test_cli_chunk_default_is_the_optimizers(capsys: pytest.CaptureFixture[str])
     assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB",
                  "--optimizer-chunk", "1MiB"]) == 2
     assert "add --optimizer-state disk" in capsys.readouterr().err
+
+
+_LIBRARY_FACTORY = '''
+import torch
+
+def build(n_layers: int = 2, heavy: bool = True) -> torch.nn.Module:
+    if heavy:
+        import {lib}  # a model library imported inside the factory, as transformers' models are
+    return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(n_layers)))
+
+def light(n_layers: int = 2) -> torch.nn.Module:
+    return build(n_layers, heavy=False)
+'''
+
+
+def test_the_baseline_counts_the_model_library_the_factory_imports(tmp_path: Path) -> None:
+    """A rank imports its model library before it trains: the measured baseline must include it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "heavy_lib.py").write_text("BLOB = b'x' * (96 << 20)  # resident on import\n")
+    (tmp_path / "factory.py").write_text(_LIBRARY_FACTORY.format(lib="heavy_lib"))
+    baselines = {}
+    for name in ("build", "light"):
+        out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
+                              "plan", f"{tmp_path / 'factory.py'}:{name}", "--world-size", "2", "--memory", "8GiB",
+                              "--json"], capture_output=True, text=True,
+                             env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+        assert out.returncode == 0, out.stderr
+        baselines[name] = json.loads(out.stdout)["baseline"]
+    assert baselines["build"] - baselines["light"] >= 90 * MIB, baselines

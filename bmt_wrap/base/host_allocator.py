@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import platform
 
-# glibc maps every allocation of 1 MiB or more and unmaps it when freed; left unset, its threshold rises
-# with each mapped block freed (up to 32 MiB) and the heap below it keeps what tensors free.
+# glibc maps every allocation of 64 KiB or more and unmaps it when freed; left unset, its threshold rises
+# with each mapped block freed (up to 32 MiB) and the heap below it keeps what tensors free. 1 MiB was
+# enough for a GPT of width 1024, but a model of width 384 has most tensors under 1 MiB (a 384 x 384
+# weight's gradient, a 4 x 128 x 384 activation), so its heap grew by about 100 MiB a step (RESULTS.md,
+# "The plan on models it was not tuned on"); 64 KiB cost the GPT about 4% more step time than 1 MiB.
 THRESHOLD_VAR = "MALLOC_MMAP_THRESHOLD_"
-EXACT_SETTING = f"{THRESHOLD_VAR}=1048576"
+EXACT_SETTING = f"{THRESHOLD_VAR}=65536"
 
 
 def counts_exactly() -> bool:

@@ -8,7 +8,7 @@ group's backward, which ``estimate`` leaves out because no block holds it: the r
 from its first use in backward to the end (the reduce-scatter comes after its last use), each use's
 gradient is made before it is added in, and the reduce-scatter receives the other ranks' parts.
 Tensors are counted, not the allocator's holes: the count is the process's peak when freed tensors leave
-the process (on CPU, glibc with ``MALLOC_MMAP_THRESHOLD_=1048576``; docs/design.md "Capacity").
+the process (on CPU, glibc with ``MALLOC_MMAP_THRESHOLD_=65536``; docs/design.md "Capacity").
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""The plan against measurement on models it was not tuned on (docs/design.md "Capacity").
+
+    python benchmarks/plan_truth.py [--families llama,gpt2,qwen2,t5] [--memory 1.5GiB] [--world-size 2]
+        [--optimizer-state memory,disk] [--steps 3] [--out table.md]
+
+For each family (``benchmarks/families.py``: transformers models from their default configs, sizes shrunk,
+called as users call them: ``model(input_ids=x, labels=x)`` with the default ``use_cache``), limit B and
+optimizer state, ``bmt-wrap plan --memory B --grow n_layers`` answers k in a fresh process. Then fresh
+jobs of ``--world-size`` ranks, each started with the allocator setting the plan states, build the model at
+k and at k+1 with real weights, wrap it, and train ``--steps`` steps (``torch.optim.AdamW(fused=True)``,
+or ``bmt.optim.AdamDiskOptimizer`` for the state on disk), the first step included. A job is killed as
+soon as its ranks' summed RSS passes B. The table gives the answered k, whether k and k+1 fit, the measured
+summed peak at each (each rank's ``ru_maxrss``), and the largest rank's peak against the plan's per-rank peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GIB, MIB = 2**30, 2**20
+
+
+def worker(family: str, layers: int, steps: int, optimizer_state: str, out: Path) -> None:
+    """One rank: build, wrap and train the family's model at ``layers``; write its peak RSS."""
+    sys.path.insert(0, str(HERE))
+    import torch
+    from families import BATCH, FAMILIES, SEQ, VOCAB
+
+    import bmt_wrap as bmt
+
+    bmt.init_distributed(seed=0)
+    model = bmt.BMTrainModelWrapper(FAMILIES[family](layers))
+    if optimizer_state == "disk":
+        opt = bmt.optim.AdamDiskOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                          offload_dir=tempfile.gettempdir())
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    gen = torch.Generator().manual_seed(bmt.rank())
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    out.write_text(json.dumps({"rank": bmt.rank(), "losses": losses,
+                               "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def predict(family: str, limit: int, world: int, optimizer_state: str) -> dict:
+    """``bmt-wrap plan --memory`` in a fresh process, as a user runs it."""
+    sys.path.insert(0, str(HERE))
+    from families import BATCH, SEQ
+
+    cmd = [sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())", "plan",
+           f"{HERE / 'families.py'}:{family}", "--world-size", str(world), "--memory", str(limit),
+           "--grow", "n_layers", "--input", f"input_ids=int64[{BATCH},{SEQ}]",
+           "--input", f"labels=int64[{BATCH},{SEQ}]", "--json", "--optimizer-state", optimizer_state]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"bmt-wrap plan failed for {family}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def measure(family: str, layers: int, limit: int, world: int, steps: int, optimizer_state: str,
+            setting: str) -> dict:
+    """One job at ``layers`` under the limit; its summed and largest per-rank peak."""
+    from capacity import run_ranks
+
+    def argv(rank: int, out: Path) -> list[str]:
+        return [sys.executable, __file__, "--worker", family, str(layers), str(steps), optimizer_state, str(out)]
+
+    var, _, value = setting.partition("=")
+    r = run_ranks(argv, world, limit, timeout=1800, env={var: value})
+    peaks = r["rank_peaks"]
+    return {"ok": r["ok"], "why": r["why"], "peak_sum": sum(peaks) or r["sampled_peak_sum"],
+            "peak_rank": max(peaks) if peaks else None}
+
+
+def table(rows: list[dict], world: int, steps: int, setting: str) -> list[str]:
+    """One row per family, limit and optimizer state."""
+    head = ["model", "B (sum)", "optimizer state", "answered k", "k fits", "peak sum at k", "k+1 fits",
+            "peak sum at k+1", "peak/plan at k (per rank)"]
+    lines = [f"{world} ranks, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
+             f"use_cache; {steps} steps from the first; {setting}; MiB", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        at, above = r["at_k"], r["at_k1"]
+        ratio = f"{at['peak_rank'] / r['plan_rank']:.3f}x" if at["peak_rank"] else "-"
+        cells = [r["family"], f"{r['limit'] / GIB:.2f} GiB", r["optimizer_state"], str(r["k"]),
+                 "yes" if at["ok"] else "no", f"{at['peak_sum'] / MIB:.0f}", "yes" if above["ok"] else "no",
+                 f"{above['peak_sum'] / MIB:.0f}", ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    """Predict, measure at k and k+1, print and write the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default="llama,gpt2,qwen2,t5")
+    p.add_argument("--memory", default="1.5GiB", help="the limit B, summed over ranks (comma-separated list)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--optimizer-state", default="memory,disk")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "plan_truth.md")
+    p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        family, layers, steps, state, out = args.worker
+        worker(family, int(layers), int(steps), state, Path(out))
+        return
+    sys.path.insert(0, str(HERE))
+    from capacity import parse_size
+    from families import BATCH, SEQ
+    from report import publish
+
+    rows = []
+    for limit in (parse_size(m) for m in args.memory.split(",")):
+        for state in args.optimizer_state.split(","):
+            for family in args.families.split(","):
+                plan = predict(family, limit, args.world_size, state)
+                k = plan["value"]
+                print(f"{family} {state} under {limit / GIB:.2f} GiB: the plan answers {k}", file=sys.stderr,
+                      flush=True)
+                at = [measure(family, n, limit, args.world_size, args.steps, state, plan["assumes"])
+                      for n in (k, k + 1)]
+                print(f"  measured: {at}", file=sys.stderr, flush=True)
+                rows.append({"family": family, "limit": limit, "optimizer_state": state, "k": k,
+                             "plan_rank": plan["peak_per_rank"], "at_k": at[0], "at_k1": at[1],
+                             "batch": BATCH, "seq": SEQ, "setting": plan["assumes"]})
+    publish(table(rows, args.world_size, args.steps, rows[0]["setting"]), args.out)
+
+
+if __name__ == "__main__":
+    main()
