@@ -23,7 +23,7 @@ __all__ = [
     "called_from", "dcp_state_dict_request", "inside_ddp_constructor", "default_store", "disabled_torch_function", "foreach_copy_",
     "foreach_div_", "foreach_mul_", "foreach_norm", "make_wrapper_subclass", "fused_adamw_", "grad_scaler_step_codes", "hf_initialize_weights",
     "hf_initialize_weights_replaced", "make_tensor_subclass", "muon_adjusted_lr", "muon_orthogonalize", "pytree", "register_foreach_type", "queue_autograd_callback", "register_state_dict_hooks", "release_group_defaults", "release_mesh_groups", "reorder_kwargs", "set_version_counters",
-    "tensor_version", "watch_writes",
+    "tensor_version", "watch_writes", "is_compiled_callable",
     # torch.compile
     "compile_context", "compiled_inner", "drop_compiled_call",
 ]
@@ -112,6 +112,11 @@ def _written(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     unmarked = _UNMARKED_WRITES.get(schema.name.partition("::")[2])
     if unmarked and len(args) > 5 and args[5]:
         yield from (args[i] for i in unmarked if isinstance(args[i], torch.Tensor))
+
+
+def is_compiled_callable(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is what ``torch.compile(f)`` returned (dynamo keeps the original on it)."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
 
 
 @contextmanager

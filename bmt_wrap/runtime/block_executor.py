@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..base._compat import pytree, tensor_version
+from ..base._compat import is_compiled_callable, pytree, tensor_version
 from ..errors import RecomputeError, WrapError
 from .group import ShardGroup
 from .module_params import Location, installed
@@ -182,7 +182,7 @@ class BlockCall:
             self.saved_inputs = list(tensors)
             self.input_versions = [tensor_version(t) for t in tensors]
             self.replay = Replay(self.group.name, self.module, self.inputs.leaves,
-                                 engine.replay_memory(self.group))
+                                 engine.replay_memory(self.group), watch=not is_compiled_callable(self.forward_fn))
             if engine.debug:
                 self.packed_values = []
         params = self._param_nodes()

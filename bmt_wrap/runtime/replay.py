@@ -63,8 +63,8 @@ class ReplayMemory:
 class _Copier:
     """Copies a Python object graph, sharing tensors (except the ones at ``clone_paths``)."""
 
-    def __init__(self, block: str, clone_paths: set[Path]) -> None:
-        self.block, self.clone_paths = block, clone_paths
+    def __init__(self, block: str, clone_all: bool, clone_paths: set[Path]) -> None:
+        self.block, self.clone_all, self.clone_paths = block, clone_all, clone_paths
         self.memo: dict[int, Any] = {}
         self.seen: list[tuple[Path, torch.Tensor, int]] = []  # every tensor reached, with its version
         self.clones: dict[Path, torch.Tensor] = {}
@@ -73,7 +73,7 @@ class _Copier:
     def copy(self, x: Any, path: Path) -> Any:
         if isinstance(x, torch.Tensor):
             self.seen.append((path, x, tensor_version(x)))
-            if path in self.clone_paths:
+            if self.clone_all or path in self.clone_paths:
                 self.clones[path] = x.detach().clone()
                 return self.clones[path]
             return x
@@ -157,12 +157,16 @@ def _put(x: Any, path: Path, value: Any) -> Any:
 class Replay:
     """The state one checkpointed call's recompute runs against; see the module docstring."""
 
-    def __init__(self, block: str, module: nn.Module, leaves: list[Any], memory: ReplayMemory) -> None:
+    def __init__(self, block: str, module: nn.Module, leaves: list[Any], memory: ReplayMemory,
+                 watch: bool = True) -> None:
         self.block, self.memory = block, memory
         self.mutable = [i for i, x in enumerate(leaves) if is_mutable_leaf(x)]
         self.first = memory.calls == 0
+        # A compiled forward under a dispatch watch runs other kernels than its recompute (dynamo falls
+        # back): such a block's first call clones everything reachable, as before, and compares values.
+        self.watch = watch
         memory.calls += 1
-        copier = _Copier(block, clone_paths=memory.written_paths)
+        copier = _Copier(block, clone_all=self.first and not watch, clone_paths=memory.written_paths)
         self.copies = {i: copier.copy(leaves[i], (("leaf", i),)) for i in self.mutable}
         self._seen = copier.seen
         self._clones = copier.clones
@@ -188,7 +192,7 @@ class Replay:
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Around the forward: on the first call, clone each argument tensor just before its first write."""
-        if not self.first:
+        if not (self.first and self.watch):
             yield
             return
         for path, t, _ in self._seen:
@@ -222,7 +226,10 @@ class Replay:
         # The first call saw each write as it happened (``watching``); later calls watch version counters.
         for path, t, version in self._seen:
             moved = tensor_version(t) != version
-            if self.first and moved and path not in self._clones:
+            if not self.watch and self.first:  # everything was cloned: compare values
+                if not (moved or not _same(t, self._clones[path])):
+                    self._clones.pop(path)  # left alone: later calls need not clone it
+            elif self.first and moved and path not in self._clones:
                 raise RecomputeError(
                     f"block {self.block!r} changed the tensor at {_describe(path)} behind torch's dispatcher (its "
                     "version counter moved, but no op was seen writing it), so its recompute cannot start from "
