@@ -1,0 +1,159 @@
+"""Cross-entropy of a vocabulary projection, a chunk of rows at a time: the logits are never whole.
+
+Each chunk's logits are made from its hidden states, turned into that chunk's loss and its gradients
+(hidden states, weight, bias), and freed, so at most one chunk's logits exist at once. The gradients are
+computed in forward for an incoming gradient of 1 and scaled by the real one in backward: one matmul for
+the logits and two for the gradients, the three an unfused head and its loss run (Liger's fused linear
+cross-entropy does the same). No gradient entry is dropped or filtered.
+
+Between the projection and the loss a model may apply elementwise steps (an ``Epilogue``): casts (the
+fp32 upcast transformers' loss makes), a logit scale (Cohere), Gemma-2's final softcapping
+``cap * tanh(logits / cap)``. They run on each chunk in the model's order and dtype, so each chunk's logits
+are bit-identical to the unfused model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import BMTError
+from . import torch_rows
+
+#: Elementwise steps between the projection and the loss: ("cast", dtype), ("div", s), ("mul", s), ("tanh", None).
+Epilogue = tuple[tuple[str, Any], ...]
+EPILOGUE_OPS = ("cast", "div", "mul", "tanh")
+REDUCTIONS = ("mean", "sum")
+#: Logit elements per chunk (64 MiB in fp32): 130 rows of a 128,256-word vocabulary.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def softcap(cap: float) -> Epilogue:
+    """Gemma-2's ``final_logit_softcapping``: ``cap * tanh(logits / cap)``, in transformers' order."""
+    return (("div", cap), ("tanh", None), ("mul", cap))
+
+
+def logit_scale(scale: float) -> Epilogue:
+    """Cohere's ``logit_scale``: ``logits * scale``."""
+    return (("mul", scale),)
+
+
+def apply_epilogue(x: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
+    """``x`` after the epilogue's steps, in order."""
+    for op, arg in epilogue:
+        if op == "cast":
+            x = x.to(arg)
+        elif op == "div":
+            x = x / arg
+        elif op == "mul":
+            x = x * arg
+        elif op == "tanh":
+            x = torch.tanh(x)
+        else:
+            raise BMTError(f"unknown epilogue step {op!r}; the steps are {EPILOGUE_OPS}")
+    return x
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk for a vocabulary of ``vocab`` words (``CHUNK_ELEMENTS`` logits)."""
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` computes in here (autocast's, else the operands')."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    if hidden.dtype != weight.dtype:
+        raise BMTError(f"the hidden states are {hidden.dtype} and the projection's weight {weight.dtype}: "
+                       "F.linear needs one dtype (cast the model, or run under torch.autocast)")
+    return hidden.dtype
+
+
+def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += dz^T @ h`` (fp32 accumulator; one chunk's contribution to the weight's gradient)."""
+    if dz.dtype == acc.dtype:
+        acc.addmm_(dz.t(), h)
+    else:
+        acc.add_(dz.t() @ h)
+
+
+def _chunk_grads(z: torch.Tensor, target: torch.Tensor, epilogue: Epilogue, ignore_index: int,
+                 smoothing: float, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss (fp32) and d(sum of row_scale * row loss)/dz, in z's dtype."""
+    zr = z.detach().requires_grad_()
+    with torch.enable_grad():
+        x = apply_epilogue(zr, epilogue)
+        xf = x.float()
+    rows, lse = torch_rows.forward(xf.detach(), target, ignore_index, smoothing)
+    dx = torch_rows.backward(xf.detach(), target, lse, row_scale, smoothing)
+    dz = dx if xf is zr else torch.autograd.grad(xf, zr, dx)[0]
+    return rows.sum(), dz
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                target: torch.Tensor, epilogue: Epilogue, ignore_index: int, smoothing: float, reduction: str,
+                rows: int) -> torch.Tensor:
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        dtype = _compute_dtype(hidden, weight)
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        valid = target != ignore_index
+        scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), dtype=torch.float32)
+        row_scale = (valid.float() * scale).to(hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for a in range(0, hidden.shape[0], rows):
+                h = hidden[a:a + rows].to(dtype)
+                chunk_loss, dz = _chunk_grads(F.linear(h, w, b), target[a:a + rows], epilogue, ignore_index,
+                                              smoothing, row_scale[a:a + rows])
+                total += chunk_loss
+                if grad_h is not None:
+                    grad_h[a:a + rows] = dz @ w
+                if grad_w is not None:
+                    _add_weight_grad(grad_w, dz, h)
+                if grad_b is not None:
+                    grad_b += dz.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = []
+        # In place: these gradients belong to this call alone (a second backward through it raises,
+        # as autograd does for any saved tensor changed in place).
+        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
+            grads.append(g.mul_(grad.to(g.dtype)).to(dtype) if g is not None else None)
+        return (*grads, None, None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, epilogue: Epilogue = (), rows: int | None = None
+                         ) -> torch.Tensor:
+    """``F.cross_entropy(epilogue(F.linear(hidden, weight, bias)), target, ...)`` a chunk of ``rows`` rows at a
+    time (default ``chunk_rows(vocab)``); the loss is fp32, gradients in the inputs' dtypes."""
+    if reduction not in REDUCTIONS:
+        raise BMTError(f"linear_cross_entropy reduces by 'mean' or 'sum', got {reduction!r}; for per-row "
+                       "losses use FusedCrossEntropy(reduction='none') on the logits")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise BMTError(f"hidden states {tuple(hidden.shape)} do not fit a projection weight {tuple(weight.shape)}: "
+                       "the weight is (vocabulary, hidden)")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if target.numel() != flat.shape[0]:
+        raise BMTError(f"{target.numel()} targets for {flat.shape[0]} rows of hidden states: give one target "
+                       "per row")
+    for op, _ in epilogue:
+        if op not in EPILOGUE_OPS:
+            raise BMTError(f"unknown epilogue step {op!r}; the steps are {EPILOGUE_OPS}")
+    rows = rows or chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(flat, weight, bias, target.reshape(-1).long(), tuple(epilogue),
+                                     ignore_index, float(label_smoothing), reduction, rows)
