@@ -90,6 +90,14 @@ def test_passes_import_neither_runtime_nor_anything_above() -> None:
     assert not _reaching_out("bmt_wrap.passes", BASE)
 
 
+def test_wrapping_never_imports_the_explicit_api() -> None:
+    # The explicit API stands on wrapping/ (state dicts, compile, consistency, the block binding both share,
+    # wrapping/bound_block.py); an import back up would tie the two layers into one.
+    climbing = {m: [t for t in targets if t == "bmt_wrap.explicit" or t.startswith("bmt_wrap.explicit.")]
+                for m, targets in _package_imports().items() if m.startswith("bmt_wrap.wrapping")}
+    assert not {m: t for m, t in climbing.items() if t}
+
+
 def test_base_imports_only_errors() -> None:
     # base/ is what both sides share, so it reaches nothing above it.
     assert not _reaching_out("bmt_wrap.base", ("bmt_wrap.errors",))

@@ -16,7 +16,6 @@ from ..base.dtypes import to_dtype
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..errors import PlanError, WrapError
-from ..explicit.block import CheckpointBlock, bind_block
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator, RankLayout
@@ -25,6 +24,7 @@ from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
 from ..runtime.module_params import Location, ParamSite, check_single_device, param_sites
 from ..runtime.standalone import full_value
+from .bound_block import CheckpointBlock, bind_block
 from .compiled import compiled_wrapper, never_traced
 from .sharded_module import ShardedModuleMixin, install_state_hooks
 

@@ -16,11 +16,11 @@ from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError, WrapError
-from ..explicit.block import CheckpointBlock
 from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
+from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
 from .generate import attach_generate
 from .tensor_parallel import (
