@@ -138,3 +138,8 @@ class BlockListError(WrapError, AssertionError):
 class MaterializeWarning(UserWarning):
     """An op on a sharded tensor needed its full value and gathered it (a collective on every rank), once
     per kind of op; ``bmt.comm_stats()["materialize"]`` counts every such gather."""
+
+
+class FusedLossWarning(UserWarning):
+    """Under ``fused_loss=True`` the vocabulary head's logits met an op the chunked loss does not replay,
+    and were computed whole: the result is the unfused model's, the memory is not saved."""
