@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .dtypes import align_elems, dtype_name, itemsize
+from .fused_loss_plan import FusedLossPlan
 from .tp_plan import TensorParallelPlan, tp_text
 
 PLAN_VERSION = 1
@@ -246,6 +247,7 @@ class WrapPlan:
     version: int = PLAN_VERSION
     memory_budget: int | None = None  # bytes per rank the schedule was fitted to (None: options as given)
     tensor_parallel: TensorParallelPlan | None = None  # modules split across TP ranks (None: no TP)
+    fused_loss: FusedLossPlan | None = None  # the vocabulary projection and its cross-entropy (None: not looked for)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -300,7 +302,8 @@ class WrapPlan:
                        self_checkpointing_off=raw.get("self_checkpointing_off", []),
                        estimates=estimates, version=raw["version"], memory_budget=raw.get("memory_budget"),
                        tensor_parallel=(TensorParallelPlan.from_dict(raw["tensor_parallel"])
-                                        if raw.get("tensor_parallel") else None))
+                                        if raw.get("tensor_parallel") else None),
+                       fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -439,6 +442,8 @@ def tables(plan: WrapPlan) -> list[str]:
     lines = ["groups:", render_groups(plan)]
     if plan.tensor_parallel is not None:
         lines += tp_text(plan.tensor_parallel)
+    if plan.fused_loss is not None:
+        lines += fused_loss_text(plan.fused_loss)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines
@@ -447,3 +452,24 @@ def tables(plan: WrapPlan) -> list[str]:
 def plan_text(plan: WrapPlan) -> str:
     """What ``str(plan)`` shows: summary, notes, groups and per-rank estimates."""
     return "\n".join([*heading(plan), *tables(plan)])
+
+
+def fused_loss_text(section: FusedLossPlan) -> list[str]:
+    """Lines ``str(plan)`` and the CLI show for the section."""
+    if section.head is None:
+        return [f"fused loss: {'not fused' if section.enabled else 'off'}: {section.reason}"]
+    pair = f"{section.head} -> {' -> '.join([*section.steps, section.loss or '?'])}"
+    lines = [f"fused loss: {pair}"]
+    if section.reason is not None:
+        lines.append(f"  not fused: {section.reason}")
+    else:
+        lines.append("  fused: one chunked op, no logits returned" if section.enabled else
+                     "  off (BMTrainModelWrapper(model, fused_loss=True) or --fused-loss fuses it)")
+    if section.logits_bytes is not None:
+        saved = (section.unfused_bytes or 0) - (section.fused_bytes or 0)
+        lines.append(f"  logits at this input: {fmt_bytes(section.logits_bytes)} ({section.rows} tokens x "
+                     f"{section.vocab} words); the unfused pair holds {fmt_bytes(section.unfused_bytes)}, the "
+                     f"fused op {fmt_bytes(section.fused_bytes)} ({fmt_bytes(saved)} less)")
+    else:
+        lines.append("  logits' bytes unknown: they need an input shape (example_inputs= or --input)")
+    return lines

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..base.fused_loss_plan import chunk_rows
 from ..errors import BMTError
 from . import torch_rows
 
@@ -26,8 +27,6 @@ from . import torch_rows
 Epilogue = tuple[tuple[str, Any], ...]
 EPILOGUE_OPS = ("cast", "div", "mul", "tanh")
 REDUCTIONS = ("mean", "sum")
-#: Logit elements per chunk (64 MiB in fp32): 130 rows of a 128,256-word vocabulary.
-CHUNK_ELEMENTS = 1 << 24
 
 
 def softcap(cap: float) -> Epilogue:
@@ -56,12 +55,7 @@ def apply_epilogue(x: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
     return x
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows per chunk for a vocabulary of ``vocab`` words (``CHUNK_ELEMENTS`` logits)."""
-    return max(1, CHUNK_ELEMENTS // max(1, vocab))
-
-
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` computes in here (autocast's, else the operands')."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device) and hidden.is_floating_point():
@@ -99,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 target: torch.Tensor, epilogue: Epilogue, ignore_index: int, smoothing: float, reduction: str,
                 rows: int) -> torch.Tensor:
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        dtype = _compute_dtype(hidden, weight)
+        dtype = compute_dtype(hidden, weight)
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         valid = target != ignore_index

@@ -15,6 +15,7 @@ from .capture import (
 )
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate, estimate_mesh, estimate_tp
+from .fused_loss import fuse_loss, fused_loss_section
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
@@ -25,7 +26,8 @@ from .util import self_checkpointing_modules
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph",
-    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "meta_skeleton",
+    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
+    "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_tensor_parallel", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
     "self_checkpointing_modules", "steps", "to_meta",

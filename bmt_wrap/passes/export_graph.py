@@ -35,7 +35,8 @@ class _TensorOutputs(nn.Module):
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
 
 
-def _strip(path: str) -> str:
+def unwrapped_name(path: str) -> str:
+    """A module or parameter name of the exported wrapper, as the model itself names it."""
     return "" if path == _INNER else path.removeprefix(_INNER + ".")
 
 
@@ -47,7 +48,7 @@ def block_resolver(discovery: Discovery) -> Callable[[fx.Node], BlockKey | None]
         keys: list[str] = []
         for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
             keys.append(key)
-            fqn = canonical.get(_strip(path))
+            fqn = canonical.get(unwrapped_name(path))
             if fqn is not None:
                 return fqn, tuple(keys)
         return None
@@ -67,7 +68,7 @@ def condense(graph: fx.Graph, block_of: Callable[[fx.Node], BlockKey | None]) ->
     def value(n: fx.Node) -> fx.Node:
         # Root parameters appear as get_attr nodes only where root code uses them.
         if n not in env and n.op == "get_attr":
-            env[n] = out.get_attr(_strip(str(n.target)))
+            env[n] = out.get_attr(unwrapped_name(str(n.target)))
         return env[n]
 
     i = 0

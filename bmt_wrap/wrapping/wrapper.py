@@ -15,13 +15,14 @@ from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
-from ..errors import PlanError, WrapError
+from ..errors import PlanError, UnsupportedError, WrapError
 from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
+from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .tensor_parallel import (
     apply_tensor_parallel,
@@ -37,9 +38,9 @@ class _FirstForward:
     and replaces the plan's schedule; rank 0 decides, every rank receives its choice."""
 
     def __init__(self, skeleton: nn.Module, discovery: passes.Discovery, options: dict[str, Any],
-                 shard_size: int) -> None:
+                 shard_size: int, fused_loss: bool) -> None:
         self.skeleton, self.discovery, self.options = skeleton, discovery, options
-        self.shard_size = shard_size
+        self.shard_size, self.fused_loss = shard_size, fused_loss
         self.recorder: passes.EagerRecorder | None = None
         self.notes: list[str] = []
 
@@ -64,6 +65,7 @@ class _FirstForward:
         mine, failure = None, None
         try:
             mine = passes.schedule(model.plan, cap, world_size=self.shard_size, **self.options)
+            mine.fused_loss = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
         except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
             if not budgeted:
                 raise
@@ -74,14 +76,15 @@ class _FirstForward:
             agree(failure if state.rank == 0 else None, what="first-forward schedule", error_type=PlanError)
         chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
         update_schedule(model, chosen)
+        install_fused_loss(model, chosen.fused_loss)
         get_logger().debug("first forward: block order captured by %s", chosen.capture)
 
 
 def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level: int = 3, prefetch_depth: int = 1,
                         memory_budget: int | None = None, plan: WrapPlan | None = None,
                         example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
-                        mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None
-                        ) -> nn.Module:
+                        mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
+                        fused_loss: bool = False) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -96,6 +99,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     over the data-parallel ranks; the modules split come from ``tp_plan=`` (transformers' vocabulary), the
     transformers model's own tp plan, or column -> row Linear pairs in its blocks (listed in
     ``model.plan.tensor_parallel``).
+    ``fused_loss=True``: the projection to the vocabulary and the cross-entropy it feeds run as one chunked op
+    (the logits are never whole); a training call that computes the loss returns ``logits=None``.
+    ``model.plan.fused_loss`` says what was found, or why not, and the logits' bytes at the captured input.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -109,6 +115,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     with collective_purpose("wrap"):
         tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
         layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
+        if fused_loss and tp_layout is not None:
+            raise UnsupportedError("fused_loss=True with tensor parallelism is not supported yet (the head's "
+                                   "vocabulary-parallel form): drop tp_size=/the tp mesh, or fused_loss=True")
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget}
@@ -121,7 +130,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             if state.rank == 0:
                 try:
                     mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options,
-                                          layout.shard_size, tp)
+                                          layout.shard_size, tp, fused_loss)
                 except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                     failure = exc
             agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -131,14 +140,20 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             if not isinstance(plan, WrapPlan):
                 raise PlanError(f"plan= must be a WrapPlan (WrapPlan.from_json(text)), got {type(plan).__name__}")
             plan = copy.deepcopy(plan)
+            if plan.fused_loss is not None:
+                plan.fused_loss.enabled = fused_loss
+            elif fused_loss and plan.capture != "none":
+                raise PlanError("plan= has no fused-loss section to apply fused_loss=True with: rebuild the plan "
+                                "(bmt-wrap dump --fused-loss --format json) or wrap without plan=")
         first = None
         if plan.capture == "none" or (built and _budget_needs_activations(plan, layout.shard_size)):
-            first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size)
+            first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size, fused_loss)
         if tp is not None:
             apply_tensor_parallel(model, tp, tp_layout.tp)
             guard_tp_inputs(model)
         apply_plan(model, plan, mixed_precision, layout=layout,
                    tp=tp_layout.tp if tp_layout is not None else None)
+        install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
@@ -149,11 +164,13 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
                    mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int,
-                   tp: TensorParallelPlan | None) -> WrapPlan:
+                   tp: TensorParallelPlan | None, fused_loss: bool) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
-    return passes.build_plan(model, discovery, world_size=shard_size, capture=cap,
+    plan = passes.build_plan(model, discovery, world_size=shard_size, capture=cap,
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
+    plan.fused_loss = passes.fused_loss_section(model, cap, enabled=fused_loss)
+    return plan
 
 
 wrap = BMTrainModelWrapper

@@ -1,0 +1,58 @@
+"""``fused_loss=True``: the plan's vocabulary head returns lazy logits in training calls, a cross-entropy on
+them runs the chunked op, and the call returns no logits the loss took (docs/design.md "Fused loss").
+
+The model's own forward runs, as always: only the head's forward changes, and only while the head is in
+training mode with gradients on, so evaluation and generation are untouched. A training call that
+computes no loss gets its logits computed whole before the root's parameters are released.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base._compat import pytree
+from ..base.fused_loss_plan import FusedLossPlan
+from ..errors import PlanError
+from ..loss.lazy_logits import LazyLogits, drop_or_materialize
+from .compiled import never_traced
+
+
+def _lazy_head_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    if self.training and torch.is_grad_enabled():
+        return LazyLogits.of(hidden, self.weight, self.bias)
+    return nn.Linear.forward(self, hidden)
+
+
+def _drop_taken_logits(model: nn.Module, args: tuple, output: Any) -> Any:
+    if not any(isinstance(x, LazyLogits) for x in pytree.tree_leaves(output)):
+        return None
+    return drop_or_materialize(output)
+
+
+def fused_head(model: nn.Module) -> nn.Linear | None:
+    """The head whose forward ``install_fused_loss`` replaced, if any."""
+    for m in model.modules():
+        forward = m.__dict__.get("forward")
+        if isinstance(forward, types.MethodType) and forward.__func__ is _lazy_head_forward:
+            return m  # type: ignore[return-value]
+    return None
+
+
+def install_fused_loss(model: nn.Module, section: FusedLossPlan | None) -> None:
+    """Fuse ``section``'s head with its loss in ``model`` (once; nothing unless the section is fused)."""
+    if section is None or not section.fused or fused_head(model) is not None:
+        return
+    try:
+        head = model.get_submodule(section.head or "")
+    except AttributeError:
+        head = None
+    if not isinstance(head, nn.Linear):
+        raise PlanError(f"the plan fuses the loss with head {section.head!r}, which is not an nn.Linear of "
+                        f"{type(model).__name__}; regenerate the plan for this model")
+    head.forward = types.MethodType(_lazy_head_forward, head)  # type: ignore[method-assign]
+    # Before the root's own hook: logits computed whole need the root's parameters still gathered.
+    model.register_forward_hook(never_traced(_drop_taken_logits), prepend=True)

@@ -1,0 +1,252 @@
+"""fused_loss=True: the pass that finds the vocabulary projection and its cross-entropy, the lazy logits
+that run them as one chunked op, and wrapped training on 1, 2 and 4 ranks against the plain, unfused
+model (transformers Llama untied, GPT-2 and Qwen2 tied, Gemma-2's softcapping, Cohere's logit scale,
+padding with -100, num_items_in_batch, label smoothing and a summed loss on a plain PyTorch model)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import models
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_distributed
+from parity import train_side_by_side
+from torch import nn
+
+from bmt_wrap import passes
+from bmt_wrap.base.fused_loss_plan import FusedLossPlan
+from bmt_wrap.errors import FusedLossWarning, PlanError
+from bmt_wrap.passes.fused_loss import fused_linear_cross_entropy
+from bmt_wrap.plan import WrapPlan
+from bmt_wrap.wrapper import BMTrainModelWrapper
+from bmt_wrap.wrapping.fused_loss import install_fused_loss
+
+
+def gemma2() -> nn.Module:
+    """transformers Gemma2ForCausalLM (final_logit_softcapping=30 by default, tied), 2 layers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return models.seeded(lambda: Gemma2ForCausalLM(Gemma2Config(**models._hf_small(), head_dim=8)))
+
+
+def cohere() -> nn.Module:
+    """transformers CohereForCausalLM (logit_scale=0.0625 by default, tied), 2 layers."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return models.seeded(lambda: CohereForCausalLM(CohereConfig(**models._hf_small(), eos_token_id=0)))
+
+
+FACTORIES = {"llama": models.llama, "gpt2": models.gpt2, "qwen2": models.qwen2, "gemma2": gemma2, "cohere": cohere}
+
+
+class LossGPT(models.ToyGPT):
+    """A plain PyTorch LM whose forward computes its loss with an ``nn.CrossEntropyLoss`` (fx captures it)."""
+
+    def __init__(self, extra: str = "", **loss: object) -> None:
+        super().__init__(n_layers=2)
+        self.loss_fct = nn.CrossEntropyLoss(**loss)  # type: ignore[arg-type]
+        self.extra = extra
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = self.loss_fct(logits.flatten(0, -2), targets.flatten())
+        if self.extra == "argmax":  # the logits read whole besides the loss
+            loss = loss + logits.argmax(-1).float().mean() * 0
+        return loss
+
+
+def _padded(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """``ids`` as labels with a random prefix of each row padded with -100 (as collators pad prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = ids.clone()
+    for row, pad in enumerate(torch.randint(0, ids.shape[1] - 2, (ids.shape[0],), generator=g).tolist()):
+        labels[row, :pad] = -100
+    return labels
+
+
+def _batches(steps: int, batch: int = 4, seq: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, models.VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+    return [(i, _padded(i, s)) for s, i in enumerate(ids)]
+
+
+def _capture(model: nn.Module, **inputs: torch.Tensor) -> passes.Capture:
+    return passes.capture(model, passes.discover_blocks(model), inputs or None)
+
+
+# ---- the pass -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2"])
+def test_pass_finds_the_transformers_head_and_loss(name: str) -> None:
+    model = FACTORIES[name]()
+    ids = models.token_ids()
+    cap = _capture(model, input_ids=ids, labels=_padded(ids, 0))
+    graph, section = passes.fuse_loss(cap.graph, model, enabled=True)
+    assert section.fused and section.head == "lm_head" and "loss_function" in section.loss
+    assert section.steps[-2:] == ["to", "view"]  # transformers' fp32 upcast and flattening
+    if name == "gemma2":
+        assert section.steps[:3] == ["div(30.0)", "tanh", "mul(30.0)"]
+    assert (section.vocab, section.rows) == (models.VOCAB, ids.numel())
+    assert section.logits_bytes == ids.numel() * models.VOCAB * 4
+    fused = [n for n in graph.nodes if n.target is fused_linear_cross_entropy]
+    assert len(fused) == 1 and fused[0].kwargs["ignore_index"] == -100
+    assert not any(n.target is torch.ops.aten.linear.default and "lm_head" in str(n.args[1]) for n in graph.nodes)
+    output = next(n for n in graph.nodes if n.op == "output")
+    assert output.args[0][0] is fused[0] and output.args[0][1] is None  # the loss; no logits
+    with pytest.raises(PlanError, match="not run"):
+        fused[0].target(None, None, None)
+
+
+def test_pass_reads_a_plain_models_loss_module_from_fx() -> None:
+    model = models.seeded(lambda: LossGPT(label_smoothing=0.1, reduction="sum"))
+    cap = _capture(model)
+    assert cap.method == "fx"
+    graph, section = passes.fuse_loss(cap.graph, model, enabled=True)
+    assert section.fused and section.head == "head" and section.weight == "head.weight"
+    assert section.loss == "nn.CrossEntropyLoss (loss_fct)" and section.steps == ["flatten(0, -2)"]
+    assert section.logits_bytes is None  # no input shape under fx
+    assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
+
+
+@pytest.mark.parametrize(("build", "inputs", "reason"), [
+    (models.llama, "ids", "computes no cross-entropy"),
+    (lambda: models.seeded(lambda: LossGPT(extra="argmax")), None, "also feed argmax"),
+    (lambda: models.seeded(lambda: LossGPT(weight=torch.ones(models.VOCAB))), None, "class weights"),
+    (lambda: models.seeded(lambda: LossGPT(reduction="none")), None, "one loss per token"),
+], ids=["no-labels", "logits-read-whole", "class-weights", "reduction-none"])
+def test_pass_leaves_what_it_does_not_recognise_with_the_reason(build, inputs, reason) -> None:
+    model = build()
+    cap = _capture(model, input_ids=models.token_ids()) if inputs else _capture(model)
+    graph, section = passes.fuse_loss(cap.graph, model, enabled=True)
+    assert not section.fused and reason in section.reason
+    assert graph is cap.graph
+    text = "\n".join(str(WrapPlan(groups=[], fused_loss=section)).splitlines())
+    assert reason in text
+
+
+def test_plan_section_round_trips_and_shows_the_saving() -> None:
+    model = models.llama()
+    ids = models.token_ids(batch=2, seq=16)
+    cap = _capture(model, input_ids=ids, labels=ids)
+    plan = passes.build_plan(model, passes.discover_blocks(model), world_size=2, capture=cap)
+    plan.fused_loss = passes.fused_loss_section(model, cap, enabled=False)
+    again = WrapPlan.from_json(plan.to_json())
+    assert again.fused_loss == plan.fused_loss and not again.fused_loss.fused
+    text = str(again)
+    assert "fused loss: lm_head -> to -> view -> cross_entropy" in text
+    assert "off (BMTrainModelWrapper(model, fused_loss=True)" in text and "logits at this input: 12.00 KiB" in text
+    assert passes.fused_loss_section(model, None, enabled=True).reason.startswith("the root's graph is unknown")
+
+
+# ---- the lazy logits, unwrapped ----------------------------------------------------------------------------
+def _fused_copy(name: str) -> tuple[nn.Module, nn.Module]:
+    ref = FACTORIES[name]()
+    model = copy.deepcopy(ref)
+    install_fused_loss(model, FusedLossPlan(True, head="lm_head"))
+    return ref.train(), model.train()
+
+
+def _assert_same_grads(model: nn.Module, ref: nn.Module) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_call_without_labels_and_evaluation_are_untouched() -> None:
+    ref, model = _fused_copy("llama")
+    ids = models.token_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedLossWarning)  # whole logits returned is no fallback
+        out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    _assert_same_grads(model, ref)
+    model.eval()
+    with torch.no_grad():
+        assert type(model(input_ids=ids, labels=ids).logits) is torch.Tensor
+
+
+def test_logits_read_whole_inside_the_forward_warn_and_stay_exact() -> None:
+    ref = models.seeded(lambda: LossGPT(extra="argmax"))
+    model = copy.deepcopy(ref)
+    install_fused_loss(model, FusedLossPlan(True, head="head"))
+    ids = models.token_ids()
+    with pytest.warns(FusedLossWarning, match="argmax"):
+        loss = model(ids, ids)
+    want = ref(ids, ids)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    loss.backward()
+    want.backward()
+    _assert_same_grads(model, ref)
+
+
+def test_bf16_autocast_gives_the_unfused_loss() -> None:
+    ref, model = _fused_copy("llama")
+    ids = models.token_ids()
+    labels = _padded(ids, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, want = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)  # the same bf16 logits, an fp32 loss
+    loss.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.6e-2, atol=1e-4)  # bf16's rounding
+
+
+# ---- wrapped, against plain PyTorch on 1, 2 and 4 ranks ------------------------------------------------------
+def _wrapped_body(name: str, steps: int, num_items: bool = False, **wrap_kw: object) -> dict:
+    factory = FACTORIES[name] if name in FACTORIES else (lambda: models.seeded(
+        lambda: LossGPT(label_smoothing=0.1, reduction="sum")))
+    seen: dict = {}
+
+    def wrap(m: nn.Module) -> nn.Module:
+        seen["model"] = BMTrainModelWrapper(m, fused_loss=True, **wrap_kw)
+        return seen["model"]
+
+    def loss_fn(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if name not in FACTORIES:
+            return model(ids, labels.clamp(min=0))
+        kw = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if num_items else {}
+        out = model(input_ids=ids, labels=labels, **kw)
+        if model is seen["model"]:
+            seen.setdefault("logits", []).append(out.logits)
+        return out.loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedLossWarning)
+        result = train_side_by_side(factory, wrap, _batches(steps), optimizer="sgd", loss_fn=loss_fn,
+                                    sliced_reference=True)
+    section = seen["model"].plan.fused_loss
+    return {"losses": result["losses"], "fused": section.fused, "head": section.head,
+            "logits": [x is None for x in seen.get("logits", [])]}
+
+
+@pytest.mark.parametrize(("name", "world_size", "options"), [
+    ("llama", 1, {}), ("llama", 2, {"num_items": True}), ("llama", 4, {}),
+    ("gpt2", 2, {}), ("qwen2", 4, {}),
+    ("gemma2", 1, {}), ("cohere", 1, {}),
+    ("plain", 2, {}),
+])
+def test_fused_training_matches_the_unfused_model(name: str, world_size: int, options: dict) -> None:
+    results = run_distributed(_wrapped_body, world_size, name, 2, **options)
+    assert results[0]["fused"], results[0]
+    assert all(results[0]["logits"]), "a call that computes the loss returns no logits"
+
+
+def test_memory_budget_does_not_fuse_by_itself() -> None:
+    results = run_distributed(_budget_body, 1)
+    assert results[0] == (False, "head")
+
+
+def _budget_body() -> tuple[bool, str | None]:
+    model = BMTrainModelWrapper(models.seeded(lambda: LossGPT()), memory_budget=1 << 40)
+    section = model.plan.fused_loss
+    return section.fused, section.head
