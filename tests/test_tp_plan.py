@@ -152,11 +152,66 @@ def test_tied_weights_split_differently_stay_replicated() -> None:
     assert {e.module for e in both.entries} == {"head", "embed"}  # both split rows: the same slice
 
 
+class ScaledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own (a quantised or adapted layer): not split as a Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
 def test_unsplittable_module_keeps_its_partners_whole() -> None:
-    model = models.gpt2()  # Conv1D, not nn.Linear
-    tp = _tp(model, 2, {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"})
+    model = models.ToyGPT()
+    for layer in model.layers:
+        layer.fc1 = ScaledLinear(layer.fc1.in_features, layer.fc1.out_features)
+    tp = _tp(model, 2, {"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
     assert tp.entries == []
-    assert "needs an nn.Linear" in {r.module: r.reason for r in tp.replicated}["transformer.h.0.mlp.c_fc"]
+    reasons = {r.module: r.reason for r in tp.replicated}
+    assert "needs an nn.Linear or transformers' Conv1D, this is ScaledLinear" in reasons["layers.0.fc1"]
+    assert "a module beside it" in reasons["layers.0.fc2"]
+
+
+def test_gpt2_conv1d_mlp_is_split_like_a_linear_pair_with_its_weight_transposed() -> None:
+    # No tp plan in GPT-2's config: fx traces the MLP (the block and attention it cannot) and finds
+    # c_fc -> gelu_new -> c_proj; a Conv1D's weight is [in, out], so column splits dim 1, row dim 0.
+    model = models.gpt2()
+    tp = _tp(model, 2)
+    assert tp.source == "derived"
+    entries = {e.module: e for e in tp.entries}
+    assert set(entries) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")}
+    fc, proj = entries["transformer.h.0.mlp.c_fc"], entries["transformer.h.0.mlp.c_proj"]
+    assert (fc.style, fc.kind, fc.split_dims, fc.in_features, fc.out_features) == (
+        "colwise", "conv1d", {"weight": 1, "bias": 0}, 32, 128)
+    assert (proj.style, proj.split_dims, proj.in_features, proj.out_features) == (
+        "rowwise", {"weight": 0}, 128, 32)
+    shapes = tp.local_shapes()
+    assert [shapes[f"transformer.h.0.mlp.{n}"] for n in ("c_fc.weight", "c_fc.bias", "c_proj.weight",
+                                                         "c_proj.bias")] == [[32, 64], [64], [64, 32], [32]]
+    # The fused q/k/v is split by nothing that proves its head layout: kept whole, with the reason.
+    reasons = {r.module: r.reason for r in tp.replicated}
+    assert "fused q/k/v" in reasons["transformer.h.0.attn.c_attn"] and "transformer.h.0.attn.c_proj" in reasons
+    # A user plan splits Conv1D wherever it would split a Linear.
+    user = _tp(models.gpt2(), 2, {"transformer.h.*.mlp.c_fc": "colwise",
+                                  "transformer.h.*.mlp.c_proj": "rowwise"})
+    assert sorted((e.module, e.style, e.split_dims) for e in user.entries) == sorted(
+        (e.module, e.style, e.split_dims) for e in tp.entries)
+
+
+class TwiceCalledMLP(nn.Module):
+    """A column -> row pair whose row Linear is called a second time on a whole input: one split cannot
+    serve both calls (split, the second call would get 64 features where its slice takes 32)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc, self.pre, self.out = nn.Linear(d, 64), nn.Linear(d, 64), nn.Linear(64, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.fc(x))) + self.out(self.pre(x))
+
+
+def test_a_linear_called_twice_is_not_paired() -> None:
+    tp = _tp(nn.Sequential(*(TwiceCalledMLP() for _ in range(3))), 2)
+    assert tp.entries == []
+    assert sorted(r.module for r in tp.replicated if r.module.startswith("0.")) == ["0.fc", "0.out", "0.pre"]
 
 
 def test_plan_section_round_trips_and_shows() -> None:

@@ -34,7 +34,8 @@ def _hf_loss(model, ids):
 
 
 def _setup(name: str, steps: int = 3, batch: int = 4):
-    """(build, batches, loss_fn, tp_plan) for the toy GPT (a user plan) or the Llama (its own plan)."""
+    """(build, batches, loss_fn, tp_plan) for the toy GPT (a user plan), the Llama (its own plan) or GPT-2
+    (Conv1D MLP pairs derived from the graph)."""
     if name == "toy":
         return models.ToyGPT, lm_batches(steps, batch), None, TOY_PLAN
     if name == "toy_tied":  # embedding and head share one weight: both split by vocabulary rows, one slice
@@ -43,16 +44,22 @@ def _setup(name: str, steps: int = 3, batch: int = 4):
         return models.ToyGPT, lm_batches(steps, batch), None, None
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, models.VOCAB, (batch, 8), generator=g),) for _ in range(steps)]
-    return llama_mha, batches, _hf_loss, None
+    return {"llama": llama_mha, "gpt2": models.gpt2}[name], batches, _hf_loss, None
 
 
-def _parity_body(name: str, tp: int, optimizer: str) -> dict:
+def _parity_body(name: str, tp: int, optimizer: str, world: int = WORLD) -> dict:
     build, batches, loss_fn, tp_plan = _setup(name)
-    rank = bmt.rank()
-    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, tp_size=tp, tp_plan=tp_plan),
-                                batches, optimizer=optimizer, loss_fn=loss_fn,
-                                data_parallel=(rank // tp, WORLD // tp))
-    return {"losses": result["losses"], "grad_diff": result["grad_diff"], "param_diff": result["param_diff"]}
+    rank, wrapped = bmt.rank(), []
+
+    def wrap(m: torch.nn.Module) -> torch.nn.Module:
+        wrapped.append(bmt.BMTrainModelWrapper(m, tp_size=tp, tp_plan=tp_plan))
+        return wrapped[0]
+
+    result = train_side_by_side(build, wrap, batches, optimizer=optimizer, loss_fn=loss_fn,
+                                data_parallel=(rank // tp, world // tp))
+    return {"losses": result["losses"], "grad_diff": result["grad_diff"], "param_diff": result["param_diff"],
+            "plan": str(wrapped[0].plan), "split": {n: (list(p.shape), getattr(p, "_tp_split_dim", None))
+                                                   for n, p in wrapped[0].named_parameters()}}
 
 
 @pytest.mark.parametrize("tp", [2, 4, 1])
@@ -74,6 +81,24 @@ def test_tp2_tied_embedding_and_derived_plan_match_plain_pytorch(name: str) -> N
 def test_tp2_matches_plain_pytorch_adamw(name: str) -> None:
     results = run_distributed(_parity_body, WORLD, name, 2, "adamw")
     assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt2_conv1d_split_matches_plain_pytorch_adamw(world: int) -> None:
+    # tp2 alone (2 ranks) and tp2 x dp2 (4): GPT-2's MLP Conv1Ds split column -> row with the weight
+    # transposed, attention whole; losses, whole gradients at every step and parameters after AdamW
+    # (train_side_by_side asserts them on every rank).
+    results = run_distributed(_parity_body, world, "gpt2", 2, "adamw", world)
+    assert all(r["losses"] == results[0]["losses"] for r in results) and len(results[0]["losses"]) == 3
+    for r in results:
+        assert "split transformer.h.0.mlp.c_fc: colwise" in r["plan"]
+        assert "split transformer.h.1.mlp.c_proj: rowwise" in r["plan"]
+        assert "replicated transformer.h.0.attn.c_attn" in r["plan"]
+        assert r["split"]["transformer.h.0.mlp.c_fc.weight"] == ([32, 64], 1)
+        assert r["split"]["transformer.h.0.mlp.c_fc.bias"] == ([64], 0)
+        assert r["split"]["transformer.h.0.mlp.c_proj.weight"] == ([64, 32], 0)
+        assert r["split"]["transformer.h.0.mlp.c_proj.bias"] == ([32], None)
+        assert r["split"]["transformer.h.0.attn.c_attn.weight"] == ([32, 96], None)
 
 
 def _split_body() -> dict:

@@ -28,7 +28,7 @@ class TPEntry:
 
     module: str  # the module's fully-qualified name
     style: str  # one of SPLIT_STYLES
-    kind: str  # "linear" or "embedding"
+    kind: str  # "linear", "conv1d" (transformers' Conv1D: weight [in, out], y = x @ W + b) or "embedding"
     split_dims: dict[str, int]  # parameter name within the module -> dimension it is split along
     full_shapes: dict[str, list[int]]  # parameter name within the module -> its unsplit shape
     in_features: int  # per token: the Linear's input width, or 1 for an embedding (one index)

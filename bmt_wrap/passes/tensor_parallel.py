@@ -2,7 +2,8 @@
 
 The plan comes from, in order: ``tp_plan=`` (a dict in transformers' vocabulary, module-name patterns with
 ``*`` for one name component), the transformers model's own plan (``model._tp_plan``: the LM head's and
-``config.base_model_tp_plan``), or column -> row ``nn.Linear`` pairs derived from each block's fx graph.
+``config.base_model_tp_plan``), or column -> row pairs derived from each block's fx graph. A Linear here is an
+``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's: the same map with its weight stored transposed).
 Whatever cannot be shown to compute the same function split stays replicated, with the reason in the plan.
 Errors (sizes not divisible by the TP size, a pattern that names no module) are raised here, before the
 model is changed, and alike on every rank (every rank runs this pass on the same model).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,23 @@ STYLES: dict[str, str | None] = {
 _HEAD_COUNT = re.compile(r"^(n_|num_)?(attention_|key_value_|kv_|q_)?heads?$|^(n|num)_(kv_)?heads?$|^n_head$")
 _CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")
 # Ops a column -> row pair may pass through: they act elementwise, so each TP rank computes its own slice.
+# (transformers' activations are traced through: GPT-2's gelu_new is mul, add, pow and tanh.)
 _ELEMENTWISE_FUNCS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch.tanh, torch.sigmoid, torch.relu,
-                      operator.mul, operator.add, torch.mul, torch.add}
-_ELEMENTWISE_METHODS = {"mul", "add", "relu", "sigmoid", "tanh"}
+                      operator.mul, operator.add, operator.pow, torch.mul, torch.add, torch.pow}
+_ELEMENTWISE_METHODS = {"mul", "add", "pow", "relu", "sigmoid", "tanh"}
 _ELEMENTWISE_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """"linear" for an ``nn.Linear``, "conv1d" for transformers' ``Conv1D`` (weight ``[in, out]``,
+    ``y = x @ W + b``), None for anything else: the modules the linear styles split."""
+    if type(module) is nn.Linear:
+        return "linear"
+    cls = type(module)
+    # Matched by name: the passes never import transformers, and a model that has Conv1D imported it.
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."):
+        return "conv1d"
+    return None
 
 
 def plan_tensor_parallel(model: nn.Module, tp_size: int, discovery: Discovery,
@@ -96,8 +110,9 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
             reasons[name] = f"{style!r} needs an nn.Embedding, this is {type(module).__name__}"
         elif ours == "vocab_embedding" and (module.padding_idx is not None or module.max_norm is not None):
             reasons[name] = "an embedding with padding_idx or max_norm is kept whole (its rows interact)"
-        elif ours != "vocab_embedding" and type(module) is not nn.Linear:
-            reasons[name] = f"{style!r} needs an nn.Linear, this is {type(module).__name__}"
+        elif ours != "vocab_embedding" and linear_kind(module) is None:
+            reasons[name] = (f"{style!r} needs an nn.Linear or transformers' Conv1D, this is "
+                             f"{type(module).__name__}")
     poisoned = {_parent(n) for n, why in reasons.items() if not why.startswith("the plan says")}
     for name, style in chosen.items():
         if name in reasons:
@@ -112,14 +127,16 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
 def _entry(name: str, style: str, module: nn.Module, discovery: Discovery) -> TPEntry:
     shapes = {n: list(p.shape) for n, p in module.named_parameters(recurse=False)}
     if style == "vocab_embedding":
-        dims, fin, fout = {"weight": 0}, 1, module.embedding_dim
+        kind, dims, fin, fout = "embedding", {"weight": 0}, 1, module.embedding_dim
     else:
+        kind = linear_kind(module) or ""
+        out_dim = 1 if kind == "conv1d" else 0  # the weight's output-feature dimension
+        fout, fin = shapes["weight"][out_dim], shapes["weight"][1 - out_dim]
         col = style.startswith("colwise")
-        dims = {"weight": 0 if col else 1, **({"bias": 0} if col and "bias" in shapes else {})}
-        fin, fout = module.in_features, module.out_features
-    return TPEntry(module=name, style=style, kind="embedding" if style == "vocab_embedding" else "linear",
-                   split_dims=dims, full_shapes=shapes, in_features=fin, out_features=fout,
-                   block=discovery.owner(name))
+        bias = {"bias": 0} if col and "bias" in shapes else {}
+        dims = {"weight": out_dim if col else 1 - out_dim, **bias}
+    return TPEntry(module=name, style=style, kind=kind, split_dims=dims, full_shapes=shapes, in_features=fin,
+                   out_features=fout, block=discovery.owner(name))
 
 
 def _parent(name: str) -> str:
@@ -157,7 +174,7 @@ def _rewrite_heads(plan: TensorParallelPlan, model: nn.Module, modules: dict[str
     for parent in sorted({_parent(e.module) for e in plan.entries if e.style.startswith("colwise")}):
         counts = {a: v for a, v in vars(modules[parent]).items() if type(v) is int and _HEAD_COUNT.match(a)}
         whole = [n for n, c in modules[parent].named_children()
-                 if type(c) is nn.Linear and (f"{parent}.{n}" if parent else n) not in split]
+                 if linear_kind(c) and (f"{parent}.{n}" if parent else n) not in split]
         if counts and whole:
             names = listed([f"{parent}.{a}" for a in counts])
             plan.notes.append(f"head count(s) {names} kept: {parent} also holds Linears left whole "
@@ -192,25 +209,47 @@ def derive_pairs(model: nn.Module, discovery: Discovery, plan: TensorParallelPla
     elementwise ops only, used nowhere else. Linears on any other path stay replicated with the reason."""
     styles: dict[str, str] = {}
     for block in discovery.blocks:
-        module = model.get_submodule(block.fqn)
-        try:
-            graph = fx.symbolic_trace(module).graph
-        except Exception as exc:  # any: a block fx cannot trace is simply not split
-            plan.replicated.append(Replicated(block.fqn, f"fx cannot trace the block ({type(exc).__name__}); "
-                                                         "pass tp_plan= to split it"))
-            continue
-        pairs, unpaired = _pairs(graph, module)
-        for col, row in pairs:
-            styles.update({f"{block.fqn}.{c}": "colwise" for c in col})
-            styles[f"{block.fqn}.{row}"] = "rowwise"
-        plan.replicated += [Replicated(f"{block.fqn}.{n}", why) for n, why in unpaired]
+        _derive_in(model.get_submodule(block.fqn), block.fqn, styles, plan)
     return styles
+
+
+class _LinearLeafTracer(fx.Tracer):
+    """fx's tracer with transformers' ``Conv1D`` kept as one call, as ``nn.Linear`` is."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return linear_kind(m) is not None or super().is_leaf_module(m, module_qualified_name)
+
+
+def _derive_in(module: nn.Module, fqn: str, styles: dict[str, str], plan: TensorParallelPlan) -> None:
+    """Pairs in ``module``'s graph; where fx cannot trace it (GPT-2's block and attention), in each child's.
+
+    A pair lies within one forward, whose intermediate values its caller cannot read, so a child's graph
+    proves a pair found there as a whole block's would (given the caller runs the child only through its
+    forward, as modules are used).
+    """
+    try:
+        graph = _LinearLeafTracer().trace(module)
+    except Exception as exc:  # any: what fx cannot trace is searched child by child, else not split
+        for name, child in module.named_children():
+            if linear_kind(child):
+                plan.replicated.append(Replicated(
+                    f"{fqn}.{name}", f"fx cannot trace {fqn} ({type(exc).__name__}), so what its output "
+                    "feeds (a reshape into heads, a fused q/k/v split) is not proven to stay right when split"))
+            else:
+                _derive_in(child, f"{fqn}.{name}", styles, plan)
+        return
+    pairs, unpaired = _pairs(graph, module)
+    for col, row in pairs:
+        styles.update({f"{fqn}.{c}": "colwise" for c in col})
+        styles[f"{fqn}.{row}"] = "rowwise"
+    plan.replicated += [Replicated(f"{fqn}.{n}", why) for n, why in unpaired]
 
 
 def _pairs(graph: fx.Graph, module: nn.Module) -> tuple[list[tuple[list[str], str]], list[tuple[str, str]]]:
     """((column Linears, row Linear) pairs, (Linear, reason) for the rest) in one block's graph."""
     linear = {n for n in graph.nodes
-              if n.op == "call_module" and type(module.get_submodule(n.target)) is nn.Linear}
+              if n.op == "call_module" and linear_kind(module.get_submodule(n.target)) is not None}
+    calls = Counter(n.target for n in linear)
     paired: set[fx.Node] = set()
     pairs = []
     for row in (n for n in graph.nodes if n in linear):
@@ -219,15 +258,15 @@ def _pairs(graph: fx.Graph, module: nn.Module) -> tuple[list[tuple[list[str], st
             continue
         cols, path = found
         read_elsewhere = any(u not in path and u is not row for n in path for u in n.users)
-        if cols & paired or row in paired or read_elsewhere:
+        called_again = any(calls[n.target] > 1 for n in (*cols, row))  # one split serves every call
+        if cols & paired or row in paired or read_elsewhere or called_again:
             continue
         paired |= cols | {row}
         pairs.append(([c.target for c in sorted(cols, key=lambda c: list(graph.nodes).index(c))], row.target))
     why = ("its output does not reach one Linear through elementwise ops only (a reshape, attention or "
            "residual is on the way), so splitting it is not proven safe; name it in tp_plan=")
-    rest = [(n.target, why)
-            for n in graph.nodes if n in linear and n not in paired]
-    return pairs, rest
+    rest = {n.target: why for n in graph.nodes if n in linear and n not in paired}
+    return pairs, list(rest.items())
 
 
 def _columns_feeding(node: object, linear: set[fx.Node], module: nn.Module) -> tuple[set, set] | None:

@@ -110,7 +110,7 @@ class _TPState:
     """What a split module's forward needs: the TP communicator, and an embedding's row range."""
 
     def __init__(self, comm: Communicator, entry: TPEntry) -> None:
-        self.comm, self.style = comm, entry.style
+        self.comm, self.style, self.kind = comm, entry.style, entry.kind
         rows = entry.full_shapes["weight"][0] // comm.world_size
         self.rows = (comm.rank * rows, (comm.rank + 1) * rows)
 
@@ -118,21 +118,30 @@ class _TPState:
         return self  # a communicator is not copied with the module (meta skeletons, reference copies)
 
 
-def _colwise(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(copy_to_tp(x, self._bmt_tp.comm), self.weight, self.bias)
+def _matmul(self: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The local product: ``nn.Linear``'s, or transformers' ``Conv1D``'s (weight ``[in, out]``), as each does."""
+    if self._bmt_tp.kind != "conv1d":
+        return F.linear(x, self.weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = flat @ self.weight if bias is None else torch.addmm(bias, flat, self.weight)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _colwise_gather(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _colwise(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _matmul(self, copy_to_tp(x, self._bmt_tp.comm), self.bias)
+
+
+def _colwise_gather(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return gather_from_tp(_colwise(self, x), self._bmt_tp.comm, dim=-1)
 
 
-def _rowwise(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _rowwise(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # The bias is added once, after the sum: each rank's partial product has none.
-    y = reduce_from_tp(F.linear(x, self.weight), self._bmt_tp.comm)
+    y = reduce_from_tp(_matmul(self, x, None), self._bmt_tp.comm)
     return y if self.bias is None else y + self.bias
 
 
-def _rowwise_split_input(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _rowwise_split_input(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _rowwise(self, scatter_to_tp(x, self._bmt_tp.comm, dim=-1))
 
 
