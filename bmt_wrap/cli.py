@@ -40,6 +40,7 @@ import re
 import sys
 import traceback
 import typing
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,12 +51,21 @@ from .base._compat import pytree
 from .base.dtypes import to_dtype
 from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
-from .base.plan import WrapPlan, fmt_bytes, layout_label, render_estimates, shown_notes, summary_line
+from .base.plan import (
+    WrapPlan,
+    fmt_bytes,
+    fused_loss_text,
+    layout_label,
+    render_estimates,
+    shown_notes,
+    summary_line,
+)
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
 from .passes.capacity import largest_fitting, optimizer_on_disk, process_peak
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
+from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
@@ -225,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "while they fit (needs --input; an error naming the smallest budget if none fits)")
     common.add_argument("--prefetch-depth", type=int, default=1, metavar="DEPTH",
                         help="blocks gathered ahead (default 1)")
+    common.add_argument("--fused-loss", action="store_true",
+                        help="fuse the projection to the vocabulary with its cross-entropy (fused_loss=True); "
+                             "without it the plan shows the logits' bytes and what fusing would save (give "
+                             "--input with labels, e.g. --input input_ids=int64[1,512] --input labels=int64[1,512])")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also show expected fallbacks (fx failing on a model torch.export then captures)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -348,6 +362,9 @@ def _capacity(opts: argparse.Namespace) -> str:
 
 def _run(opts: argparse.Namespace) -> str:
     if opts.command == "plan" and opts.memory is not None:
+        if opts.fused_loss:
+            raise CLIError("--memory does not count --fused-loss yet: run plan without --memory for the fused "
+                           "estimates per rank")
         if opts.tp_size is not None or opts.shard_size is not None:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
             raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
@@ -372,8 +389,14 @@ def _run(opts: argparse.Namespace) -> str:
     # Activations are measured in the dtype blocks compute in: param_dtype under mixed precision.
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
+    section = fused_loss_section(measured, captured, enabled=opts.fused_loss)
+    if section.fused:  # the plan counts the fused op's activations; dump draws its node
+        captured = replace(with_fused_loss(captured, section), graph=fuse_loss(captured.graph, measured,
+                                                                                enabled=True)[0])
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     if opts.command == "plan" and opts.tp_size is not None:
+        if opts.fused_loss:
+            raise CLIError("--fused-loss with --tp-size is not supported yet (the head's vocabulary-parallel form)")
         return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp)
     plans, over = [], []
     for n in sizes:
@@ -386,6 +409,8 @@ def _run(opts: argparse.Namespace) -> str:
         raise budget_error(budget, over, opts.prefetch_depth)
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
+    for plan in plans:
+        plan.fused_loss = section
     if opts.command == "plan":
         return _plan_report(opts, sizes, plans)
     graph = schedule_graph(captured, plans[0])
@@ -404,7 +429,8 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
              f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
              *(f"N={n}{''.join(map(layout_label, p.estimates.values()))}: {summary_line(p)}"
                for n, p in zip(sizes, plans, strict=True)),
-             render_estimates(plans), *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
+             render_estimates(plans), *(fused_loss_text(plans[0].fused_loss) if plans[0].fused_loss else []),
+             *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
     return "\n".join(lines)
 
 

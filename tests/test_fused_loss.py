@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import models
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 
 from bmt_wrap import passes
 from bmt_wrap.base.fused_loss_plan import FusedLossPlan
+from bmt_wrap.cli import main
 from bmt_wrap.errors import FusedLossWarning, PlanError
 from bmt_wrap.passes.fused_loss import fused_linear_cross_entropy
 from bmt_wrap.plan import WrapPlan
@@ -39,6 +41,7 @@ def cohere() -> nn.Module:
     return models.seeded(lambda: CohereForCausalLM(CohereConfig(**models._hf_small(), eos_token_id=0)))
 
 
+MODELS = str(Path(__file__).with_name("models.py"))
 FACTORIES = {"llama": models.llama, "gpt2": models.gpt2, "qwen2": models.qwen2, "gemma2": gemma2, "cohere": cohere}
 
 
@@ -143,6 +146,29 @@ def test_plan_section_round_trips_and_shows_the_saving() -> None:
     assert "fused loss: lm_head -> to -> view -> cross_entropy" in text
     assert "off (BMTrainModelWrapper(model, fused_loss=True)" in text and "logits at this input: 12.00 KiB" in text
     assert passes.fused_loss_section(model, None, enabled=True).reason.startswith("the root's graph is unknown")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _activations(out: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith("activations")).split()[-2]
+
+
+def test_cli_plan_shows_the_logits_and_counts_the_fused_op(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("plan", f"{MODELS}:llama", "--world-size", "2", "--input", "input_ids=int64[4,64]",
+            "--input", "labels=int64[4,64]")
+    plain, fused = _cli(capsys, *argv), _cli(capsys, *argv, "--fused-loss")
+    assert "logits at this input: 96.00 KiB (256 tokens x 96 words)" in plain and "off (" in plain
+    assert "fused: one chunked op, no logits returned" in fused
+    # The unfused loss keeps 256 x 96 fp32 log-probabilities (96 KiB); the fused op the hidden states'
+    # gradient, 256 x 32 fp32 (32 KiB).
+    assert float(_activations(plain)) - float(_activations(fused)) == 64.0
+    drawn = _cli(capsys, "dump", f"{MODELS}:ToyGPT", "--fused-loss", "--input", "int64[2,8]",
+                 "--input", "targets=int64[2,8]")
+    assert "fused_linear_cross_entropy" in drawn
 
 
 # ---- the lazy logits, unwrapped ----------------------------------------------------------------------------

@@ -34,6 +34,8 @@ class FusedLossPlan:
     logits_bytes: int | None = None  # the head's output at the captured input
     unfused_bytes: int | None = None  # vocabulary-wide tensors the unfused pair holds at its peak
     fused_bytes: int | None = None  # what the chunked op holds at once instead
+    saved_bytes: int | None = None  # of the unfused pair's: what autograd keeps for backward (log-probabilities, tanh)
+    kept_bytes: int | None = None  # what the chunked op keeps for backward instead (the hidden states' gradient)
 
     @property
     def fused(self) -> bool:

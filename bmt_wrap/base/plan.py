@@ -469,7 +469,8 @@ def fused_loss_text(section: FusedLossPlan) -> list[str]:
         saved = (section.unfused_bytes or 0) - (section.fused_bytes or 0)
         lines.append(f"  logits at this input: {fmt_bytes(section.logits_bytes)} ({section.rows} tokens x "
                      f"{section.vocab} words); the unfused pair holds {fmt_bytes(section.unfused_bytes)}, the "
-                     f"fused op {fmt_bytes(section.fused_bytes)} ({fmt_bytes(saved)} less)")
+                     f"fused op {fmt_bytes(section.fused_bytes)} "
+                     f"({fmt_bytes(abs(saved))} {'less' if saved >= 0 else 'more: too few tokens to gain'})")
     else:
         lines.append("  logits' bytes unknown: they need an input shape (example_inputs= or --input)")
     return lines

@@ -15,7 +15,7 @@ from .capture import (
 )
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate, estimate_mesh, estimate_tp
-from .fused_loss import fuse_loss, fused_loss_section
+from .fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
@@ -30,7 +30,7 @@ __all__ = [
     "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_tensor_parallel", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
-    "self_checkpointing_modules", "steps", "to_meta",
+    "self_checkpointing_modules", "steps", "to_meta", "with_fused_loss",
 ]
 
 # The names before issue 23, for callers that import them: ``rewrite`` never rewrote the model (apply_plan

@@ -16,6 +16,7 @@ Pure: graph and module types in, a drawn graph and the plan's section out; the m
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..base._compat import UNSAFE_VIEW_OP
-from ..base.dtypes import itemsize
 from ..base.fused_loss_plan import FusedLossPlan, chunk_rows, index_keeps_last_dim
 from ..errors import PlanError
 from .capture import Capture
@@ -172,21 +172,23 @@ def _check_uses(match: _Match) -> None:
 
 
 def _bytes(match: _Match, head: nn.Linear) -> dict[str, int | None]:
+    """The bytes at stake at the captured input (export records every node's shape; fx does not)."""
     out = _value(match.head) if match.head is not None else None
     if out is None:
         return {}
     vocab, hidden = head.out_features, head.in_features
     rows = out.numel() // vocab
-    new = [out] + [v for n in match.path if (v := _value(n)) is not None and _step_kind(n) in (_SCALE, _TANH)]
-    new += [_value(n) for n in match.path if _step_kind(n) == _CAST and _value(n) is not None
-            and _value(n).dtype != _value(n.args[0]).dtype]  # type: ignore[arg-type, union-attr]
-    fp32 = 4
-    # The loss keeps fp32 log-probabilities for backward, which makes their gradient beside them.
-    unfused = sum(v.numel() * v.element_size() for v in new) + 2 * rows * vocab * fp32
+    values = [(n, v) for n in match.path if (v := _value(n)) is not None]
+    made = [out] + [v for n, v in values if _step_kind(n) in (_SCALE, _TANH)
+                    or (_step_kind(n) == _CAST and v.dtype != _value(n.args[0]).dtype)]  # type: ignore[union-attr]
+    log_probs = rows * vocab * 4  # fp32, kept by the loss for backward, which makes their gradient beside them
+    tanh_kept = sum(v.numel() * v.element_size() for n, v in values if _step_kind(n) == _TANH)
+    grad_h = rows * hidden * out.element_size()
     chunk = min(rows, chunk_rows(vocab))
-    fused = chunk * vocab * (out.element_size() + 2 * fp32) + rows * hidden * itemsize(str(out.dtype))
     return {"vocab": vocab, "rows": rows, "logits_bytes": out.numel() * out.element_size(),
-            "unfused_bytes": unfused, "fused_bytes": fused}
+            "unfused_bytes": sum(v.numel() * v.element_size() for v in made) + 2 * log_probs,
+            "fused_bytes": chunk * vocab * (out.element_size() + 2 * 4) + grad_h,
+            "saved_bytes": log_probs + tanh_kept, "kept_bytes": grad_h}
 
 
 def fuse_loss(graph: fx.Graph, model: nn.Module, *, enabled: bool) -> tuple[fx.Graph, FusedLossPlan]:
@@ -251,6 +253,16 @@ def _draw(graph: fx.Graph, match: _Match) -> fx.Graph:
         if node in gone:
             new.erase_node(node)
     return new
+
+
+def with_fused_loss(capture: Capture, section: FusedLossPlan) -> Capture:
+    """``capture`` with the root's activations the fused op changes: the unfused pair's saved tensors out,
+    the hidden states' gradient it keeps in (its weight gradient is the root's, which the plan counts)."""
+    profile = capture.activations
+    if profile is None or not section.fused or section.saved_bytes is None:
+        return capture
+    root = profile.root_bytes - section.saved_bytes + (section.kept_bytes or 0)
+    return replace(capture, activations=replace(profile, root_bytes=root))
 
 
 def fused_loss_section(model: nn.Module, capture: Capture | None, *, enabled: bool) -> FusedLossPlan:

@@ -64,8 +64,10 @@ class _FirstForward:
         budgeted = self.options["memory_budget"] is not None
         mine, failure = None, None
         try:
-            mine = passes.schedule(model.plan, cap, world_size=self.shard_size, **self.options)
-            mine.fused_loss = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
+            section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
+            mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
+                                   **self.options)
+            mine.fused_loss = section
         except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
             if not budgeted:
                 raise
@@ -167,9 +169,10 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
                    tp: TensorParallelPlan | None, fused_loss: bool) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
-    plan = passes.build_plan(model, discovery, world_size=shard_size, capture=cap,
+    section = passes.fused_loss_section(model, cap, enabled=fused_loss)
+    plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
-    plan.fused_loss = passes.fused_loss_section(model, cap, enabled=fused_loss)
+    plan.fused_loss = section
     return plan
 
 
