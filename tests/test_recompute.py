@@ -433,3 +433,36 @@ def test_first_forward_keeps_no_copies_growing_with_depth(family):
     # Linear in depth (a + b·layers, a >= 0) at most doubles from 12 to 24 layers; quadratic nearly quadruples.
     assert held[24] <= 2.1 * held[12], held
     assert held[24] <= 1.1 * (out["without_cache"] + out["cache"]), out
+
+
+def _held_between_steps(family: str, use_cache: bool, steps: int) -> list[int]:
+    """Bytes of the tensors a wrapped model's process holds after each training step (output, loss and
+    gradients dropped, as a training loop drops them), called as users call it: labels given."""
+    model = bmt.BMTrainModelWrapper(_default_cache_lm(family, 3, use_cache))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(bmt.rank())
+    held = []
+    for _ in range(steps):
+        ids = torch.randint(0, models.VOCAB, (2, 32), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        held.append(sum(_live_storages().values()))
+    return held
+
+
+def _held_with_and_without_cache(family: str) -> dict:
+    return {"cache": _held_between_steps(family, True, 4), "no_cache": _held_between_steps(family, False, 4)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+def test_a_step_keeps_nothing_of_its_cache(family, world_size):
+    """Plain PyTorch frees a step's cache with its output. A checkpointed call keeps its non-tensor
+    arguments (the cache object) for the recompute; if it still held them after its backward, the cache's
+    tensors (whose autograd graph reaches that call) would form a cycle the garbage collector cannot see,
+    and every step would leak the whole cache."""
+    out = run_distributed(_held_with_and_without_cache, world_size, family)
+    for held in out:
+        assert held["cache"][-1] == held["cache"][1], held  # nothing grows from step to step
+        assert held["cache"][-1] == held["no_cache"][-1], held  # and nothing of the cache stays at all

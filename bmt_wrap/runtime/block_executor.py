@@ -152,7 +152,7 @@ class BlockCall:
     group: ShardGroup
     module: nn.Module
     forward_fn: Callable[..., Any]
-    inputs: _Tree
+    inputs: _Tree | None  # None once no recompute can follow (see _forget_forward)
     ext_locations: list[list[Location]]  # root-owned parameters used inside the block
     call_index: int = -1
     saved_inputs: list[torch.Tensor] | None = None  # checkpointed: the recompute's inputs
@@ -176,8 +176,9 @@ class BlockCall:
     def forward(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         """Run the block in the caller's graph (gathered storage held by the caller)."""
         engine = self.engine
-        self.ext = [locs[0][0]._parameters[locs[0][1]] for locs in self.ext_locations]
+        assert self.inputs is not None
         if self.checkpoint:
+            self.ext = [locs[0][0]._parameters[locs[0][1]] for locs in self.ext_locations]
             self.state = _ForwardState(engine.cuda_devices(tensors))
             self.saved_inputs = list(tensors)
             self.input_versions = [tensor_version(t) for t in tensors]
@@ -193,6 +194,8 @@ class BlockCall:
             out = self.forward_fn(self.module, *args, **kwargs)
         if self.replay is not None:
             self.replay.after_forward()
+        else:
+            self.inputs = None  # no recompute will rebuild the arguments
         return out
 
     def _param_nodes(self) -> list[list[torch.Tensor]]:
@@ -254,6 +257,7 @@ class BlockCall:
     def _recompute(self) -> None:
         """Run the block again on the forward's state; keep what it saves, in order."""
         assert self.saved_inputs is not None and self.state is not None and self.replay is not None
+        assert self.inputs is not None
         changed = [i for i, (t, v) in enumerate(zip(self.saved_inputs, self.input_versions, strict=True))
                    if tensor_version(t) != v]
         if changed:
@@ -281,7 +285,15 @@ class BlockCall:
         self._check_recompute(saved)
         self.recomputed = dict(enumerate(saved))
         self.param_refs = sum(1 for t in saved if self._aliases_params(t))
-        self.saved_inputs, self.state, self.replay, self.packed_values = None, None, None, None
+        self._forget_forward()
+
+    def _forget_forward(self) -> None:
+        """Drop what only a recompute needs. The call lives as long as any tensor its forward made (its
+        ``BlockParams`` node reaches it), so what it keeps must not reach those tensors back: a transformers
+        cache among its arguments holds keys and values whose graph leads here, a cycle through autograd's
+        C++ nodes that the garbage collector cannot see, and every step would leak the whole cache."""
+        self.saved_inputs, self.state, self.replay, self.packed_values, self.inputs = None, None, None, None, None
+        self.ext = []
 
     def _check_recompute(self, saved: list[torch.Tensor]) -> None:
         """The recompute must save what the forward saved: count, shapes and dtypes always, values in debug mode."""
@@ -314,6 +326,7 @@ class BlockCall:
         self.stage = CallStage.RELEASED
         if end_of_backward:
             self.recomputed = {}  # saved tensors autograd never asked for
+            self._forget_forward()
         self.engine.release_after_use(self.group)
         return True
 
