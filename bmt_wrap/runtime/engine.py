@@ -84,8 +84,11 @@ class Engine:
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
         self._replay_memory: weakref.WeakKeyDictionary[ShardGroup, ReplayMemory] = weakref.WeakKeyDictionary()
-        # Each group's model runtime: a group knows nothing of the schedule that runs it.
-        self._runtime_of: weakref.WeakKeyDictionary[ShardGroup, ModelRuntime] = weakref.WeakKeyDictionary()
+        # Each group's model runtime: a group knows nothing of the schedule that runs it. The runtime holds
+        # its groups, so it is held weakly here: a strong value would keep its own key, and every model
+        # ever wrapped, alive for the engine's life.
+        self._runtime_of: weakref.WeakKeyDictionary[ShardGroup, weakref.ref[ModelRuntime]] = \
+            weakref.WeakKeyDictionary()
 
     # ---- building groups --------------------------------------------------------------------------------
     def new_runtime(self, name: str) -> ModelRuntime:
@@ -174,7 +177,7 @@ class Engine:
                 buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
-        self._runtime_of[group] = runtime
+        self._runtime_of[group] = weakref.ref(runtime)
         return group
 
     def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
@@ -186,10 +189,16 @@ class Engine:
         tp_size = self.tp.world_size if self.tp is not None else 1
         return shard_standalone(self, data, requires_grad, init_method, group, tp_mode, tp_split_dim, tp_size)
 
+    def _runtime(self, group: ShardGroup) -> ModelRuntime:
+        runtime = self._runtime_of[group]()
+        assert runtime is not None  # a live group's runtime holds it
+        return runtime
+
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
         group.release()
-        runtime = self._runtime_of.pop(group)
+        runtime = self._runtime_of.pop(group)()
+        assert runtime is not None  # it holds the group
         runtime.groups = [g for g in runtime.groups if g is not group]
 
     @torch.no_grad()
@@ -274,7 +283,7 @@ class Engine:
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
         """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
-        self._acquire(group, self._runtime_of[group].prefetcher.forward_call(group))
+        self._acquire(group, self._runtime(group).prefetcher.forward_call(group))
 
     def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
         # This group's gather is queued first, so prefetches never delay the one needed now.
@@ -310,7 +319,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
-        call.call_index = self._runtime_of[group].prefetcher.record_call(group)
+        call.call_index = self._runtime(group).prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
             return call.forward(args, kwargs, tensors)
@@ -352,7 +361,7 @@ class Engine:
         """Gather this call's group, prefetching the calls backward reaches next."""
         self._enter_backward()
         self._acquired_calls.append(call)
-        self._acquire(call.group, self._runtime_of[call.group].prefetcher.backward_call(call.call_index))
+        self._acquire(call.group, self._runtime(call.group).prefetcher.backward_call(call.call_index))
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""

@@ -32,6 +32,7 @@ tensors and returns plain tensors; an op that writes into a sharded tensor keeps
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -73,10 +74,13 @@ class ShardStorage(Protocol):
 class ShardLayout:
     """Which elements of a full tensor this rank holds: slot ``slot`` of ``buffer``, fixed at wrap time."""
 
-    __slots__ = ("buffer", "slot", "full_shape", "start", "end", "name", "tp")
+    __slots__ = ("_buffer", "slot", "full_shape", "start", "end", "name", "tp")
 
     def __init__(self, buffer: ShardStorage, slot: int) -> None:
-        self.buffer = buffer
+        # Held weakly: a parameter's ``.grad`` carries this layout, and torch holds ``.grad`` in C++, out of
+        # the garbage collector's sight, so a strong reference would close a cycle (grad, layout, buffer,
+        # parameter, grad) that keeps a dropped model's every shard alive for the process's life.
+        self._buffer = weakref.ref(buffer)
         self.slot = slot
         spec = buffer.spec.slots[slot]
         self.full_shape = torch.Size(spec.shape)
@@ -85,6 +89,16 @@ class ShardLayout:
         # The tensor-parallel group when this slot is one TP rank's slice of a larger tensor (set by the
         # engine from the TP marks): norms then also combine over it, so clip_grad_norm_ sees the whole.
         self.tp: Communicator | None = None
+
+    @property
+    def buffer(self) -> ShardStorage:
+        """The flat buffer holding this slot; raises once its model is gone."""
+        buffer = self._buffer()
+        if buffer is None:
+            raise ShardedTensorError(f"{self.name!r}: the wrapped model this tensor belongs to was deleted, so its shards "
+                            "are gone. Keep the model alive while using its parameters or gradients, or copy "
+                            "what you need (bmt.save, or .full_tensor() before dropping it).")
+        return buffer
 
     def same_as(self, other: ShardLayout) -> bool:
         """Whether two tensors of these layouts hold the same elements on this rank."""
