@@ -115,6 +115,16 @@ def test_a_weight_gradient_missing_one_chunk_misses_the_tolerance(monkeypatch: p
         torch.testing.assert_close(grads[1], ref[1], **GRAD)
 
 
+def test_every_row_ignored_gives_torchs_nan_loss_and_zero_gradients() -> None:
+    h, w, b, t = _case(6, 4, 9, 2, 0.0, True)
+    t[:] = -100
+    loss, grads = _run(True, h, w, b, t, rows=4)
+    ref_loss, ref_grads = _run(False, h, w, b, t)
+    assert loss.isnan() and ref_loss.isnan()
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_second_backward_through_one_call_raises() -> None:
     h, w, _, t = _case(6, 4, 9, 2, 0.0, False)
     loss = lce.linear_cross_entropy(h.requires_grad_(), w, t, rows=2)

@@ -98,7 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         b = bias.to(dtype) if bias is not None else None
         valid = target != ignore_index
         scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), dtype=torch.float32)
-        row_scale = (valid.float() * scale).to(hidden.device)
+        row_scale = torch.where(valid, scale, 0.0).to(hidden.device)  # all rows ignored: nan loss, zero gradients
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
