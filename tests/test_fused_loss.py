@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_distributed
 from parity import train_side_by_side
+from test_tp_plan import TOY_PLAN
 from torch import nn
 
+import bmt_wrap as bmt
 from bmt_wrap import passes
 from bmt_wrap.base.fused_loss_plan import FusedLossPlan
 from bmt_wrap.cli import main
@@ -48,8 +50,8 @@ FACTORIES = {"llama": models.llama, "gpt2": models.gpt2, "qwen2": models.qwen2, 
 class LossGPT(models.ToyGPT):
     """A plain PyTorch LM whose forward computes its loss with an ``nn.CrossEntropyLoss`` (fx captures it)."""
 
-    def __init__(self, extra: str = "", **loss: object) -> None:
-        super().__init__(n_layers=2)
+    def __init__(self, extra: str = "", tie: bool = False, **loss: object) -> None:
+        super().__init__(n_layers=2, tie=tie)
         self.loss_fct = nn.CrossEntropyLoss(**loss)  # type: ignore[arg-type]
         self.extra = extra
 
@@ -228,10 +230,16 @@ def test_bf16_autocast_gives_the_unfused_loss() -> None:
 
 
 # ---- wrapped, against plain PyTorch on 1, 2 and 4 ranks ------------------------------------------------------
-def _wrapped_body(name: str, steps: int, num_items: bool = False, **wrap_kw: object) -> dict:
+def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int | None = None) -> dict:
     factory = FACTORIES[name] if name in FACTORIES else (lambda: models.seeded(
-        lambda: LossGPT(label_smoothing=0.1, reduction="sum")))
+        # Under TP, mean: a summed loss's gradients leave the tolerance through TP's own rounding, fused or not.
+        lambda: LossGPT(label_smoothing=0.0 if tp_size else 0.1, reduction="mean" if tp_size else "sum", tie=tp_size is not None)))
     seen: dict = {}
+    wrap_kw: dict = {}
+    dp = None
+    if tp_size is not None:  # the head split by vocabulary rows (a plain model's by TOY_PLAN, tied to the embedding)
+        wrap_kw = {"tp_size": tp_size, "tp_plan": None if name in FACTORIES else TOY_PLAN}
+        dp = (bmt.rank() // tp_size, bmt.world_size() // tp_size)
 
     def wrap(m: nn.Module) -> nn.Module:
         seen["model"] = BMTrainModelWrapper(m, fused_loss=True, **wrap_kw)
@@ -249,7 +257,7 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, **wrap_kw: obj
     with warnings.catch_warnings():
         warnings.simplefilter("error", FusedLossWarning)
         result = train_side_by_side(factory, wrap, _batches(steps), optimizer="sgd", loss_fn=loss_fn,
-                                    sliced_reference=True)
+                                    sliced_reference=True, data_parallel=dp)
     section = seen["model"].plan.fused_loss
     return {"losses": result["losses"], "fused": section.fused, "head": section.head,
             "logits": [x is None for x in seen.get("logits", [])]}
@@ -260,6 +268,7 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, **wrap_kw: obj
     ("gpt2", 2, {}), ("qwen2", 4, {}),
     ("gemma2", 1, {}), ("cohere", 1, {}),
     ("plain", 2, {}),
+    ("llama", 2, {"tp_size": 2}), ("llama", 4, {"tp_size": 2}), ("plain", 2, {"tp_size": 2}),
 ])
 def test_fused_training_matches_the_unfused_model(name: str, world_size: int, options: dict) -> None:
     results = run_distributed(_wrapped_body, world_size, name, 2, **options)

@@ -149,3 +149,37 @@ def test_refuses_mismatched_shapes() -> None:
         lce.linear_cross_entropy(h, w, t[:3])
     with pytest.raises(BMTError, match="do not fit"):
         lce.linear_cross_entropy(h, w.t(), t)
+
+
+def _vocab_parallel_body(smoothing: float, reduction: str) -> list[float]:
+    """Each TP rank holds half the vocabulary's rows of the head; the loss and the summed hidden-state
+    gradient must be the unsplit op's, and each rank's weight rows get their rows' gradient."""
+    import torch.distributed as dist
+    from dist_harness import COMM_TIMEOUT
+
+    import bmt_wrap as bmt
+    from bmt_wrap.job.distributed import tensor_parallel
+
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=2)
+    comm = tensor_parallel().tp
+    h, w, b, t = _case(14, 6, 20, 4, 0.3, True)
+    kw = {"reduction": reduction, "label_smoothing": smoothing, "epilogue": lce.softcap(2.0)}
+    ref_loss, (ref_h, ref_w, ref_b) = _run(False, h, w, b, t, **dict(kw))
+    rows = slice(comm.rank * 10, (comm.rank + 1) * 10)
+    hh = h.clone().requires_grad_()
+    ww, bb = w[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
+    loss = lce.linear_cross_entropy(hh, ww, t, bb, rows=4, comm=comm, **kw)
+    loss.backward()
+    dist.all_reduce(hh.grad)  # what copy_to_tp's backward does
+    torch.testing.assert_close(loss, ref_loss, rtol=LOSS_RTOL, atol=0)
+    for got, want in ((hh.grad, ref_h), (ww.grad, ref_w[rows]), (bb.grad, ref_b[rows])):
+        torch.testing.assert_close(got, want, **GRAD)
+    return [float(loss)]
+
+
+@pytest.mark.parametrize(("smoothing", "reduction"), [(0.0, "mean"), (0.1, "sum")])
+def test_vocabulary_parallel_chunks_match_the_unsplit_op(smoothing: float, reduction: str) -> None:
+    from dist_harness import run_distributed
+
+    losses = run_distributed(_vocab_parallel_body, 2, smoothing, reduction)
+    assert losses[0] == losses[1]

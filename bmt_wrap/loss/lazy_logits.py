@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from ..base._compat import disabled_torch_function, make_wrapper_subclass, pytree
 from ..base.fused_loss_plan import index_keeps_last_dim
 from ..errors import BMTError, FusedLossWarning
+from ..runtime.comm import Communicator
+from ..runtime.tp_ops import gather_from_tp
 from .linear_cross_entropy import REDUCTIONS, Epilogue, apply_epilogue, compute_dtype, linear_cross_entropy
 
 _Tensor = torch.Tensor
@@ -36,10 +38,13 @@ _warned: set[str] = set()
 
 
 class _Source:
-    """One head call: its weight and bias, the autocast state it ran under, and whether a loss took it."""
+    """One head call: its weight and bias (this TP rank's rows of the vocabulary under ``comm``), the autocast
+    state it ran under, and whether a loss took it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: str) -> None:
-        self.weight, self.bias, self.device = weight, bias, device
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: str,
+                 comm: Communicator | None) -> None:
+        self.weight, self.bias, self.device, self.comm = weight, bias, device, comm
+        self.vocab = weight.shape[0] * (comm.world_size if comm is not None else 1)
         self.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.consumed = False
 
@@ -60,15 +65,18 @@ class LazyLogits(torch.Tensor):
 
     @staticmethod
     def __new__(cls, source: _Source, hidden: torch.Tensor, epilogue: Epilogue, dtype: torch.dtype) -> LazyLogits:
-        shape = torch.Size((*hidden.shape[:-1], source.weight.shape[0]))
+        shape = torch.Size((*hidden.shape[:-1], source.vocab))
         out = make_wrapper_subclass(cls, shape, dtype, hidden.device, False)
         out._source, out._hidden, out._epilogue = source, hidden, epilogue
         return out
 
     @classmethod
-    def of(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LazyLogits:
-        """What ``F.linear(hidden, weight, bias)`` would return, not computed."""
-        return cls(_Source(weight, bias, hidden.device.type), hidden, (), compute_dtype(hidden, weight))
+    def of(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           comm: Communicator | None = None) -> LazyLogits:
+        """What ``F.linear(hidden, weight, bias)`` would return, not computed; with ``comm``, every TP rank's
+        such product gathered along the vocabulary (``hidden`` comes through ``copy_to_tp``)."""
+        source = _Source(weight, bias, hidden.device.type, comm)
+        return cls(source, hidden, (), compute_dtype(hidden, weight))
 
     @property
     def consumed(self) -> bool:
@@ -77,8 +85,11 @@ class LazyLogits(torch.Tensor):
 
     def materialize(self) -> torch.Tensor:
         """The logits, whole, with the autograd history the unfused head gives them."""
-        with self._source.autocast_as_called():
-            z = F.linear(self._hidden, self._source.weight, self._source.bias)
+        source = self._source
+        with source.autocast_as_called():
+            z = F.linear(self._hidden, source.weight, source.bias)
+        if source.comm is not None:
+            z = gather_from_tp(z, source.comm, dim=-1)
         return apply_epilogue(z, self._epilogue)
 
     def _then(self, hidden: torch.Tensor | None = None, step: tuple[str, Any] | None = None) -> LazyLogits:
@@ -200,7 +211,8 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> Any:
     with source.autocast_as_called():
         loss = linear_cross_entropy(logits._hidden, source.weight, target, source.bias,
                                     ignore_index=a["ignore_index"], reduction=a["reduction"],
-                                    label_smoothing=a["label_smoothing"], epilogue=logits._epilogue)
+                                    label_smoothing=a["label_smoothing"], epilogue=logits._epilogue,
+                                    comm=source.comm)
     source.consumed = True
     return loss
 

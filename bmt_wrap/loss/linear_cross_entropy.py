@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from ..base.fused_loss_plan import chunk_rows
 from ..errors import BMTError
-from . import torch_rows
+from ..runtime.comm import Communicator
+from . import torch_rows, vocab_parallel
 
 #: Elementwise steps between the projection and the loss: ("cast", dtype), ("div", s), ("mul", s), ("tanh", None).
 Epilogue = tuple[tuple[str, Any], ...]
@@ -75,14 +76,21 @@ def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> No
 
 
 def _chunk_grads(z: torch.Tensor, target: torch.Tensor, epilogue: Epilogue, ignore_index: int,
-                 smoothing: float, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed loss (fp32) and d(sum of row_scale * row loss)/dz, in z's dtype."""
+                 smoothing: float, row_scale: torch.Tensor, comm: Communicator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss (fp32) and d(sum of row_scale * row loss)/dz, in z's dtype (``comm``: z holds
+    this tensor-parallel rank's columns of the vocabulary)."""
     zr = z.detach().requires_grad_()
     with torch.enable_grad():
         x = apply_epilogue(zr, epilogue)
         xf = x.float()
-    rows, lse = torch_rows.forward(xf.detach(), target, ignore_index, smoothing)
-    dx = torch_rows.backward(xf.detach(), target, lse, row_scale, smoothing)
+    x = xf.detach()
+    if comm is None:
+        rows, lse = torch_rows.forward(x, target, ignore_index, smoothing)
+        dx = torch_rows.backward(x, target, lse, row_scale, smoothing)
+    else:
+        rows, state = vocab_parallel.rows_forward(x, target, ignore_index, smoothing, comm)
+        dx = vocab_parallel.rows_backward(x, state, row_scale, smoothing, comm.world_size)
     dz = dx if xf is zr else torch.autograd.grad(xf, zr, dx)[0]
     return rows.sum(), dz
 
@@ -91,7 +99,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 target: torch.Tensor, epilogue: Epilogue, ignore_index: int, smoothing: float, reduction: str,
-                rows: int) -> torch.Tensor:
+                rows: int, comm: Communicator | None) -> torch.Tensor:
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         dtype = compute_dtype(hidden, weight)
         w = weight.to(dtype)
@@ -107,7 +115,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for a in range(0, hidden.shape[0], rows):
                 h = hidden[a:a + rows].to(dtype)
                 chunk_loss, dz = _chunk_grads(F.linear(h, w, b), target[a:a + rows], epilogue, ignore_index,
-                                              smoothing, row_scale[a:a + rows])
+                                              smoothing, row_scale[a:a + rows], comm)
                 total += chunk_loss
                 if grad_h is not None:
                     grad_h[a:a + rows] = dz @ w
@@ -126,15 +134,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # as autograd does for any saved tensor changed in place).
         for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
             grads.append(g.mul_(grad.to(g.dtype)).to(dtype) if g is not None else None)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                         label_smoothing: float = 0.0, epilogue: Epilogue = (), rows: int | None = None
-                         ) -> torch.Tensor:
+                         label_smoothing: float = 0.0, epilogue: Epilogue = (), rows: int | None = None,
+                         comm: Communicator | None = None) -> torch.Tensor:
     """``F.cross_entropy(epilogue(F.linear(hidden, weight, bias)), target, ...)`` a chunk of ``rows`` rows at a
-    time (default ``chunk_rows(vocab)``); the loss is fp32, gradients in the inputs' dtypes."""
+    time (default ``chunk_rows(vocab)``); the loss is fp32, gradients in the inputs' dtypes.
+
+    ``comm``: the vocabulary is split over this tensor-parallel group, ``weight`` (and ``bias``) being this
+    rank's rows; each chunk all-reduces its rows' max and sums, the loss is whole on every rank, and the
+    hidden states' gradient is this rank's part (pass ``copy_to_tp(hidden)``, whose backward sums it).
+    """
     if reduction not in REDUCTIONS:
         raise BMTError(f"linear_cross_entropy reduces by 'mean' or 'sum', got {reduction!r}; for per-row "
                        "losses use FusedCrossEntropy(reduction='none') on the logits")
@@ -148,6 +161,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     for op, _ in epilogue:
         if op not in EPILOGUE_OPS:
             raise BMTError(f"unknown epilogue step {op!r}; the steps are {EPILOGUE_OPS}")
-    rows = rows or chunk_rows(weight.shape[0])
+    rows = rows or chunk_rows(weight.shape[0])  # this rank's columns: a chunk costs what it costs without TP
     return _LinearCrossEntropy.apply(flat, weight, bias, target.reshape(-1).long(), tuple(epilogue),
-                                     ignore_index, float(label_smoothing), reduction, rows)
+                                     ignore_index, float(label_smoothing), reduction, rows, comm)

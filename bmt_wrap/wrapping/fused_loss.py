@@ -3,7 +3,9 @@ them runs the chunked op, and the call returns no logits the loss took (docs/des
 
 The model's own forward runs, as always: only the head's forward changes, and only while the head is in
 training mode with gradients on, so evaluation and generation are untouched. A training call that
-computes no loss gets its logits computed whole before the root's parameters are released.
+computes no loss gets its logits computed whole before the root's parameters are released. A head that
+tensor parallelism split by vocabulary (and gathered) makes this rank's columns only: the loss is
+vocabulary-parallel, and no logits are gathered.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from torch import nn
 
 from ..base._compat import pytree
 from ..base.fused_loss_plan import FusedLossPlan
-from ..errors import PlanError
+from ..errors import PlanError, UnsupportedError
 from ..loss.lazy_logits import LazyLogits, drop_or_materialize
+from ..runtime.tp_ops import copy_to_tp
 from .compiled import never_traced
+from .tensor_parallel import tp_split
 
 
 def _lazy_head_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    if self.training and torch.is_grad_enabled():
+    if not (self.training and torch.is_grad_enabled()):
+        return self._bmt_unfused_forward(hidden)
+    split = tp_split(self)
+    if split is None:
         return LazyLogits.of(hidden, self.weight, self.bias)
-    return nn.Linear.forward(self, hidden)
+    # Vocabulary-parallel: this rank's rows of the head; the hidden states' gradient is summed over TP.
+    return LazyLogits.of(copy_to_tp(hidden, split[1]), self.weight, self.bias, comm=split[1])
 
 
 def _drop_taken_logits(model: nn.Module, args: tuple, output: Any) -> Any:
@@ -53,6 +61,12 @@ def install_fused_loss(model: nn.Module, section: FusedLossPlan | None) -> None:
     if not isinstance(head, nn.Linear):
         raise PlanError(f"the plan fuses the loss with head {section.head!r}, which is not an nn.Linear of "
                         f"{type(model).__name__}; regenerate the plan for this model")
+    split = tp_split(head)
+    if split is not None and split[0] != "colwise_gather":
+        raise UnsupportedError(f"fused_loss=True with head {section.head!r} split {split[0]!r} by tensor "
+                               "parallelism: only a head split by vocabulary and gathered (colwise_gather) fuses; "
+                               "split it so (tp_plan=) or pass fused_loss=False")
+    head._bmt_unfused_forward = head.forward  # nn.Linear's, or the tensor-parallel style's
     head.forward = types.MethodType(_lazy_head_forward, head)  # type: ignore[method-assign]
     # Before the root's own hook: logits computed whole need the root's parameters still gathered.
     model.register_forward_hook(never_traced(_drop_taken_logits), prepend=True)

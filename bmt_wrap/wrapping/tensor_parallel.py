@@ -99,6 +99,12 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallelPlan, comm: Commun
         setattr(modules[head.module], head.attribute, head.local)
 
 
+def tp_split(module: nn.Module) -> tuple[str, Communicator] | None:
+    """How ``apply_tensor_parallel`` split ``module``: its style and TP group, or None if it did not."""
+    state = getattr(module, "_bmt_tp", None)
+    return (state.style, state.comm) if state is not None else None
+
+
 def split_parameter(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
     """This rank's slice of ``param`` along ``dim``, carrying BMTrain's TP attributes (the full shape)."""
     local = nn.Parameter(tp_slice(param.detach(), dim, rank, size).clone(), requires_grad=param.requires_grad)

@@ -15,7 +15,7 @@ from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
-from ..errors import PlanError, UnsupportedError, WrapError
+from ..errors import PlanError, WrapError
 from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
@@ -117,9 +117,6 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     with collective_purpose("wrap"):
         tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
         layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
-        if fused_loss and tp_layout is not None:
-            raise UnsupportedError("fused_loss=True with tensor parallelism is not supported yet (the head's "
-                                   "vocabulary-parallel form): drop tp_size=/the tp mesh, or fused_loss=True")
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget}
