@@ -28,6 +28,7 @@ from ..base.fused_loss_plan import FusedLossPlan, chunk_rows, index_keeps_last_d
 from ..errors import PlanError
 from .capture import Capture
 from .export_graph import unwrapped_name
+from .util import describe
 
 aten = torch.ops.aten
 
@@ -271,4 +272,7 @@ def fused_loss_section(model: nn.Module, capture: Capture | None, *, enabled: bo
         how = capture.method if capture is not None else "none"
         return FusedLossPlan(enabled, reason=f"the root's graph is unknown (capture: {how}); it is captured at "
                              "the first call, or from example_inputs=")
-    return fuse_loss(capture.graph, model, enabled=enabled)[1]
+    try:
+        return fuse_loss(capture.graph, model, enabled=enabled)[1]
+    except Exception as exc:  # an optional analysis: a graph it misreads leaves the pair unfused, never the wrap
+        return FusedLossPlan(enabled, reason=f"the pass could not read the root's graph ({describe(exc)})")
