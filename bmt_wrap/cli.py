@@ -49,6 +49,7 @@ from torch import nn
 
 from .base._compat import pytree
 from .base.dtypes import to_dtype
+from .base.fused_loss_plan import FusedLossPlan
 from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
 from .base.plan import (
@@ -395,9 +396,7 @@ def _run(opts: argparse.Namespace) -> str:
                                                                                 enabled=True)[0])
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     if opts.command == "plan" and opts.tp_size is not None:
-        if opts.fused_loss:
-            raise CLIError("--fused-loss with --tp-size is not supported yet (the head's vocabulary-parallel form)")
-        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp)
+        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp, section)
     plans, over = [], []
     for n in sizes:
         try:
@@ -435,7 +434,7 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
 
 
 def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
-               inputs: Call | None, budget: int | None, mp: MixedPrecision | None) -> str:
+               inputs: Call | None, budget: int | None, mp: MixedPrecision | None, fused: FusedLossPlan) -> str:
     """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic."""
     t = opts.tp_size
     if opts.shard_size is not None:
@@ -452,6 +451,7 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan = build_plan(model, discovery, world_size=n // t, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                           memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         plan.estimates = {str(n // t): estimate_tp(plan, n // t, tokens, activations)}
+        plan.fused_loss = fused
         plans.append(plan)
     section = [line for line in str(plans[0]).splitlines() if line.startswith(("tensor parallel", "  split",
                                                                                 "  heads", "  replicated"))]
