@@ -31,19 +31,26 @@ MIB = 2**20
 ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
+def llama(hidden: int = 256, layers: int = 2, seq: int = 2048) -> object:
+    """The benchmark's model (also ``bmt-wrap plan benchmarks/fused_loss.py:llama``): transformers' Llama,
+    Llama-3's vocabulary, untied head, default config but for the sizes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=seq,
+        tie_word_embeddings=False))
+
+
 def worker(mode: str, seq: int, steps: int, hidden: int, layers: int, out: Path) -> None:
     """One rank: build, wrap, train; write peak RSS, step times, the first loss and the plan's bytes."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import bmt_wrap as bmt
 
     bmt.init_distributed(seed=0, backend="gloo")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=seq, tie_word_embeddings=False)
-    model = bmt.BMTrainModelWrapper(LlamaForCausalLM(cfg), fused_loss=mode == "fused")
+    model = bmt.BMTrainModelWrapper(llama(hidden, layers, seq), fused_loss=mode == "fused")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(bmt.rank())

@@ -324,8 +324,10 @@ def _capacity(opts: argparse.Namespace) -> str:
         dtype = _dtype_option(opts.dtype, "--dtype")
         model = model.to(dtype) if dtype is not None else model
         discovery = discover_blocks(model)
+        captured = capture(model, discovery, inputs)
+        captured = with_fused_loss(captured, fused_loss_section(model, captured, enabled=opts.fused_loss))
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
-                          memory_budget=budget, capture=capture(model, discovery, inputs))
+                          memory_budget=budget, capture=captured)
         est = plan.estimates[str(n)]
         if on_disk:
             est, io[k] = optimizer_on_disk(est, chunk)
@@ -363,9 +365,6 @@ def _capacity(opts: argparse.Namespace) -> str:
 
 def _run(opts: argparse.Namespace) -> str:
     if opts.command == "plan" and opts.memory is not None:
-        if opts.fused_loss:
-            raise CLIError("--memory does not count --fused-loss yet: run plan without --memory for the fused "
-                           "estimates per rank")
         if opts.tp_size is not None or opts.shard_size is not None:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
             raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
