@@ -36,6 +36,7 @@ from ..runtime.comm import (
     cupy_available,
 )
 from ..runtime.sharded_materialize import materialize_stats, reset_materialize_stats
+from .rendezvous import join_job
 
 BACKENDS = ("auto", "gloo", "nccl", "cupy")
 
@@ -158,8 +159,7 @@ def init_distributed(seed: int = 0, backend: str = "auto",
                     raise InitError(f"WORLD_SIZE={world_size} but {var} is not set; launch with torchrun, "
                                     "which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
             pg_backend = "cpu:gloo,cuda:nccl" if resolved == "nccl" else "gloo"
-            dist.init_process_group(pg_backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=timeout)
+            join_job(pg_backend, rank, world_size, timeout)  # a fresh namespace per torchrun attempt
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise InitError(f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
                         f"but the environment says rank {rank} of {world_size}")
