@@ -110,6 +110,10 @@ class CheckpointError(BMTError):
     """A checkpoint file or directory cannot be written or read."""
 
 
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file's bytes differ from what the save wrote (its checksum does not match)."""
+
+
 class TensorParallelError(BMTError):
     """Tensor parallelism cannot run as asked (raised alike on every rank of the TP group)."""
 

@@ -16,7 +16,7 @@ from toy import ToyGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.checkpoint.sharded import METADATA
-from bmt_wrap.errors import CheckpointError
+from bmt_wrap.errors import CheckpointCorruptError, CheckpointError
 
 SAVE_AT, STEPS = 3, 6
 
@@ -97,10 +97,18 @@ def _faults_body(tmp: str) -> None:
     root = Path(tmp)
     model, mgr = _setup(0, "ours")
     _train(model, mgr, range(1))
+    left_behind = root / "good" / f".{METADATA}.tmp-424242"  # a save whose rank 0 died writing the metadata
+    if bmt.rank() == 0:
+        left_behind.parent.mkdir()
+        left_behind.write_text("{")
+    bmt.barrier()
     bmt.save_checkpoint(root / "good", model, mgr, step=1)
+    bmt.barrier()  # rank 0 cleans up after the save's last collective
+    assert not left_behind.exists(), "the next save removes an interrupted save's temp files"
     before = [p.detach().clone() for p in model.parameters()]
     meta = json.loads((root / "good" / METADATA).read_text())
     shard0 = root / "good" / meta["files"][0]["tensors"]
+    state_last = root / "good" / meta["files"][-1]["state"]
 
     def refused(directory: Path, pattern: str, **kw) -> None:
         fresh, fresh_mgr = kw.pop("model", None) or _setup(2, "ours")
@@ -122,7 +130,8 @@ def _faults_body(tmp: str) -> None:
     assert json.loads((root / "good" / METADATA).read_text()) == meta, "the previous checkpoint still rules"
 
     if bmt.rank() == 0:  # broken copies of "good", one fault each
-        for name in ("incomplete", "truncated", "corrupt_meta", "corrupt_shard"):
+        for name in ("incomplete", "truncated", "corrupt_meta", "corrupt_shard", "flipped_shard", "flipped_state",
+                     "unchecked"):
             (root / name).mkdir()
             for f in (root / "good").iterdir():
                 (root / name / f.name).write_bytes(f.read_bytes())
@@ -134,7 +143,21 @@ def _faults_body(tmp: str) -> None:
         data = bytearray(c.read_bytes())
         data[8:24] = b"#" * 16  # the header's JSON
         c.write_bytes(bytes(data))
+        for f, at in ((root / "flipped_shard" / shard0.name, -1), (root / "flipped_state" / state_last.name, 200)):
+            data = bytearray(f.read_bytes())
+            data[at] ^= 0x10  # one bit of a tensor's data (the last one's last byte), of the state's pickle
+            f.write_bytes(bytes(data))
+        for name in ("unchecked", "corrupt_shard"):  # as saved before checksums existed: headers still checked
+            old = json.loads((root / name / METADATA).read_text())
+            for entry in old["files"]:
+                del entry["tensors_crc32"], entry["state_crc32"]
+            (root / name / METADATA).write_text(json.dumps(old))
     bmt.barrier()
+    for name, path in (("flipped_shard", shard0), ("flipped_state", state_last)):
+        fresh, fresh_mgr = _setup(2, "ours")
+        with pytest.raises(CheckpointCorruptError, match=rf"{name}/{path.name} is corrupted: its CRC-32 is [0-9a-f]{{8}}, "
+                                                         r"the save wrote [0-9a-f]{8} .* Copy the file again"):
+            bmt.load_checkpoint(root / name, fresh, fresh_mgr)
     refused(root / "incomplete", r"incomplete/metadata\.json is missing.*save that did not finish")
     refused(root / "truncated", rf"truncated/{shard0.name}.*truncated")
     refused(root / "corrupt_meta", r"corrupt_meta/metadata\.json is not a bmt_wrap checkpoint")
@@ -149,10 +172,11 @@ def _faults_body(tmp: str) -> None:
     plain, _ = _setup(2, "ours")
     with pytest.raises(CheckpointError, match="state of 1 optimizer"):
         bmt.load_checkpoint(root / "good", plain)  # the optimizer was not passed
-    after, after_mgr = _setup(2, "ours")
-    bmt.load_checkpoint(root / "good", after, after_mgr)
-    for a, b in zip(after.parameters(), before, strict=True):
-        assert torch.equal(a.detach(), b)
+    for directory in ("good", "unchecked"):
+        after, after_mgr = _setup(2, "ours")
+        bmt.load_checkpoint(root / directory, after, after_mgr)
+        for a, b in zip(after.parameters(), before, strict=True):
+            assert torch.equal(a.detach(), b), directory
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

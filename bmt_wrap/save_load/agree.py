@@ -9,8 +9,10 @@ from ..job import distributed
 from ..wrapping.consistency import differences
 
 
-def agree(error: str | None, payload: list[int] | None = None, what: str = "checkpoint") -> list[list[int]]:
-    """Raise ``CheckpointError`` on every rank if any rank passes an ``error``; else every rank's ``payload``."""
+def agree(error: BaseException | str | None, payload: list[int] | None = None,
+          what: str = "checkpoint") -> list[list[int]]:
+    """Raise ``CheckpointError`` (or ``error``'s own bmt_wrap type) on every rank if any rank passes an
+    ``error``; else every rank's ``payload``."""
     return distributed.agree(error, payload, what, CheckpointError)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,12 +56,14 @@ def make_dirs(path: Path) -> None:
 class AtomicFile:
     """``path`` appears complete or not at all: written to a temp file beside it, then renamed over it.
 
-    A crash (or an error) before ``commit`` leaves whatever ``path`` held before untouched.
+    A crash (or an error) before ``commit`` leaves whatever ``path`` held before untouched. With
+    ``checksum``, ``crc32`` is the CRC-32 of every byte written so far (computed as they pass: no re-read).
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, checksum: bool = False) -> None:
         self.path = Path(path)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.crc32: int | None = 0 if checksum else None
         with os_errors(self.path, "write"):
             self.file: BinaryIO | None = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit/abort
 
@@ -69,6 +72,8 @@ class AtomicFile:
         assert self.file is not None, "write after commit/abort"
         with os_errors(self.path, "write"):
             self.file.write(data)
+        if self.crc32 is not None:
+            self.crc32 = zlib.crc32(data, self.crc32)
 
     def commit(self) -> int:
         """Flush, fsync, rename over ``path`` and fsync the directory; returns the file's size."""

@@ -69,7 +69,7 @@ class SafetensorsWriter:
     """Streams a safetensors file: the header first (every offset is known from the specs), then the
     tensors in spec order, so no more than the tensor being written needs to be in memory."""
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], checksum: bool = False) -> None:
         header: dict[str, Any] = {"__metadata__": metadata}
         pos = 0
         for s in specs:
@@ -83,7 +83,7 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
         self.specs = specs
         self._next = 0
-        self.out = AtomicFile(path)
+        self.out = AtomicFile(path, checksum)
         self.out.write(struct.pack("<Q", len(raw)) + raw)
 
     def put(self, names: list[str], tensor: torch.Tensor) -> None:

@@ -4,8 +4,10 @@ A directory holds, per rank, ``shard-R-of-N.<id>.safetensors`` (its parameter sl
 tensors, by parameter name) and ``state-R-of-N.<id>.pt`` (RNG states, plain optimizer values; rank 0's
 also holds param groups, loss scaler, schedulers, step and ``extra``), then ``metadata.json``, written
 last and atomically by rank 0: names, shapes, dtypes, each rank's element range of every tensor, world
-size, file sizes. A directory without it is an unfinished save and is refused; a new save replaces the
-old one only when its ``metadata.json`` lands, so a failed save leaves the previous checkpoint whole.
+size, file sizes and CRC-32s. A directory without it is an unfinished save and is refused; a new save
+replaces the old one only when its ``metadata.json`` lands, so a failed save leaves the previous checkpoint
+whole. A load checks every file's size and CRC-32 (each file by one rank) before reading anything; a
+checkpoint saved before checksums were written (its metadata has none) loads on sizes and headers alone.
 
 Loading reshards by name: each rank reads, for each tensor, the overlap of its own range with every
 saved rank's range. The format is ours rather than ``torch.distributed.checkpoint``'s because a rank's
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
 from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory, write_atomic
+from .checksum import check_crc32
 from .entries import Entry, materialize, meta_names, model_entries
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 
@@ -111,22 +115,24 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         rank_state: dict[str, Any] = {"rng": rng.capture(), "values": values}
         if rank == 0:
             rank_state.update(step=step, extra=extra, param_groups=saved_groups, **_manager_state(optim_manager))
-        error, sizes = None, [0, 0]
+        error, written = None, [0] * 4
         try:
             make_dirs(directory)
-            sizes = [_write_tensors(directory / files[0], tensors), write_atomic(directory / files[1], torch_bytes(rank_state))]
+            state_bytes = torch_bytes(rank_state)
+            written = [*_write_tensors(directory / files[0], tensors),
+                       write_atomic(directory / files[1], state_bytes), zlib.crc32(state_bytes)]
         except CheckpointError as exc:
             error = str(exc)
         try:
-            table = agree(error, sizes, what="save_checkpoint")
+            table = agree(error, written, what="save_checkpoint")
             error = None
             if rank == 0:
                 try:
                     metadata = {
                         "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
                         "seed": state.seed,
-                        "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True), tensors_bytes=row[0],
-                                       state_bytes=row[1]) for r, row in enumerate(table)],
+                        "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True),
+                                       **dict(zip(_FILE_CHECKS, row, strict=True))) for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
                                    "ranges": _ranges(e, world, placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
@@ -144,13 +150,17 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
             _remove_stale(directory, save_id)
 
 
-def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
+_FILE_CHECKS = ("tensors_bytes", "tensors_crc32", "state_bytes", "state_crc32")  # per rank, in metadata.json
+
+
+def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """Write ``tensors`` to ``path`` (atomically); returns the file's size and CRC-32."""
     writer = SafetensorsWriter(path, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors],
-                               {"format": FORMAT})
+                               {"format": FORMAT}, checksum=True)
     try:
         for n, t in tensors:
             writer.put([n], t)
-        return writer.commit()
+        return writer.commit(), writer.out.crc32
     except BaseException:
         writer.abort()
         raise
@@ -164,10 +174,11 @@ def _manager_state(mgr: Any) -> dict[str, Any]:
 
 
 def _remove_stale(directory: Path, save_id: str) -> None:
-    """Files of earlier saves (and temp files of interrupted ones): unreachable from the new metadata."""
+    """Files of earlier saves and temp files of interrupted ones (a peer died mid-save): unreachable from the
+    new metadata. Runs on rank 0 after its own metadata landed, so any metadata temp file left is stale."""
     for f in directory.iterdir():
         ours = f.name.lstrip(".").startswith(("shard-", "state-"))
-        if ours and f".{save_id}." not in f.name:
+        if (ours and f".{save_id}." not in f.name) or f.name.startswith(f".{METADATA}.tmp-"):
             f.unlink(missing_ok=True)
 
 
@@ -209,6 +220,12 @@ class _Reader:
             raise CheckpointError(f"{path} has {size} bytes, {self.files[rank][f'{which}_bytes']} were written: it "
                                   "was truncated or replaced; resume from an earlier checkpoint")
         return path
+
+    def verify(self, ranks: range) -> None:
+        """Check saved ranks' files whole: sizes and CRC-32s (none in checkpoints saved before they existed)."""
+        for rank in ranks:
+            for which in ("tensors", "state"):
+                check_crc32(self._checked(rank, which), self.files[rank].get(f"{which}_crc32"))
 
     def tensors(self, rank: int) -> SafetensorsSource:
         """Saved rank ``rank``'s tensor file (size checked, header parsed)."""
@@ -266,16 +283,18 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         entries = model_entries(model)
         names = _param_names(entries)
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
-        error = None
+        error: CheckpointError | str | None = None
         try:
             reader = _Reader(directory)
+            # Each saved rank's files are checked by one rank: at the saved world size, by the rank that reads them.
+            reader.verify(range(state.rank, reader.world, state.world_size))
             plan = _plan_model(reader, entries)
             optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
             same_world = reader.world == state.world_size
             if same_world:
                 reader.state(state.rank)
         except CheckpointError as exc:
-            error = str(exc)
+            error = exc  # its type too: every rank raises a CheckpointCorruptError as such
         agree(error, what="load_checkpoint")
         materialize(entries, state.device)
         error = None
