@@ -9,8 +9,10 @@ optimizer state, ``bmt-wrap plan --memory B --grow n_layers`` answers k in a fre
 jobs of ``--world-size`` ranks, each started with the allocator setting the plan states, build the model at
 k and at k+1 with real weights, wrap it, and train ``--steps`` steps (``torch.optim.AdamW(fused=True)``,
 or ``bmt.optim.AdamDiskOptimizer`` for the state on disk), the first step included. A job is killed as
-soon as its ranks' summed RSS passes B. The table gives the answered k, whether k and k+1 fit, the measured
-summed peak at each (each rank's ``ru_maxrss``), and the largest rank's peak against the plan's per-rank peak.
+soon as its ranks' summed RSS passes B (a killed job at k runs again without the limit, for its per-rank peak).
+The table gives the answered k, whether k and k+1 fit, the measured summed peak at each (each rank's
+``ru_maxrss``; a killed job's is the watchdog's last sample), and the largest rank's peak against the plan's
+per-rank peak.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ def main() -> None:
                       flush=True)
                 at = [measure(family, n, limit, args.world_size, args.steps, state, plan["assumes"])
                       for n in (k, k + 1)]
+                if at[0]["peak_rank"] is None:  # killed at the limit: its peak per rank, unlimited
+                    at[0]["peak_rank"] = measure(family, k, 0, args.world_size, args.steps, state,
+                                                 plan["assumes"])["peak_rank"]
                 print(f"  measured: {at}", file=sys.stderr, flush=True)
                 rows.append({"family": family, "limit": limit, "optimizer_state": state, "k": k,
                              "plan_rank": plan["peak_per_rank"], "at_k": at[0], "at_k1": at[1],
