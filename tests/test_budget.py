@@ -113,9 +113,10 @@ def test_one_rank_has_no_gather_to_save_and_choices_already_made_are_skipped() -
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, 7, 8])
 def test_a_budget_takes_the_longest_prefix_of_the_choices_that_fits(k: int) -> None:
     budget, taken = budget_for("toy_gpt", 2, k)
-    # Keeping the last block's parameters frees the pooled buffers the others cycled through, so the
-    # budget of 2 or 3 kept blocks keeps all 4; likewise the last recompute dropped frees its scratch.
-    assert len(taken) == {2: 4, 3: 4, 7: 8}.get(k, k)
+    # Keeping every block's parameters frees the pool's depth + 2 = 3 buffers the blocks cycled through,
+    # so a budget for 1 or 2 kept blocks keeps all 4, and one for 3 also buys the first activations;
+    # likewise the last recompute dropped frees its scratch.
+    assert len(taken) == {1: 4, 2: 4, 3: 5, 7: 8}.get(k, k)
     plan = budgeted("toy_gpt", 2, budget)
     acts = {c.block for c in taken if c.kind == ACTIVATIONS}
     params = {c.block for c in taken if c.kind == PARAMETERS}
@@ -130,7 +131,7 @@ def test_parameters_kept_gathered_are_gathered_once_per_step() -> None:
     budget, taken = budget_for("toy_gpt", 4, 1)
     plan = budgeted("toy_gpt", 4, budget)
     kept = [plan.group(c.block) for c in taken if c.kind == PARAMETERS]
-    assert len(kept) == 1
+    assert kept
     assert plan.estimates["4"].comm_all_gather == base.comm_all_gather - sum(g.padded_bytes(4) * 3 // 4 for g in kept)
     assert plan.estimates["4"].comm_reduce_scatter == base.comm_reduce_scatter
 

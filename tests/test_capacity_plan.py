@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from bmt_wrap.cli import main
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import build_plan, capture, discover_blocks
-from bmt_wrap.passes.capacity import largest_fitting, optimizer_on_disk, process_peak, root_backward_bytes
+from bmt_wrap.passes.capacity import (
+    largest_fitting,
+    optimizer_on_disk,
+    process_peak,
+    root_backward_bytes,
+    training_phases,
+)
 
 TOY = str(Path(__file__).with_name("toy.py"))
 MIB = 2**20
@@ -54,7 +60,17 @@ def test_process_peak_adds_the_root_backward_and_the_full_copy_before_wrapping()
     root_grads = sum(b.full_grad_bytes(2) for g in plan.groups if g.is_root for b in g.buffers)
     assert root_backward_bytes(plan, 2) == 2 * root_grads + root_grads // 2
     built = process_peak(plan, est, baseline=100 * MIB)
-    assert built.training == est.total + root_backward_bytes(plan, 2)
+    # By phase: backward's start holds the activations and the root's head gradient, its end every
+    # gradient shard and the root's full gradient; the old count summed both.
+    # The root's full gradient is held in both, with one use's gradient before it is added in: the
+    # toy GPT's tied embedding and head make two of that weight's.
+    wte = next(slot for b in plan.group("root").buffers for slot in b.slots if slot.fqn == "wte.weight")
+    assert wte.aliases, "the toy GPT ties its head to its embedding"
+    state = est.params + est.optimizer + est.gathered + root_grads + 2 * 4 * wte.numel
+    phases = training_phases(plan, est)
+    assert phases["backward start"] == state + (est.activations or 0)
+    assert phases["blocks' backward end"] == state + est.grads + est.grads_in_flight + root_grads // 2
+    assert built.training == max(phases.values())
     assert built.wrapping == sum(g.param_bytes() for g in plan.groups) + est.params + est.gathered
     assert built.total == 100 * MIB + max(built.wrapping, built.training)
     streamed = process_peak(plan, est, baseline=100 * MIB, built_full=False)

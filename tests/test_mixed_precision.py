@@ -186,7 +186,7 @@ def test_plan_counts_fp32_shards_and_bf16_gathers(world_size: int) -> None:
     root, block = fsdp.group("root"), fsdp.blocks()[0]
     def held(g: bmt.plan.ShardGroupSpec) -> int:
         return sum(2 * (x.padded_numel(n) + x.shard_numel(n)) for x in g.buffers)
-    assert f.gathered == held(root) + 2 * held(block)  # prefetch depth 1: two blocks gathered at once
+    assert f.gathered == held(root) + 3 * held(block)  # prefetch depth 1: the pool holds 3 (depth + 2)
     assert f.grads_in_flight == 4 * block.buffers[0].padded_numel(n), "reduce_dtype fp32"
     assert b.grads_in_flight == 2 * bmtrain.blocks()[0].buffers[0].padded_numel(n)
     padded32 = sum(x.padded_numel(n) for g in fsdp.groups for x in g.buffers)

@@ -202,6 +202,10 @@ class MemoryEstimate:
     gathered: int = 0  # root group + (prefetch depth + 1) x largest zero-3 block + zero_level=2 blocks
     grads_in_flight: int = 0
     activations: int | None = None  # needs a batch shape
+    # Of ``activations``: what the root saves (outside every block) and one recompute's transient; the
+    # rest is what the block calls keep. The process's peak counts them by phase (passes/capacity.py).
+    activations_root: int = 0
+    activations_recompute: int = 0
     comm_all_gather: int = 0
     comm_reduce_scatter: int = 0
     comm_all_reduce: int = 0

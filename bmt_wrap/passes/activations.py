@@ -38,10 +38,14 @@ class ActivationProfile:
 
     def total(self, checkpointed: set[str]) -> int:
         """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""
+        return sum(self.parts(checkpointed))
+
+    def parts(self, checkpointed: set[str]) -> tuple[int, int, int]:
+        """(saved outside blocks, kept by the block calls, one recompute's saved tensors)."""
         kept = sum(c.input_bytes if c.block in checkpointed else c.saved_bytes for c in self.calls)
         # Backward recomputes one checkpointed call at a time: its saved tensors exist transiently.
         recompute = max((c.saved_bytes for c in self.calls if c.block in checkpointed), default=0)
-        return self.root_bytes + kept + recompute
+        return self.root_bytes, kept, recompute
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,14 @@
 (docs/design.md "Capacity: the process's peak").
 
 ``estimate`` counts the tensors a plan keeps; a process holds more: what it held before the model
-(the process baseline: the interpreter, torch, bmt_wrap), the model built before wrapping (a full copy,
-unless it was built on the meta device and loaded by ``bmt.from_pretrained``/``bmt.load``), and the root
-group's backward, which ``estimate`` leaves out because no block holds it: the root's full gradient lives
-from its first use in backward to the end (the reduce-scatter comes after its last use), each use's
-gradient is made before it is added in, and the reduce-scatter receives the other ranks' parts.
-Tensors are counted, not the allocator's holes: the count is the process's peak when freed tensors leave
-the process (on CPU, glibc with ``MALLOC_MMAP_THRESHOLD_=65536``; docs/design.md "Capacity").
+(the process baseline: the interpreter, torch, bmt_wrap, the model library, and what a first real step
+leaves: kernels' code, the allocator's heap), the model built before wrapping (a full copy, unless it
+was built on the meta device and loaded by ``bmt.from_pretrained``/``bmt.load``), and the root group's
+backward, which no block holds. Training's peak is counted by phase, because the terms ``estimate``
+sums peak at different moments: activations are all held when backward starts and freed block by
+block as the blocks' gradient shards arrive. Tensors are counted, not the allocator's holes: the
+count is the process's peak when freed tensors leave the process (on CPU, glibc with
+``MALLOC_MMAP_THRESHOLD_=65536``; docs/design.md "Capacity").
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..base.dtypes import itemsize
 from ..base.plan import MemoryEstimate, WrapPlan
 from ..errors import PlanError
 
@@ -26,7 +28,7 @@ class ProcessPeak:
 
     baseline: int
     wrapping: int  # the full copy built before wrapping, the shard made from it, the pooled buffers
-    training: int  # the plan's estimate plus the root group's backward
+    training: int  # the larger of backward's two peaks (training_phases)
 
     @property
     def total(self) -> int:
@@ -34,21 +36,53 @@ class ProcessPeak:
         return self.baseline + max(self.wrapping, self.training)
 
 
+def _root_grad_bytes(plan: WrapPlan, world_size: int) -> int:
+    return sum(b.full_grad_bytes(world_size) for g in plan.groups if g.is_root for b in g.buffers if b.requires_grad)
+
+
 def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
-    """What the root group's backward holds beyond ``estimate``: its full gradient, one use's gradient
+    """The most the root group's backward holds beyond ``estimate``: its full gradient, one use's gradient
     before it is added in, and the reduce-scatter's received (N-1)/N."""
-    full = sum(b.full_grad_bytes(world_size) for g in plan.groups if g.is_root
-               for b in g.buffers if b.requires_grad)
+    full = _root_grad_bytes(plan, world_size)
     return 2 * full + full * (world_size - 1) // world_size
+
+
+def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
+    """Bytes per rank above the baseline at the two moments a step peaks. Both hold the shards, their
+    optimizer state and the gathered buffers, and the root's full gradient (it lives from the root's first
+    use in backward to its reduce-scatter after the last) with one use's gradient not yet added in.
+
+    - ``backward start``: every activation the forward kept, and the head's gradient (the first use);
+    - ``blocks' backward end``: every gradient shard, the gradients in flight, one recompute's saved
+      tensors, the embedding's gradient (the last use) and the reduce-scatter's receipt. The activations
+      are gone by then: each block's went with its backward.
+
+    The forward's peak is below the first (no gradient yet), the optimizer step's below the second (no
+    recompute, no root gradient). Without an activation profile the activations count at backward start.
+    """
+    n = est.world_size if est.shard_size is None else est.shard_size
+    full = _root_grad_bytes(plan, n)
+    use = _largest_root_use(plan)
+    state = est.params + est.optimizer + est.gathered + full + use
+    return {"backward start": state + (est.activations or 0) - est.activations_recompute,
+            "blocks' backward end": state + est.grads + est.grads_in_flight + est.activations_recompute
+            + full * (n - 1) // n}
+
+
+def _largest_root_use(plan: WrapPlan) -> int:
+    """The most one use of a root parameter makes before autograd adds it in: its gradient, twice for a
+    tied weight (the second use's gradient and their sum; measured on GPT-2 and Qwen2, whose embedding
+    and head share one)."""
+    return max((slot.numel * itemsize(b.grad_dtype) * (2 if slot.aliases else 1) for g in plan.groups
+                if g.is_root for b in g.buffers if b.requires_grad for slot in b.slots), default=0)
 
 
 def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full: bool = True) -> ProcessPeak:
     """Peak bytes per rank of a process training ``plan`` at ``est``'s world size. ``built_full``: the model
     was built with real weights before wrapping (False when built on the meta device and loaded)."""
-    n = est.world_size if est.shard_size is None else est.shard_size
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
-    return ProcessPeak(baseline, wrapping, est.total + root_backward_bytes(plan, n))
+    return ProcessPeak(baseline, wrapping, max(training_phases(plan, est).values()))
 
 
 def optimizer_on_disk(est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:

@@ -56,15 +56,20 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     blocks = plan.blocks()
     root = [g for g in plan.groups if g.is_root]
     root_bytes = sum(g.padded_bytes(n) for g in root)
-    # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through
-    # (depth + 1) pooled buffers sized for the largest of them.
-    largest = max((held_gathered(g, n) for g in blocks if g.zero_level == 3), default=0)
-    est.gathered = (sum(held_gathered(g, n) for g in root) + (plan.prefetch_depth + 1) * largest
+    # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through pooled
+    # buffers. The pool keeps exact sizes (runtime/buffer_pool.py), so each distinct block size holds the
+    # most buffers of it ever in use at once: in backward the block recomputing, the ``depth`` gathered
+    # ahead, and the one before, whose storage waits for its gradients (measured: 2, 3, 4 buffers at
+    # depth 0, 1, 2; T5's three block sizes hold three sets).
+    sizes = {held_gathered(g, n) for g in blocks if g.zero_level == 3}
+    est.gathered = (sum(held_gathered(g, n) for g in root) + (plan.prefetch_depth + 2) * sum(sizes)
                     + sum(held_gathered(g, n) for g in blocks if g.zero_level == 2))
     est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
     est.no_sync_grads = sum(_grad_bytes(g, n) for g in plan.groups)  # runtime/local_grads.py
     if activations is not None:
-        est.activations = activations.total({g.name for g in blocks if g.checkpoint})
+        root_saved, kept, recompute = activations.parts({g.name for g in blocks if g.checkpoint})
+        est.activations = root_saved + kept + recompute
+        est.activations_root, est.activations_recompute = root_saved, recompute
 
     # A zero-3 block is gathered for forward and again for backward; zero_level=2 kept it in between.
     calls = Counter(plan.order or [g.name for g in blocks])
