@@ -465,7 +465,9 @@ def test_a_step_keeps_nothing_of_its_cache(family, world_size):
     out = run_distributed(_held_with_and_without_cache, world_size, family)
     for held in out:
         assert held["cache"][-1] == held["cache"][1], held  # nothing grows from step to step
-        assert held["cache"][-1] == held["no_cache"][-1], held  # and nothing of the cache stays at all
+        # And nothing of the cache stays (it is ~48 KiB here); a few bytes of the process's small reusable
+        # buffers (the used-mask) depend on what the worker ran before.
+        assert abs(held["cache"][-1] - held["no_cache"][-1]) <= 1024, held
 
 
 def _garbage_after_first_forward(family: str) -> int:
