@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..base.fused_loss_plan import chunk_rows
 from ..errors import BMTError
 from ..runtime.comm import Communicator
-from . import torch_rows, vocab_parallel
+from . import vocab_parallel
 
 #: Elementwise steps between the projection and the loss: ("cast", dtype), ("div", s), ("mul", s), ("tanh", None).
 Epilogue = tuple[tuple[str, Any], ...]
@@ -78,19 +78,18 @@ def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> No
 def _chunk_grads(z: torch.Tensor, target: torch.Tensor, epilogue: Epilogue, ignore_index: int,
                  smoothing: float, row_scale: torch.Tensor, comm: Communicator | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed loss (fp32) and d(sum of row_scale * row loss)/dz, in z's dtype (``comm``: z holds
-    this tensor-parallel rank's columns of the vocabulary)."""
+    """One chunk's summed loss (fp32) and d(sum of row_scale * row loss)/dz, in z's dtype, written over
+    ``z``'s fp32 logits where it can (``comm``: z holds this tensor-parallel rank's columns of the vocabulary)."""
     zr = z.detach().requires_grad_()
     with torch.enable_grad():
-        x = apply_epilogue(zr, epilogue)
-        xf = x.float()
+        xf = apply_epilogue(zr, epilogue).float()
+    # The fp32 logits are this chunk's own unless the epilogue's backward keeps them: of its steps only
+    # tanh saves its output (casts and scalings save nothing).
+    in_place = xf is zr or type(xf.grad_fn).__name__ != "TanhBackward0"
     x = xf.detach()
-    if comm is None:
-        rows, lse = torch_rows.forward(x, target, ignore_index, smoothing)
-        dx = torch_rows.backward(x, target, lse, row_scale, smoothing)
-    else:
-        rows, state = vocab_parallel.rows_forward(x, target, ignore_index, smoothing, comm)
-        dx = vocab_parallel.rows_backward(x, state, row_scale, smoothing, comm.world_size)
+    rows, state = vocab_parallel.rows_forward(x, target, ignore_index, smoothing, comm, in_place=in_place)
+    exps = state.exps if in_place else torch.exp(x - state.top[:, None])
+    dx = vocab_parallel.rows_backward(exps, state, row_scale, smoothing, comm.world_size if comm else 1)
     dz = dx if xf is zr else torch.autograd.grad(xf, zr, dx)[0]
     return rows.sum(), dz
 
