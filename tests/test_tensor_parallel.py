@@ -258,21 +258,6 @@ def test_save_at_tp2_holds_whole_tensors_and_loads_at_tp_1_2_4(tmp_path: object)
             assert got["norm"] == [7.0] * 3
 
 
-def _sharded_format_body(path: str) -> str:
-    use_tp(2)
-    m = _tp_module(2)
-    try:
-        bmt.save_checkpoint(path, m)
-    except bmt.errors.UnsupportedError as exc:
-        return str(exc)
-    return "saved"
-
-
-def test_sharded_checkpoints_refuse_tensor_parallelism_on_every_rank(tmp_path: object) -> None:
-    messages = run_distributed(_sharded_format_body, 4, str(tmp_path / "ckpt"))  # type: ignore[operator]
-    assert len(set(messages)) == 1 and "bmt.save(model, path)" in messages[0]
-
-
 # ---- dimensions tensor parallelism cannot split ------------------------------------------------------------------
 def _not_divisible_body() -> list[str]:
     use_tp(4)

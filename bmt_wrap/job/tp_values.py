@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedError
 from ..runtime.tp_marks import tp_full_shape, tp_slice, tp_split_dim
 from ..runtime.tp_ops import gather_tp_slices
 from .distributed import tensor_parallel
@@ -37,14 +36,3 @@ def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     if dim is None or layout.tp_size == 1:
         return whole
     return tp_slice(whole, dim, layout.tp_rank, layout.tp_size)
-
-
-def refuse_sharded_format_under_tp(call: str) -> None:
-    """Raise ``UnsupportedError`` for a sharded checkpoint format under tensor parallelism (not built yet)."""
-    layout = tensor_parallel()
-    if layout.tp_size > 1:
-        raise UnsupportedError(
-            f"{call} under init_distributed(tp_size={layout.tp_size}): sharded checkpoints do not record tensor-"
-            "parallel slices yet. Use bmt.save(model, path) / bmt.load(model, path), which write whole tensors "
-            "and load at any tensor- and data-parallel layout, and save the optimizer state per rank with "
-            "torch.save(optimizer.state_dict(), f'optim_{bmt.rank()}.pt') to resume at the same layout.")

@@ -1,5 +1,6 @@
 """Sharded optimizer (and model) state with ``torch.distributed.checkpoint`` (DCP): the format the tool
-integrations write. Each rank writes its own elements; a load reshards to any world size.
+integrations write. Each rank writes its own elements; a load reshards to any world size and any
+tensor-parallel size (a TP-split parameter's elements are placed by its TP slice: ``param_shard``).
 
 These are thin: ``get_model_state_dict``/``get_optimizer_state_dict`` on a wrapped model already return
 ``LocalShard``s (see ``local_shard.py`` and ``optim_shards.py``); this module only names the calls.
@@ -18,7 +19,6 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..job.distributed import get_state
-from ..job.tp_values import refuse_sharded_format_under_tp
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .agree import agree, agree_on_directory
@@ -96,7 +96,6 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
 def save_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, with_model: bool = True) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to ``directory`` with DCP; a collective."""
-    refuse_sharded_format_under_tp("a DCP sharded save")
     save_directory(directory, _dcp_state(model, optimizer, with_model))
 
 
@@ -117,7 +116,6 @@ def load_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torc
     """Read what ``save_sharded`` wrote (at any world size) into ``model`` and ``optimizer``; a collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    refuse_sharded_format_under_tp("a DCP sharded load")
     state = _dcp_state(model, optimizer, with_model)
     load_directory(directory, state)
     if with_model:

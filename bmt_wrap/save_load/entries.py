@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..job.distributed import tensor_parallel
 from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
 from ..runtime.tp_marks import tp_split_dim
 from .formats import TensorSpec
+from .reshard import Piece, whole
 
 
 @dataclass
@@ -60,6 +62,24 @@ class Entry:
         if self.param is not None:
             return self.param.source_range()
         return 0, self.numel
+
+    def piece(self) -> Piece:
+        """Where ``local()`` sits in the whole tensor: this TP rank's slice and this rank's range of it."""
+        if self.param is None:
+            return whole(self.shape)
+        start, end = self.param.source_range()
+        if not self.tp_split:
+            return Piece(start, end)
+        tp = tensor_parallel()
+        return Piece(start, end, tp_split_dim(self.param), tp.tp_rank, tp.tp_size)
+
+    @torch.no_grad()
+    def set_local(self, flat: torch.Tensor) -> None:
+        """Set ``local()`` from ``flat`` (``piece()``'s elements)."""
+        if self.param is not None:
+            self.param.to_local().copy_(flat)
+        else:
+            self.assign(flat)
 
     @property
     def numel(self) -> int:

@@ -7,8 +7,11 @@ A sharded parameter (and each optimizer state tensor shaped like it) holds a con
 ``2 * ndim - 1`` such boxes, each contiguous in memory. ``LocalShard`` implements DCP's checkpointable
 protocol (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``) over those
 boxes, so each rank writes only its own elements, and a load at any world size (or into a plain
-model, whose tensors are whole) reads the overlaps it needs. Loads write through the boxes into the
-storage the shard views: a state dict of ``LocalShard``s loaded by DCP updates the model in place.
+model, whose tensors are whole) reads the overlaps it needs. Under tensor parallelism the range is of
+this TP rank's slice (``region``: its offsets and sizes in the full tensor), and the boxes are shifted
+into the full tensor by the slice's offsets, so DCP reshards across TP sizes too. Loads write through
+the boxes into the storage the shard views: a state dict of ``LocalShard``s loaded by DCP updates the
+model in place.
 
 Like a DTensor, it reports the *full* tensor's ``size()``/``shape`` (DCP checks it against the
 checkpoint); ``local()`` is this rank's 1-D elements. Ops on it see the local elements and return
@@ -61,40 +64,50 @@ class LocalShard(torch.Tensor):
 
     full_shape: torch.Size
     start: int
+    region: tuple[tuple[int, ...], tuple[int, ...]]  # offsets and sizes of the slice the range indexes
     _boxes: list[Box]
 
     # Ops run on the local elements and return plain tensors (no metadata to carry wrongly).
     __torch_function__ = disabled_torch_function
 
     @classmethod
-    def of(cls, local: torch.Tensor, full_shape: tuple[int, ...] | torch.Size, start: int) -> LocalShard:
-        """A ``LocalShard`` viewing ``local`` (flattened; no copy) as elements from ``start`` on."""
+    def of(cls, local: torch.Tensor, full_shape: tuple[int, ...] | torch.Size, start: int,
+           region: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> LocalShard:
+        """A ``LocalShard`` viewing ``local`` (flattened; no copy) as elements from ``start`` on of the
+        flattened ``region`` (offsets, sizes) of the full tensor (default: all of it)."""
         flat = local.detach().reshape(-1)
         full = torch.Size(full_shape)
-        if start < 0 or start + flat.numel() > full.numel():
+        origin, sizes = region if region is not None else ((0,) * len(full), tuple(full))
+        if start < 0 or start + flat.numel() > math.prod(sizes):
             raise ValueError(f"a local shard of {flat.numel()} elements from {start} does not fit a tensor of "
-                             f"shape {tuple(full)} ({full.numel()} elements)")
+                             f"shape {tuple(sizes)} ({math.prod(sizes)} elements)")
         shard = make_tensor_subclass(cls, flat, False)
         shard.full_shape = full
         shard.start = start
+        shard.region = (tuple(origin), tuple(sizes))
         if full.numel() == 0:
             # Someone must declare an empty tensor, or DCP would not know it exists: rank 0's boxes do.
             shard._boxes = [((0,) * len(full), tuple(full), 0)] if start == 0 and _is_rank0() else []
         else:
-            shard._boxes = flat_range_boxes(tuple(full), start, start + flat.numel())
+            boxes = flat_range_boxes(tuple(sizes), start, start + flat.numel())
+            shard._boxes = [(tuple(o + a for o, a in zip(offsets, origin, strict=True)), box, first)
+                            for offsets, box, first in boxes]
         return shard
 
     def local(self) -> torch.Tensor:
         """This rank's elements as a plain 1-D tensor (shares storage)."""
         return self.as_subclass(torch.Tensor)
 
-    def range_mismatch(self, full_shape: tuple[int, ...] | torch.Size, start: int, end: int) -> str | None:
-        """Why this shard is not elements ``[start, end)`` of a tensor of ``full_shape``, or None."""
-        if tuple(self.full_shape) == tuple(full_shape) and (self.start, self.end) == (start, end):
+    def range_mismatch(self, other: LocalShard) -> str | None:
+        """Why this shard does not hold the elements ``other`` (this rank's own) does, or None."""
+        if (tuple(self.full_shape), self.region, self.start, self.end) == \
+                (tuple(other.full_shape), other.region, other.start, other.end):
             return None
-        return (f"it holds elements [{self.start}, {self.end}) of {tuple(self.full_shape)}, this rank's are "
-                f"[{start}, {end}) of {tuple(full_shape)}: load the checkpoint through torch.distributed.checkpoint "
-                "into this model's and optimizer's own state dicts (get_state_dict, dcp.load, set_state_dict)")
+        return (f"it holds elements [{self.start}, {self.end}) of the {self.region} region of "
+                f"{tuple(self.full_shape)}, this rank's are [{other.start}, {other.end}) of the "
+                f"{other.region} region of {tuple(other.full_shape)}: load the checkpoint through "
+                "torch.distributed.checkpoint into this model's and optimizer's own state dicts "
+                "(get_state_dict, dcp.load, set_state_dict)")
 
     @property
     def end(self) -> int:

@@ -25,10 +25,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
-from ..job.distributed import current_state
+from ..job.distributed import current_state, tensor_parallel
+from ..job.tp_values import whole_value
+from ..runtime.tp_marks import tp_full_shape, tp_split_dim
 from ..runtime.param import DistributedParameter
 from ..runtime.sharded_tensor import ShardedTensor, local_view
 from .local_shard import LocalShard
+from .reshard import Piece
 
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _HOOKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -79,13 +82,16 @@ def _state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str
               if isinstance(pid, int) and pid < len(params) and is_state_slice(params[pid], v)]
     # Torch hands out the optimizer's own per-parameter dicts: replace them, never write into them.
     state = {pid: dict(st) for pid, st in state_dict["state"].items()}
-    values = gather_full([(p, v) for _, _, p, v in slices]) if full else None
+    values = None
+    if full:  # whole: the dp ranks' ranges gathered, then (TP-split) the TP peers' slices, in one order everywhere
+        gathered = gather_full([(p, v) for _, _, p, v in slices])
+        values = [whole_value(p, x) for (_, _, p, _), x in zip(slices, gathered, strict=True)]
     for i, (pid, key, p, v) in enumerate(slices):
         if values is not None:
             state[pid][key] = values[i].to("cpu") if to_cpu else values[i]
         else:
             local = local_view(v)
-            state[pid][key] = LocalShard.of(local.to("cpu") if to_cpu else local, p.full_shape, p.source_range()[0])
+            state[pid][key] = param_shard(p, local.to("cpu") if to_cpu else local)
     return {**state_dict, "state": state}
 
 
@@ -106,6 +112,19 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
     return {**state_dict, "state": state}
 
 
+def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
+    """``local`` (this rank's range of ``p``, or of state laid out like it) as a ``LocalShard`` of the whole
+    tensor: under tensor parallelism, of every TP slice together, placed by this TP rank's slice."""
+    start = p.source_range()[0]
+    dim = tp_split_dim(p)
+    if dim is None:
+        return LocalShard.of(local, p.full_shape, start)
+    tp = tensor_parallel()
+    full = tuple(tp_full_shape(p))
+    piece = Piece(start, start + local.numel(), dim, tp.tp_rank, tp.tp_size)
+    return LocalShard.of(local, full, start, piece.region(full))
+
+
 def local_value(p: DistributedParameter, key: str, v: Any) -> Any:
     """One saved state value as ``p``'s optimizer keeps it: element-wise state as a ``ShardedTensor`` of
     ``p``'s layout (from this rank's range, a ``LocalShard`` of it, or the full tensor); others as saved."""
@@ -115,7 +134,7 @@ def local_value(p: DistributedParameter, key: str, v: Any) -> Any:
         v = v.to_local()
     start, end = p.source_range()
     if isinstance(v, LocalShard):
-        why = v.range_mismatch(p.full_shape, start, end)
+        why = v.range_mismatch(param_shard(p, p.to_local()))
         if why:
             raise CheckpointError(f"optimizer state {key!r} of {p.fqn!r}: {why}")
         return ShardedTensor.wrap(v.local(), p.shard_layout)

@@ -1,18 +1,23 @@
-"""Resumable sharded checkpoints: each rank writes its slices; loadable at any world size.
+"""Resumable sharded checkpoints: each rank writes its slices; loadable at any (tp, dp) layout.
 
 A directory holds, per rank, ``shard-R-of-N.<id>.safetensors`` (its parameter slices and optimizer state
 tensors, by parameter name) and ``state-R-of-N.<id>.pt`` (RNG states, plain optimizer values; rank 0's
 also holds param groups, loss scaler, schedulers, step and ``extra``), then ``metadata.json``, written
-last and atomically by rank 0: names, shapes, dtypes, each rank's element range of every tensor, world
-size, file sizes and CRC-32s. A directory without it is an unfinished save and is refused; a new save
-replaces the old one only when its ``metadata.json`` lands, so a failed save leaves the previous checkpoint
-whole. A load checks every file's size and CRC-32 (each file by one rank) before reading anything; a
-checkpoint saved before checksums were written (its metadata has none) loads on sizes and headers alone.
+last and atomically by rank 0: names, whole shapes, dtypes, where each rank's part of every tensor sits
+in the whole (the tensor-parallel split dimension, each file's TP rank and the TP size; then each rank's
+flat element range of its TP slice: ``reshard.Piece``), world size, file sizes and CRC-32s. A
+directory without it is an unfinished save and is refused; a new save replaces the old one only when
+its ``metadata.json`` lands, so a failed save leaves the previous checkpoint whole. A load checks every
+file's size and CRC-32 (each file by one rank) before reading anything; a checkpoint saved before
+checksums were written (its metadata has none) loads on sizes and headers alone.
 
-Loading reshards by name: each rank reads, for each tensor, the overlap of its own range with every
-saved rank's range. The format is ours rather than ``torch.distributed.checkpoint``'s because a rank's
-slice is an arbitrary element range of a flattened parameter (aligned flat buffers), which neither
-DTensor placements nor DCP's row-chunk planner express; safetensors files keep each read a slice.
+Loading reshards by name: each rank reads, for each tensor, the overlap of its own piece with every
+saved rank's piece (``reshard.py``), so a checkpoint saved at any tensor- and data-parallel layout loads
+at any other, and ``consolidated_state_dict`` reads one into a plain ``state_dict`` in one process. Under
+TP, a tensor TP does not split is written by the TP rank 0 of each data-parallel rank only. The format
+is ours rather than ``torch.distributed.checkpoint``'s because a rank's slice is an arbitrary element
+range of a flattened parameter (aligned flat buffers), which neither DTensor placements nor DCP's
+row-chunk planner express; safetensors files keep each read a slice.
 """
 
 from __future__ import annotations
@@ -32,8 +37,7 @@ from torch import nn
 
 from ..base.dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
-from ..job.distributed import broadcast_bytes, get_state, shard_placement
-from ..job.tp_values import refuse_sharded_format_under_tp
+from ..job.distributed import broadcast_bytes, get_state, shard_placement, tensor_parallel
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
@@ -42,10 +46,14 @@ from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .checksum import check_crc32
 from .entries import Entry, materialize, meta_names, model_entries
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
+from .reshard import Piece, copy_overlaps, overlaps, shared, span
+
+Plan = list[tuple[int, list[Any]]]  # (saved rank, the boxes shared with it) for one tensor
 
 METADATA = "metadata.json"
 FORMAT = "bmt_wrap.sharded"
-VERSION = 1
+VERSION = 2  # 2: tensor-parallel pieces (tp_size, per file tp_rank, per tensor tp_dim); 1 loads as tp_size 1
+READABLE = (1, VERSION)
 
 
 @dataclass
@@ -62,14 +70,24 @@ def _file_names(rank: int, world: int, save_id: str) -> tuple[str, str]:
     return f"shard-{rank:05d}-of-{world:05d}.{save_id}.safetensors", f"state-{rank:05d}-of-{world:05d}.{save_id}.pt"
 
 
-def _ranges(e: Entry, world: int, placement: list[tuple[int, int]] | None) -> list[list[int]]:
-    """Every rank's ``[start, end)`` of the flattened tensor (a replicated one: all of it on rank 0). Under
-    a mesh only the first replica's ranks hold (and wrote) theirs; the others' are empty."""
+def _writers(e: Entry, world: int, placement: list[tuple[int, int]] | None,
+             tp_ranks: list[int]) -> list[bool]:
+    """Which ranks write ``e``: rank 0 a replicated tensor; else the first replica's ranks (under HSDP the
+    others hold the same shards), and of a tensor TP does not split, the TP rank 0 of each (its TP peers
+    hold the same range)."""
     if e.param is None:
-        return [[0, e.numel]] + [[0, 0]] * (world - 1)
-    if placement is None:
-        return [list(e.param.source_range(r)) for r in range(world)]
-    return [list(e.param.source_range(shard)) if replica == 0 else [0, 0] for shard, replica in placement]
+        return [r == 0 for r in range(world)]
+    return [(placement is None or placement[r][1] == 0) and (e.tp_split or tp_ranks[r] == 0)
+            for r in range(world)]
+
+
+def _ranges(e: Entry, writers: list[bool], placement: list[tuple[int, int]] | None) -> list[list[int]]:
+    """Every rank's ``[start, end)`` of the flattened tensor (TP-split: of its TP slice); empty where
+    that rank does not write it."""
+    if e.param is None:
+        return [[0, e.numel] if w else [0, 0] for w in writers]
+    return [list(e.param.source_range(r if placement is None else placement[r][0])) if w else [0, 0]
+            for r, w in enumerate(writers)]
 
 
 def _param_names(entries: list[Entry]) -> dict[int, str]:
@@ -84,7 +102,6 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     dicts). If any rank fails, every rank raises ``CheckpointError`` and the previous checkpoint in
     ``directory`` stays loadable.
     """
-    refuse_sharded_format_under_tp("bmt.save_checkpoint")
     directory = Path(directory)
     with collective_purpose("save_checkpoint", str(directory)):
         agree_on_directory(directory, "bmt.save_checkpoint")
@@ -99,16 +116,18 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
         files = _file_names(rank, world, save_id)
         placement = shard_placement("save_checkpoint layout")
-        # Under HSDP the replicas hold the same shards: only the first replica writes them.
-        shards_here = placement is None or placement[rank][1] == 0
-        tensors = [(f"model/{e.name}", e.local()) for e in entries
-                   if (e.param is not None and shards_here) or (e.param is None and rank == 0)]
+        tp = tensor_parallel()
+        tp_ranks = ([0] * world if tp.tp_size == 1
+                    else [row[0] for row in agree(None, [tp.tp_rank], what="TP ranks")])
+        writers = {e.name: _writers(e, world, placement, tp_ranks) for e in entries}
+        tensors = [(f"model/{e.name}", e.local()) for e in entries if writers[e.name][rank]]
         kinds, saved_groups, values = [], [], []
         for k, opt in enumerate(optimizers):
             t, v, kind, groups = optim_state.capture(k, opt, names)
-            sharded = {optim_state.tensor_key(k, n, key) for n, keys in kind.items()
-                       for key, what in keys.items() if what == optim_state.SHARDED}
-            tensors += [(name, x) for name, x in t if shards_here or name not in sharded]
+            # Element-wise state is laid out like its parameter: written by the ranks that write that.
+            skipped = {optim_state.tensor_key(k, n, key) for n, keys in kind.items()
+                       for key, what in keys.items() if what == optim_state.SHARDED and not writers[n][rank]}
+            tensors += [(name, x) for name, x in t if name not in skipped]
             values.append(v)
             kinds.append(kind)
             saved_groups.append(groups)
@@ -130,11 +149,13 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                 try:
                     metadata = {
                         "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
-                        "seed": state.seed,
+                        "seed": state.seed, "tp_size": tp.tp_size,
                         "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True),
-                                       **dict(zip(_FILE_CHECKS, row, strict=True))) for r, row in enumerate(table)],
+                                       tp_rank=tp_ranks[r], **dict(zip(_FILE_CHECKS, row, strict=True)))
+                                  for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
-                                   "ranges": _ranges(e, world, placement)} for e in entries],
+                                   "tp_dim": e.piece().tp_dim,
+                                   "ranges": _ranges(e, writers[e.name], placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
                     }
                     write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())
@@ -183,7 +204,7 @@ def _remove_stale(directory: Path, save_id: str) -> None:
 
 
 # ---- loading -------------------------------------------------------------------------------------------------
-class _Reader:
+class CheckpointReader:
     """The saved checkpoint as this rank needs it: metadata, and the saved ranks' files opened lazily."""
 
     def __init__(self, directory: Path) -> None:
@@ -199,9 +220,10 @@ class _Reader:
             text = path.read_text()
         try:
             meta = json.loads(text)
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
                 raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
             self.world = int(meta["world_size"])
+            self.tp_size = int(meta.get("tp_size", 1))
             self.files = meta["files"]
             self.entries = {n: m for m in meta["model"] for n in m["names"]}
             self.optimizers = meta["optimizers"]
@@ -249,23 +271,38 @@ class _Reader:
                                       "earlier checkpoint") from exc
         return self._states[rank]
 
-    def pieces(self, name: str, lo: int, hi: int, ranges: list[list[int]]) -> list[tuple[int, int, int]]:
-        """(saved rank, start, end) in that rank's tensor covering ``[lo, hi)``; checks the files hold them."""
-        out = []
-        for r, (s, e) in enumerate(ranges):
-            a, b = max(s, lo), min(e, hi)
-            if a < b:
+    def saved_piece(self, saved: dict[str, Any], rank: int) -> Piece:
+        """Where saved rank ``rank``'s part of tensor ``saved`` (its metadata entry) sits in the whole."""
+        start, end = saved["ranges"][rank]
+        return Piece(start, end, saved.get("tp_dim"), self.files[rank].get("tp_rank", 0), self.tp_size)
+
+    def pieces(self, name: str, saved: dict[str, Any], mine: Piece) -> Plan:
+        """(saved rank, shared boxes) covering ``mine`` of tensor ``saved``; checks the files hold them."""
+        shape = tuple(saved["shape"])
+        out, covered = [], 0
+        for r in range(self.world):
+            theirs = self.saved_piece(saved, r)
+            pairs = overlaps(shape, mine, theirs)
+            if pairs:
                 src = self.tensors(r)
-                if name not in src.keys() or src.info(name)[0] != (e - s,):
+                if name not in src.keys() or src.info(name)[0] != (theirs.numel,):
                     raise CheckpointError(f"{src.path} lacks {name!r} (or holds another shape): the checkpoint is "
                                           "corrupted; resume from an earlier checkpoint")
-                out.append((r, a - s, b - s))
+                out.append((r, pairs))
+                covered += shared(pairs)
+        if covered != mine.numel:
+            raise CheckpointError(f"{self.directory / METADATA}: the saved parts of {name!r} cover {covered} "
+                                  f"of the {mine.numel} elements this rank needs: the metadata is corrupted; "
+                                  "resume from an earlier checkpoint")
         return out
 
-    def read(self, name: str, pieces: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
-        """The concatenated pieces (in rank order, hence in element order)."""
-        parts = [self.tensors(r).read(name, a, b) for r, a, b in pieces]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    def read(self, name: str, plan: Plan, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's ``numel`` elements of ``name``, assembled from the saved files ``plan`` names."""
+        out = torch.empty(numel, dtype=dtype)
+        for r, pairs in plan:
+            a, b = span(pairs)
+            copy_overlaps(out, self.tensors(r).read(name, a, b), a, pairs)
+        return out
 
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manager: Any = None,
@@ -276,7 +313,6 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     At the saved world size each rank gets its own RNG states back; at another one every rank reseeds
     with ``rng.reseed(saved seed, step, rank)``.
     """
-    refuse_sharded_format_under_tp("bmt.load_checkpoint")
     directory = Path(directory)
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()
@@ -285,12 +321,13 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         error: CheckpointError | str | None = None
         try:
-            reader = _Reader(directory)
+            reader = CheckpointReader(directory)
             # Each saved rank's files are checked by one rank: at the saved world size, by the rank that reads them.
             reader.verify(range(state.rank, reader.world, state.world_size))
             plan = _plan_model(reader, entries)
             optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
-            same_world = reader.world == state.world_size
+            # Each rank's saved RNG state is its own only at the same layout (TP peers draw alike).
+            same_world = reader.world == state.world_size and reader.tp_size == tensor_parallel().tp_size
             if same_world:
                 reader.state(state.rank)
         except CheckpointError as exc:
@@ -300,7 +337,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         error = None
         try:
             for e, name, pieces in plan:
-                e.assign(reader.read(name, pieces, e.dtype))
+                e.set_local(reader.read(name, pieces, e.piece().numel, e.dtype))
             for k, opt in enumerate(optimizers):
                 optim_state.restore(opt, names, reader.state(0)["param_groups"][k], reader.optimizers[k]["state"],
                                     lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind))
@@ -323,7 +360,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
 
 
-def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str, list[tuple[int, int, int]]]]:
+def _plan_model(reader: CheckpointReader, entries: list[Entry]) -> list[tuple[Entry, str, Plan]]:
     """For each model tensor, the saved pieces this rank reads; raises naming every mismatch."""
     plan = []
     missing: list[str] = []
@@ -340,7 +377,7 @@ def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str,
                               f"{list(e.shape)} in the model")
             continue
         name = f"model/{saved['names'][0]}"
-        plan.append((e, name, reader.pieces(name, *e.local_range(), saved["ranges"])))
+        plan.append((e, name, reader.pieces(name, saved, e.piece())))
     unexpected = [m["names"][0] for m in reader.meta["model"] if m["names"][0] not in used]
     problems = []
     if missing:
@@ -354,7 +391,7 @@ def _plan_model(reader: _Reader, entries: list[Entry]) -> list[tuple[Entry, str,
     return plan
 
 
-def _plan_optimizers(reader: _Reader, optimizers: list[torch.optim.Optimizer], entries: list[Entry],
+def _plan_optimizers(reader: CheckpointReader, optimizers: list[torch.optim.Optimizer], entries: list[Entry],
                      names: dict[int, str], mgr: Any) -> dict[tuple[int, str, str], Any]:
     """For each saved optimizer state value, a function reading this rank's part; raises on any mismatch."""
     if len(optimizers) != len(reader.optimizers):
@@ -376,12 +413,15 @@ def _plan_optimizers(reader: _Reader, optimizers: list[torch.optim.Optimizer], e
             raise CheckpointError(f"{reader.directory}: {why}")
         for name, keys in reader.optimizers[k]["state"].items():
             e = by_name[name]
-            saved_ranges = reader.entries[name]["ranges"]
+            saved = reader.entries[name]
             for key, kind in keys.items():
                 tname = optim_state.tensor_key(k, name, key)
                 if kind == optim_state.SHARDED:
-                    pieces = reader.pieces(tname, *e.local_range(), saved_ranges)
-                    readers[(k, name, key)] = lambda _kind, t=tname, p=pieces, d=e.dtype: reader.read(t, p, d)
+                    mine = e.piece()
+                    pieces = reader.pieces(tname, saved, mine)
+                    dtype = reader.tensors(pieces[0][0]).info(tname)[1] if pieces else e.dtype
+                    readers[(k, name, key)] = lambda _kind, t=tname, p=pieces, n=mine.numel, d=dtype: \
+                        reader.read(t, p, n, d)
                 elif kind == optim_state.REPLICATED:
                     src = reader.tensors(0)
                     if tname not in src.keys():

@@ -26,7 +26,7 @@ from ..runtime.active_engine import get_engine
 from ..runtime.group import ShardGroup
 from ..runtime.param import DistributedParameter
 from ..save_load.local_shard import LocalShard
-from ..save_load.optim_shards import install_step_hook
+from ..save_load.optim_shards import install_step_hook, param_shard
 from .grad_sync import discard_unsynced, no_sync
 
 
@@ -62,7 +62,7 @@ class _StateDictScope:
         if cls.sharded:
             local = p.to_local().detach()
             local = local.to("cpu") if cls.to_cpu else local
-            return LocalShard.of(local, p.full_shape, p.source_range()[0])
+            return param_shard(p, local)
         group = p.shard_group
         if cls.group is not group:
             cls.group, cls.values = None, None  # the previous group's values go before the next gather
@@ -97,7 +97,7 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
 def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
     """Set ``p``'s slice from a full tensor or from a ``LocalShard`` of the same range; why not, or None."""
     if isinstance(value, LocalShard):
-        why = value.range_mismatch(p.full_shape, *p.source_range())
+        why = value.range_mismatch(param_shard(p, p.to_local()))
         if why:
             return f"cannot load this LocalShard: {why}"
         local = value.local()
