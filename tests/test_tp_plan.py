@@ -260,3 +260,30 @@ def test_cli_plan_tp_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tp-size 4 must divide every --world-size" in capsys.readouterr().err
     assert main(["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "4"]) == 1
     assert "num_key_value_heads = 2" in capsys.readouterr().err
+
+
+GPT2_ATTN_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
+
+
+def test_a_user_plan_splitting_gpt2s_fused_qkv_is_named_error() -> None:
+    # GPT2Attention cuts c_attn's output into q, k, v with .split(split_size): split by columns, a TP rank
+    # got whole q and part of k, and the forward raised a raw "ValueError: not enough values to unpack".
+    model = models.gpt2()
+    with pytest.raises(TensorParallelPlanError) as info:
+        _tp(model, 2, GPT2_ATTN_PLAN)
+    message = str(info.value)
+    assert "'transformer.h.0.attn.c_attn'" in message and "split_size=32" in message
+    assert "fused q/k/v" in message and "out of tp_plan=" in message and "'transformer.h.0.attn.c_proj'" in message
+    assert type(model.transformer.h[0].attn.c_attn.weight) is nn.Parameter  # raised before any change
+
+
+def test_a_models_own_plan_splitting_a_fused_qkv_keeps_it_whole_with_the_reason() -> None:
+    model = models.gpt2()
+    model._tp_plan = {**GPT2_ATTN_PLAN, "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    tp = _tp(model, 2)
+    assert tp.source == "transformers"
+    assert sorted(e.module for e in tp.entries) == [f"transformer.h.{i}.mlp.{n}" for i in range(2)
+                                                    for n in ("c_fc", "c_proj")]
+    reasons = {r.module: r.reason for r in tp.replicated}
+    assert "split_size=32" in reasons["transformer.h.1.attn.c_attn"]
+    assert "cannot be split" in reasons["transformer.h.1.attn.c_proj"]  # its partner's layout assumed the split

@@ -311,3 +311,16 @@ def test_tp_grad_norms_are_plain_pytorchs(tp: int) -> None:
         assert r["ours"] == pytest.approx(r["ref"]["2"], rel=1e-5)
         for kind, value in r["ref"].items():
             assert r["torch"][kind] == pytest.approx(value, rel=1e-5), kind
+
+
+def _fused_qkv_body() -> tuple[str, str]:
+    from test_tp_plan import GPT2_ATTN_PLAN
+
+    return raised(lambda: bmt.BMTrainModelWrapper(models.gpt2(), tp_size=2, tp_plan=GPT2_ATTN_PLAN))
+
+
+def test_splitting_gpt2s_fused_qkv_is_a_named_error_on_every_rank_at_wrap_time() -> None:
+    # Before: wrapping succeeded and the first forward raised a raw ValueError inside GPT2Attention.
+    results = run_distributed(_fused_qkv_body, 2)
+    assert all(kind == "TensorParallelPlanError" and "transformer.h.0.attn.c_attn" in message
+               for kind, message in results), results

@@ -66,6 +66,8 @@ def plan_tensor_parallel(model: nn.Module, tp_size: int, discovery: Discovery,
         styles = derive_pairs(model, discovery, plan)
     modules = dict(model.named_modules())
     chosen = _expand(styles, modules, plan, strict=plan.source == "user")
+    if plan.source == "user":
+        _refuse_fused(chosen, modules)
     _fill_entries(plan, chosen, modules, discovery)
     _keep_tied_consistent(plan, model)
     _rewrite_heads(plan, model, modules)
@@ -113,6 +115,8 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
         elif ours != "vocab_embedding" and linear_kind(module) is None:
             reasons[name] = (f"{style!r} needs an nn.Linear or transformers' Conv1D, this is "
                              f"{type(module).__name__}")
+        elif ours is not None and ours.startswith("colwise") and (why := _fused(name, modules)):
+            reasons[name] = why
     poisoned = {_parent(n) for n, why in reasons.items() if not why.startswith("the plan says")}
     for name, style in chosen.items():
         if name in reasons:
@@ -122,6 +126,31 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
             plan.replicated.append(Replicated(name, why))
         else:
             plan.entries.append(_entry(name, STYLES[style] or "", modules[name], discovery))
+
+
+def _fused(name: str, modules: dict[str, nn.Module]) -> str | None:
+    """Why a column split of Linear ``name`` would be wrong because its parent cuts the output into equal
+    parts (GPT-2's ``c_attn``: ``.split(self.split_size, dim=2)`` into q, k, v), or None."""
+    parent, module = modules[_parent(name)], modules[name]
+    width = getattr(parent, "split_size", None)
+    out = module.weight.shape[1 if linear_kind(module) == "conv1d" else 0]
+    if type(width) is not int or width <= 0 or out == width or out % width:
+        return None
+    return (f"{type(parent).__name__} cuts its {out} outputs into {out // width} parts of split_size={width} "
+            "(a fused q/k/v): a column split would give each TP rank whole parts instead of a slice of each")
+
+
+def _refuse_fused(chosen: dict[str, str], modules: dict[str, nn.Module]) -> None:
+    """Raise for a ``tp_plan=`` entry that column-splits a fused projection (``_fused``), naming it."""
+    bad = [(n, why) for n, style in chosen.items() if (STYLES.get(style) or "").startswith("colwise")
+           and linear_kind(modules[n]) and (why := _fused(n, modules))]
+    if bad:
+        name, why = bad[0]
+        beside = sorted(n for n in chosen if _parent(n) == _parent(name) and n != name)
+        raise TensorParallelPlanError(
+            f"tp_plan= splits {listed([n for n, _ in bad])} column-wise, but {why}. Leave "
+            f"{listed([name, *beside])} out of tp_plan= (that attention then stays whole on every TP rank; "
+            "without tp_plan= at all the MLP pairs are still split, found from the blocks' graphs)")
 
 
 def _entry(name: str, style: str, module: nn.Module, discovery: Discovery) -> TPEntry:
