@@ -78,6 +78,15 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> 
     return _adjust_lr(lr, adjust_lr_fn, shape)
 
 
+def forget_export_trace() -> None:
+    """Drop the nodes torch.export keeps of its last trace: a module-level map (for its fake-tensor leak
+    report) holds every node of the graph, with its fake tensors, until the next trace, so a capture's
+    graph would otherwise live as long as the process."""
+    from torch.fx.experimental import proxy_tensor
+
+    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+
+
 def register_foreach_type(cls: type) -> None:
     """Let torch's optimizers and ``clip_grad_norm_`` take their multi-tensor paths for tensors of ``cls``
     (the lists they check by exact type; DTensor registers itself the same way)."""

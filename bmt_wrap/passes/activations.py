@@ -9,6 +9,8 @@ recompute of that call costs, which a memory budget weighs against the bytes it 
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -133,11 +135,24 @@ class _Profiler(fx.Interpreter):
         return t
 
 
+def _weak_pack(profiler: _Profiler) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``profiler.pack`` through a weak reference: torch keeps a pack hook beyond its context (held in
+    C++, out of the collector's sight), and a bound method would keep the profiler, and with it the
+    capture's whole graph, for the life of the process."""
+    ref = weakref.ref(profiler)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        live = ref()
+        return t if live is None else live.pack(t)
+
+    return pack
+
+
 def profile_activations(gm: fx.GraphModule, flat_inputs: list[object],
                         block_of: Callable[[fx.Node], BlockKey | None]) -> ActivationProfile:
     """Interpret ``gm`` (meta parameters) on meta ``flat_inputs`` and measure saved activations."""
     profiler = _Profiler(gm, block_of)
-    with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t),
+    with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_weak_pack(profiler), lambda t: t),
           profiler.flop_counter):
         profiler.run(*flat_inputs)
     return ActivationProfile(root_bytes=profiler.root_bytes, calls=profiler.calls)

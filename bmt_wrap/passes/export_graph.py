@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from ..base._compat import pytree, reorder_kwargs
+from ..base._compat import forget_export_trace, pytree, reorder_kwargs
 from ..errors import PlanError
 from .activations import ActivationProfile, BlockKey, profile_activations
 from .discover import Discovery
@@ -117,7 +117,10 @@ class ExportResult:
 
 def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs: dict) -> ExportResult:
     """Export ``skeleton`` (meta parameters) on meta inputs; block order, graph and activation bytes."""
-    ep = torch.export.export(_TensorOutputs(skeleton), args, kwargs, strict=False)
+    try:
+        ep = torch.export.export(_TensorOutputs(skeleton), args, kwargs, strict=False)
+    finally:
+        forget_export_trace()
     gm = ep.module(check_guards=False)
     block_of = block_resolver(discovery)
     graph, order = condense(gm.graph, block_of)
