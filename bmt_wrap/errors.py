@@ -101,6 +101,11 @@ class OptimizerError(BMTError):
     """An optimizer or loss scaler was misused."""
 
 
+class OffloadError(BMTError):
+    """Shards offloaded to a file (``offload="disk"``) cannot be placed or read: no space, a file truncated or
+    replaced, or an offload this device does not support. Raised on every rank of the job alike."""
+
+
 class GradSyncError(BMTError):
     """Gradients accumulated unreduced under ``no_sync`` would be lost or misused (an optimizer step or
     clipping before the synchronising backward, an in-place change to ``.grad`` inside the window)."""

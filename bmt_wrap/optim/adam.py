@@ -11,6 +11,7 @@ import torch
 from ..base.dtypes import FLOATING, LOW_PRECISION
 from ..errors import OptimizerError
 from ..kernels import cupy_usable
+from ..runtime.offload import is_offloaded, release_pages
 from ..runtime.sharded_tensor import local_view
 from ..save_load.optim_shards import attach_state_hooks, local_state_dict
 from . import torch_adam
@@ -215,9 +216,17 @@ class AdamOptimizer(torch.optim.Optimizer):
             else:
                 in_place.setdefault((hyper, param.device, param.dtype), []).append((param, grad, exp_avg, exp_avg_sq))
         for (hyper, *_), batch in in_place.items():
-            torch_adam.step_in_place(*(list(t) for t in zip(*batch, strict=True)), hyper, scale)
+            if any(is_offloaded(item[0]) for item in batch):
+                # Offloaded shards (offload="disk"): one run at a time, each out of memory again once
+                # updated. The fused update is elementwise per tensor, so the results are the same bits.
+                for param, grad, exp_avg, exp_avg_sq in batch:
+                    torch_adam.step_in_place([param], [grad], [exp_avg], [exp_avg_sq], hyper, scale)
+                    release_pages(param, grad)
+            else:
+                torch_adam.step_in_place(*(list(t) for t in zip(*batch, strict=True)), hyper, scale)
         for (hyper, device), batch in with_master.items():
             torch_adam.step_with_master(batch, hyper, scale, self._scratch_on(device, batch))
+            release_pages(*(t for item in batch for t in item[:2]))
         for param, dense in write_back:
             param.copy_(dense)
 

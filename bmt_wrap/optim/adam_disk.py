@@ -12,6 +12,7 @@ import torch
 from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
 from ..job.distributed import current_state
+from ..runtime.offload import release_pages
 from ..runtime.sharded_tensor import local_view
 from . import torch_adam
 from .adam import AdamOptimizer
@@ -287,6 +288,7 @@ class AdamDiskOptimizer(AdamOptimizer):
                 torch_adam.step_in_place([param], [grad], [states[0]], [states[1]], piece.hyper, scale)
             for f, slot in enumerate(states):
                 self._file.write(slot, region.at(f, piece.state_start + start))
+            release_pages(param, grad)  # offloaded shards (offload="disk"): updated, so out of memory again
         return -(-n // chunk)
 
     # ---- checkpoints ----------------------------------------------------------------------------------

@@ -5,21 +5,19 @@ size, never memory-mapped: pages of a mapped file count in the process's residen
 touched, which is exactly what a memory limit on a training job measures, while pages the kernel caches for
 ``pread`` belong to no process and are reclaimed under pressure. Space is reserved with
 ``posix_fallocate`` when a range is handed out, so a full disk is an error then, naming the file, rather
-than a short write in the middle of an update.
+than a short write in the middle of an update (runtime/backing_file.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import tempfile
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import OptimizerError
+from ..runtime.backing_file import BackingFile
 
 
 @dataclass
@@ -30,56 +28,19 @@ class IOStats:
     written: int = 0
 
 
-def _remove(fd: int, directory: str) -> None:
-    os.close(fd)
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-class StateFile:
-    """A file of its own (in a fresh directory under ``directory``) and a ``buffer_bytes`` staging buffer.
+class StateFile(BackingFile):
+    """A ``BackingFile`` (in a fresh directory under ``directory``) and a ``buffer_bytes`` staging buffer.
 
     ``allocate`` hands out byte ranges; ``read``/``write`` move whole ranges between the file and tensors
-    in host memory. The directory is removed by ``close()``, when the object is collected, or at exit.
+    in host memory.
     """
 
     def __init__(self, directory: str | os.PathLike[str], buffer_bytes: int,
                  prefix: str = "bmt_state_") -> None:
-        try:
-            self.directory = tempfile.mkdtemp(prefix=prefix, dir=os.fspath(directory))
-            self.path = os.path.join(self.directory, "state.bin")
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise OptimizerError(f"cannot create optimizer state under {os.fspath(directory)!r}: "
-                                 f"{exc.strerror}: give offload_dir= an existing directory this process can "
-                                 "write") from None
-        self.fd = fd
-        self.size = 0
+        super().__init__(directory, prefix, "optimizer state", OptimizerError,
+                         closed_hint="build a new optimizer, or load its state_dict() into one")
         self.stats = IOStats()
         self.buffer = torch.empty(buffer_bytes // 8 * 8, dtype=torch.uint8)  # whole fp64/fp32 elements
-        self._finalizer = weakref.finalize(self, _remove, fd, self.directory)
-
-    def close(self) -> None:
-        """Close and delete the file (idempotent)."""
-        self._finalizer()
-
-    def _check_open(self) -> None:
-        if not self._finalizer.alive:
-            raise OptimizerError(f"optimizer state file {self.path!r} was closed (close() deletes it): "
-                                 "build a new optimizer, or load its state_dict() into one")
-
-    def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` of zeros at the end of the file; return their offset."""
-        self._check_open()
-        offset = self.size
-        if nbytes > 0:
-            try:
-                os.posix_fallocate(self.fd, offset, nbytes)
-            except OSError as exc:
-                raise OptimizerError(f"cannot reserve {nbytes:,} bytes of optimizer state in {self.path!r}: "
-                                     f"{exc.strerror}: free space there or choose another "
-                                     "offload_dir=") from None
-        self.size = offset + nbytes
-        return offset
 
     def read(self, dst: torch.Tensor, offset: int) -> None:
         """Fill contiguous host tensor ``dst`` from the file at ``offset``."""

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.dtypes import to_dtype
 from ..base.plan import ShardGroupSpec
-from ..errors import UnsupportedError
+from ..errors import OffloadError, UnsupportedError
 from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
 from .comm import Communicator, RankLayout
@@ -30,6 +31,7 @@ from .group import ShardGroup, StorageMode
 from .local_grads import LocalGrads
 from .model_runtime import ModelRuntime
 from .module_params import Location
+from .offload import ShardHome, agree_offload, check_files, release_all, release_pages
 from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
 from .standalone import shard_standalone
@@ -133,14 +135,15 @@ class Engine:
         """
         buffers: list[FlatBuffer] = []
         layout = self.layout
+        homes = self._reserve_homes(spec, runtime)
         sum_unmarked = runtime is None if tp_sum_unmarked is None else tp_sum_unmarked
         # The parameters the new ones replace carry the TP marks (a bare DistributedParameter: its source).
         marked = [[_original(locs, t) for locs, t in zip(per_buffer, tensors, strict=True)]
                   for per_buffer, tensors in zip(locations, sources, strict=True)]
-        for bspec, tensors, originals in zip(spec.buffers, sources, marked, strict=True):
+        for bspec, tensors, originals, home in zip(spec.buffers, sources, marked, homes, strict=True):
             meta = any(t is not None and t.is_meta for t in tensors)
             buf = FlatBuffer.empty(bspec, spec.name, layout.shard_rank, layout.shard_size,
-                                   "meta" if meta else device)
+                                   "meta" if meta else device, home)
             if not meta:
                 if sync_from is not None and self.world_size > 1:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
@@ -179,6 +182,21 @@ class Engine:
         runtime.groups.append(group)
         self._runtime_of[group] = weakref.ref(runtime)
         return group
+
+    def _reserve_homes(self, spec: ShardGroupSpec, runtime: ModelRuntime | None) -> list[ShardHome | None]:
+        """Each buffer's place in its model's offload file (None when not offloaded); a rank that cannot
+        reserve one (full disk) fails every rank here, before any collective sized by the group."""
+        file = runtime.offload if runtime is not None else None
+        if file is None:
+            return [None] * len(spec.buffers)
+        homes: list[ShardHome | None] = []
+        problem = None
+        try:
+            homes = [ShardHome(file, b.shard_numel(self.layout.shard_size), to_dtype(b.dtype)) for b in spec.buffers]
+        except OffloadError as exc:
+            problem = exc
+        agree_offload(self.comm, problem, f"placing {spec.name!r}")
+        return homes
 
     def standalone_parameter(self, data: torch.Tensor, requires_grad: bool = True,
                              init_method: Callable[[torch.Tensor], Any] | None = None,
@@ -233,6 +251,9 @@ class Engine:
         prefetch the model's first blocks."""
         self._recover_from_aborted_backward(new_step=True)
         _assert_in(self.phase, (Phase.IDLE,), "begin forward")
+        if runtime.offload is not None:
+            check_files(self.comm, [runtime.offload])  # a truncated file fails here, on every rank
+            release_all()  # what checkpoints or user code read since leaves memory
         self.phase = Phase.FORWARD
         self._release_strays()
         if lead is not None:
@@ -283,13 +304,16 @@ class Engine:
 
     def acquire_for_forward(self, group: ShardGroup) -> None:
         """Gather this group for its forward, starting the gathers of the groups forward reaches next."""
-        self._acquire(group, self._runtime(group).prefetcher.forward_call(group))
+        prefetcher = self._runtime(group).prefetcher
+        self._acquire(group, prefetcher.forward_call(group), prefetcher.ahead)
 
-    def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup]) -> None:
+    def _acquire(self, group: ShardGroup, upcoming: list[ShardGroup], ahead: list[ShardGroup]) -> None:
         # This group's gather is queued first, so prefetches never delay the one needed now.
         group.start_gather()
         for g in upcoming:
             g.start_gather()
+        for g in ahead:  # offloaded shards: read one group beyond the gathers, while this block computes
+            g.read_ahead()
         group.wait_gathered()
         group.in_use += 1
 
@@ -361,7 +385,8 @@ class Engine:
         """Gather this call's group, prefetching the calls backward reaches next."""
         self._enter_backward()
         self._acquired_calls.append(call)
-        self._acquire(call.group, self._runtime(call.group).prefetcher.backward_call(call.call_index))
+        prefetcher = self._runtime(call.group).prefetcher
+        self._acquire(call.group, prefetcher.backward_call(call.call_index), prefetcher.ahead)
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
         """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
@@ -387,6 +412,7 @@ class Engine:
             local = self.local_grads.take(buf)
             if local is not None:  # the first synchronising backward reduces the window's sum with its own
                 full.add_(local.full)
+                release_pages(local.full)
                 used = [a or b for a, b in zip(used, local.used, strict=True)]
             self.reducer.reduce(buf, full, used, release)
 
@@ -397,7 +423,8 @@ class Engine:
         if self.reducer.reduced_any:
             for local in self.local_grads.take_syncing():
                 self.reducer.make_room()
-                self.reducer.reduce(local.buffer, local.full, local.used, lambda: None)
+                self.reducer.reduce(local.buffer, local.full, local.used,
+                                    lambda full=local.full: release_pages(full))
         self.local_grads.mark_all()
 
     def _full_grad_buffer(self, group: ShardGroup, i: int, dtype: torch.dtype

@@ -9,6 +9,7 @@ import torch
 from ..base.dtypes import to_dtype
 from ..base.plan import FlatBufferSpec
 from .comm import Communicator
+from .offload import ShardHome
 from .param import DistributedParameter, ParamGroup
 from .sharded_tensor import ShardedTensor
 
@@ -21,7 +22,7 @@ class FlatBuffer:
     """
 
     def __init__(self, spec: FlatBufferSpec, group_name: str, rank: int, world_size: int,
-                 shard: torch.Tensor) -> None:
+                 shard: torch.Tensor, home: ShardHome | None = None) -> None:
         self.spec = spec
         self.group_name = group_name
         self.rank = rank
@@ -34,6 +35,7 @@ class FlatBuffer:
         if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:
             raise ValueError(f"shard of {group_name!r} must be ({self.shard_numel},) {self.dtype}")
         self.shard = shard
+        self.home = home  # where the shard and its gradients live when offloaded (offload.py), else None
         # Weak: the parameters' ``.grad`` views keep the gradient shard alive, so
         # ``zero_grad(set_to_none=True)`` frees it as it frees plain torch gradients.
         self._grad_shard: weakref.ref[torch.Tensor] | None = None
@@ -61,18 +63,23 @@ class FlatBuffer:
 
     @classmethod
     def empty(cls, spec: FlatBufferSpec, group_name: str, rank: int, world_size: int,
-              device: torch.device | str) -> FlatBuffer:
-        """A zeroed shard (on ``meta``: no storage at all, to be materialised later)."""
+              device: torch.device | str, home: ShardHome | None = None) -> FlatBuffer:
+        """A zeroed shard (on ``meta``: no storage at all, to be materialised later; with ``home``: mapped
+        from its offload file)."""
         numel = spec.shard_numel(world_size)
-        shard = torch.zeros(numel, dtype=to_dtype(spec.dtype), device=device)
-        return cls(spec, group_name, rank, world_size, shard)
+        if home is not None and torch.device(device).type != "meta":
+            shard = home.shard()
+        else:
+            shard = torch.zeros(numel, dtype=to_dtype(spec.dtype), device=device)
+        return cls(spec, group_name, rank, world_size, shard, home)
 
     @torch.no_grad()
     def materialize(self, device: torch.device | str) -> None:
         """Give a meta shard real, zeroed storage on ``device``; the parameter objects stay, re-pointed at it."""
         if not self.shard.is_meta:
             return
-        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        shard = (self.home.shard() if self.home is not None
+                 else torch.zeros(self.shard_numel, dtype=self.dtype, device=device))
         for i, (p, (a, b)) in enumerate(zip(self.params, self.local_ranges, strict=True)):
             fresh = DistributedParameter._view_of(self, i, shard[a:b], p.requires_grad)
             # swap_tensors exchanges __dict__ too: carry p's attributes over so p keeps them (all but
@@ -142,7 +149,12 @@ class FlatBuffer:
     def new_grad_shard(self, zeroed: bool) -> torch.Tensor:
         """A fresh gradient shard; uninitialised only for a caller that overwrites all of it (a
         reduce-scatter does: zero-filling every shard each step cost as much as the copies)."""
-        grad = torch.zeros_like(self.shard) if zeroed else torch.empty_like(self.shard)
+        if self.home is not None:
+            grad = self.home.grad_shard()
+            if zeroed:
+                grad.zero_()
+        else:
+            grad = torch.zeros_like(self.shard) if zeroed else torch.empty_like(self.shard)
         self._grad_shard = weakref.ref(grad)
         return grad
 

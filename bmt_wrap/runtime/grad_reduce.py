@@ -27,6 +27,7 @@ from ..base.plan import GRADS_IN_FLIGHT
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
+from .offload import release_pages
 from .sharded_tensor import local_view
 from .tp_reduce import ThenSumOverTP
 
@@ -86,6 +87,14 @@ class _ThenAverage(Handle):
         """Finish the reduce-scatter, then average the shard across replicas."""
         self._first.wait()
         self._replicas.all_reduce(self._shard, "avg", label=f"{self._label} replicas")
+
+
+def _then_release(done: Callable[[], None], grad_shard: torch.Tensor) -> Callable[[], None]:
+    """``done``, then (offloaded) the gradient shard's pages leave memory: its reduce-scatter has ended."""
+    def finish() -> None:
+        done()
+        release_pages(grad_shard)
+    return finish
 
 
 class _EndOfBackward:
@@ -172,7 +181,7 @@ class GradReducer:
             handle = _then_average(handle, buffer.comm, buffer.replicas, out, buffer.group_name)
         if buffer.tp_sum is not None:
             handle = ThenSumOverTP(handle, *buffer.tp_sum, out, buffer.group_name)
-        self._pending.append(_Pending(handle, done, discard))
+        self._pending.append(_Pending(handle, _then_release(done, grad_shard), discard))
 
     @property
     def reduced_any(self) -> bool:

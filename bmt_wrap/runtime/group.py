@@ -33,6 +33,7 @@ from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
 from .module_params import Location, put
+from .offload import release_pages
 
 
 class StorageMode(enum.Enum):
@@ -115,6 +116,9 @@ class ShardGroup:
         if self.state is not GroupState.RELEASED:
             return
         self._check_materialised()
+        for b in self.buffers:
+            if b.home is not None:
+                b.home.file.wait_read(b.shard)
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
@@ -145,7 +149,14 @@ class ShardGroup:
                    for f, b in zip(full, buffers, strict=True)]
         for h in handles:
             h.wait()
+        release_pages(*(b.shard for b in buffers))
         return full
+
+    def read_ahead(self) -> None:
+        """Offloaded shards: start reading them now, in the background (this group is gathered next)."""
+        for b in self.buffers:
+            if b.home is not None:
+                b.home.file.read_ahead([b.shard])
 
     def param_values(self) -> dict[int, torch.Tensor]:
         """Every parameter's full value (shard dtype), keyed by ``id`` of its ``DistributedParameter``: views
@@ -176,6 +187,7 @@ class ShardGroup:
             for send in self._sends:
                 self.pool.release(send)
             self._sends = []
+            release_pages(*(b.shard for b in self.buffers))  # offloaded: sent, so out of memory again
             self.state = GroupState.GATHERED
             if self._dedicated_storage:
                 # Saved tensors of a kept autograd graph view this storage; the refill is the same

@@ -26,6 +26,7 @@ from ..errors import GradSyncError
 from .flat_buffer import FlatBuffer
 from .grad_reduce import adopt_existing_grads
 from .group import ShardGroup
+from .offload import release_pages
 
 
 @dataclass(eq=False)
@@ -69,7 +70,7 @@ class LocalGrad:
         buf = self.buffer
         if not any(self.used) and not any(p.grad is not None for p in buf.params):
             return
-        buf.ensure_grad_shard()
+        grad_shard = buf.ensure_grad_shard()
         adopt_existing_grads(buf)
         self.marked, self.versions = [], []
         for i, p in enumerate(buf.params):
@@ -77,6 +78,7 @@ class LocalGrad:
                 p.grad = buf.grad_tensor(i)
             self.marked.append(weakref.ref(p.grad) if p.grad is not None else None)
             self.versions.append(tensor_version(p.grad) if p.grad is not None else 0)
+        release_pages(grad_shard, self.full)
 
 
 class LocalGrads:
@@ -108,10 +110,16 @@ class LocalGrads:
         """Add ``full`` (this backward's flat gradient) to the buffer's accumulator instead of reducing it."""
         local = self._pending.get(id(buffer))
         if local is None:
+            if buffer.home is not None:  # offloaded: the window's sum accumulates in the file
+                acc = buffer.home.accumulator(full.numel(), full.dtype).copy_(full)
+                release()
+                release_pages(acc)
+                full = acc
             self._pending[id(buffer)] = LocalGrad(buffer, full, list(used))  # keeps the buffer: no release
             return
         local.reconcile()
         local.full.add_(full)
+        release_pages(local.full)
         local.used = [a or b for a, b in zip(local.used, used, strict=True)]
         release()
 

@@ -28,6 +28,8 @@ class Prefetcher(Generic[G]):
         self._diverged = False
         self._recording: list[G] = []
         self.calls: list[G] = []  # grad-enabled forward calls of this step, for backward
+        # The group gathered after the ones the last call returned: offloaded shards are read that far ahead.
+        self.ahead: list[G] = []
 
     def set_order(self, order: list[G]) -> None:
         """Use a known schedule (from the plan) instead of learning it from the first forward."""
@@ -53,6 +55,7 @@ class Prefetcher(Generic[G]):
         if len(self._recording) < _MAX_RECORDED:
             self._recording.append(group)
         order = self.order
+        self.ahead = []
         if order is None:
             return []
         if self._pos >= len(order) and group is order[0]:
@@ -61,6 +64,7 @@ class Prefetcher(Generic[G]):
             self._diverged = True
             return []
         i, self._pos = self._pos, self._pos + 1
+        self.ahead = [order[i + self.depth + 1]] if i + self.depth + 1 < len(order) else []
         return [order[c] for c in self._schedule.forward(i)[1:]]
 
     def record_call(self, group: G) -> int:
@@ -71,6 +75,8 @@ class Prefetcher(Generic[G]):
     def backward_call(self, index: int) -> list[G]:
         """Backward of call ``index`` starts: returns the groups of the calls backward reaches next."""
         schedule = PrefetchSchedule(len(self.calls), self.depth)
+        j = index - self.depth - 1
+        self.ahead = [self.calls[j]] if 0 <= j < len(self.calls) else []
         # A graph built before an aborted backward may outlive the calls it indexed (cleared when the next
         # forward began): past the end there is nothing to prefetch.
         return [self.calls[j] for j in schedule.backward(index)[1:] if j < len(self.calls)]

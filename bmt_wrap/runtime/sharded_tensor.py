@@ -49,6 +49,7 @@ from ..base._compat import (
 )
 from ..base.plan import FlatBufferSpec
 from ..errors import ShardedTensorError
+from . import offload
 from .comm import Communicator
 from .sharded_materialize import run_on_full_values
 
@@ -215,7 +216,10 @@ class ShardedTensor(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is None:
             handler = _HANDLERS[func] = _handler_for(func)
-        return handler(func, args, kwargs or {})
+        out = handler(func, args, kwargs or {})
+        if offload.active():
+            _note_offloaded(args)
+        return out
 
 
 # ---- the rules ------------------------------------------------------------------------------------------
@@ -411,6 +415,18 @@ def _unscale_and_check(func: Any, args: tuple, kwargs: dict) -> None:
     ref = _first_sharded(list(grads))
     if ref is not None:
         ref._layout.all_reduce(found_inf.view(1), "max", "inf/nan flag")
+
+
+def _note_offloaded(args: tuple) -> None:
+    """Offloaded operands of an op outside the engine's schedule (a torch optimizer's, user code's): their
+    pages leave memory once more than ``offload.TOUCHED_BUDGET`` of them are mapped."""
+    for a in args:
+        if isinstance(a, ShardedTensor):
+            offload.note_touched(a._local)
+        elif _is_tensor_list(a):
+            for t in a:
+                if isinstance(t, ShardedTensor):
+                    offload.note_touched(t._local)
 
 
 def _is_tensor_list(x: Any) -> bool:

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import GradSyncError, NotInitializedError, listed
+from ..errors import GradSyncError, NotInitializedError, OffloadError, listed
 from ..runtime.active_engine import get_engine
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.group import ShardGroup
+from ..runtime.offload import agree_offload
 from ..runtime.param import DistributedParameter
 
 _HOOK: list[Any] = []
@@ -53,11 +54,27 @@ def no_sync(module: nn.Module) -> Iterator[None]:
             (p for g in opt.param_groups for p in g["params"]), f"{type(opt).__name__}.step()")))
     engine = get_engine()
     groups = _groups(module)
+    _reserve_accumulators(engine.comm, groups)
     engine.local_grads.pause(groups)
     try:
         yield
     finally:
         engine.local_grads.resume(groups)
+
+
+def _reserve_accumulators(comm: Any, groups: list[ShardGroup]) -> None:
+    """Offloaded buffers accumulate the window in their file: reserve it now, so a full disk stops every
+    rank here rather than one rank in a backward."""
+    offloaded = [b for g in groups for b in g.buffers if b.home is not None and b.spec.requires_grad]
+    if not offloaded:
+        return
+    problem = None
+    try:
+        for b in offloaded:
+            b.home.accumulator(b.full_numel, b.grad_dtype)
+    except OffloadError as exc:
+        problem = exc
+    agree_offload(comm, problem, "no_sync accumulators")
 
 
 def check_synced(params: Iterable[torch.Tensor], what: str) -> None:

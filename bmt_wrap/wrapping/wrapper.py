@@ -4,6 +4,7 @@ first forward when the model could not be captured without inputs."""
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any
 
@@ -24,6 +25,7 @@ from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
+from .offload_option import check_offload
 from .tensor_parallel import (
     apply_tensor_parallel,
     guard_tp_inputs,
@@ -86,7 +88,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         memory_budget: int | None = None, plan: WrapPlan | None = None,
                         example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
-                        fused_loss: bool = False) -> nn.Module:
+                        fused_loss: bool = False, offload: str | None = None,
+                        offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -104,6 +107,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``fused_loss=True``: the projection to the vocabulary and the cross-entropy it feeds run as one chunked op
     (the logits are never whole); a training call that computes the loss returns ``logits=None``.
     ``model.plan.fused_loss`` says what was found, or why not, and the logits' bytes at the captured input.
+    ``offload="disk", offload_dir=D`` (CPU jobs): each rank's parameter shards, gradient shards and
+    ``no_sync`` accumulators live in a file of its own under ``D`` (a disk, not tmpfs), read one block ahead
+    of their gathers and out of memory once used (docs/offload.md); results are bit-equal to the same job
+    without offload. Pair it with ``bmt.optim.AdamDiskOptimizer`` to put Adam's state in a file too.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -112,6 +119,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         raise WrapError(f"{type(model).__name__} is already wrapped; BMTrainModelWrapper changes the model in "
                         "place and returns it, so call it once")
     _refuse_sharded_parts(model)
+    check_offload(offload, offload_dir, state.device)
     if memory_budget is not None and state.device.type == "cpu":
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
@@ -151,7 +159,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             apply_tensor_parallel(model, tp, tp_layout.tp)
             guard_tp_inputs(model)
         apply_plan(model, plan, mixed_precision, layout=layout,
-                   tp=tp_layout.tp if tp_layout is not None else None)
+                   tp=tp_layout.tp if tp_layout is not None else None,
+                   offload_dir=offload_dir if offload == "disk" else None)
         install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first
         attach_verify(model)

@@ -1,0 +1,81 @@
+"""``BackingFile``: a file of this process's own, in a fresh directory, whose byte ranges are reserved on disk
+when handed out.
+
+Both kinds of offload stand on it: ``AdamDiskOptimizer``'s state file (optim/state_file.py, positioned reads
+and writes through a staging buffer) and the offloaded shards (offload.py, mapped ranges). Space is reserved
+with ``posix_fallocate`` when a range is handed out, so a full disk (or a file-size limit) is an error then,
+naming the file, rather than a short write, or a ``SIGBUS`` through a mapping, in the middle of a step. The
+directory is removed by ``close()``, when the object is collected, or at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+
+from ..errors import BMTError
+
+
+def _remove(fd: int, directory: str) -> None:
+    os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class BackingFile:
+    """A file (``path``) in a fresh directory under ``directory``; ``allocate`` reserves ranges at its end."""
+
+    def __init__(self, directory: str | os.PathLike[str], prefix: str, what: str,
+                 error_type: type[BMTError], name: str = "state.bin", closed_hint: str = "") -> None:
+        self.what = what  # how errors name the file's contents ("optimizer state", "offloaded shards")
+        self.error_type = error_type
+        self.closed_hint = closed_hint  # what to do after ``close()``, for the error an access then raises
+        try:
+            self.directory = tempfile.mkdtemp(prefix=prefix, dir=os.fspath(directory))
+            self.path = os.path.join(self.directory, name)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise error_type(f"cannot create {what} under {os.fspath(directory)!r}: {exc.strerror}: give "
+                             "offload_dir= an existing directory this process can write") from None
+        self.fd = fd
+        self.size = 0
+        self._finalizer = weakref.finalize(self, _remove, fd, self.directory)
+
+    def close(self) -> None:
+        """Close and delete the file (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran (or the object was collected)."""
+        return not self._finalizer.alive
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise self.error_type(f"{self.what} file {self.path!r} was closed (close() deletes it)"
+                                  f"{': ' + self.closed_hint if self.closed_hint else ''}")
+
+    def allocate(self, nbytes: int, align: int = 1) -> int:
+        """Reserve ``nbytes`` of zeros at the end of the file (from a multiple of ``align``); their offset."""
+        self._check_open()
+        offset = -(-self.size // align) * align
+        if nbytes > 0:
+            try:
+                os.posix_fallocate(self.fd, offset, nbytes)
+            except OSError as exc:
+                raise self.error_type(f"cannot reserve {nbytes:,} bytes of {self.what} in {self.path!r}: "
+                                      f"{exc.strerror}: free space there or choose another offload_dir=") from None
+        self.size = max(self.size, offset + nbytes)
+        return offset
+
+    def truncated(self) -> str | None:
+        """Why the file no longer holds what was reserved in it (deleted, truncated), or None."""
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError as exc:
+            return f"{self.what} file {self.path!r} cannot be checked: {exc.strerror}"
+        if size < self.size:
+            return (f"{self.what} file {self.path!r} holds {size:,} bytes, {self.size - size:,} short of what "
+                    "was written to it: it was truncated or replaced while the job ran")
+        return None
