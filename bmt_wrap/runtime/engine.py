@@ -160,6 +160,7 @@ class Engine:
                     for i, t in enumerate(tensors):
                         if t is not None:
                             buf.load_slot(i, t.to(buf.dtype))
+                release_pages(buf.shard)  # offloaded: written to its file, out of memory until gathered
             buffers.append(buf)
         mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, layout.shard, self.pool, mode, replicas=layout.replicate)

@@ -82,8 +82,8 @@ def _advise(start: int, end: int, advice: int) -> None:
 
 
 def _pages(t: torch.Tensor) -> tuple[int, int] | None:
-    """The whole pages of ``t``'s memory inside its mapping (a partial page at the mapping's edge is its
-    own; one shared with a neighbouring tensor inside the mapping is left alone), or None if not mapped."""
+    """The pages of ``t``'s memory, rounded out to whole pages within its mapping (dropping a neighbour's
+    page too only costs a re-read: the file keeps every value), or None if ``t`` is not mapped."""
     if t.numel() == 0:
         return None
     addr = t.data_ptr()
@@ -91,9 +91,7 @@ def _pages(t: torch.Tensor) -> tuple[int, int] | None:
     if span is None:
         return None
     end = min(addr + t.numel() * t.element_size(), span[1])
-    lo = addr if addr == span[0] else -(-addr // _PAGE) * _PAGE
-    hi = span[1] if end == span[1] else end // _PAGE * _PAGE
-    return (lo, hi) if hi > lo else None
+    return addr // _PAGE * _PAGE, min(-(-end // _PAGE) * _PAGE, span[1])
 
 
 def active() -> bool:

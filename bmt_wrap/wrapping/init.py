@@ -32,6 +32,7 @@ from ..job.distributed import get_state
 from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.module_params import installed, registrations
+from ..runtime.offload import release_pages
 from ..runtime.param import DistributedParameter
 
 Temps = dict[str, nn.Parameter]
@@ -260,6 +261,7 @@ def _adopt(p: nn.Parameter, full: torch.Tensor) -> None:
     """Give ``p`` (sharded: its slice of) the value ``full``, keeping the Parameter object."""
     if isinstance(p, DistributedParameter):
         p.load_full(local_value(p, full))
+        release_pages(p.to_local())  # offloaded: written to its file, out of memory again
     elif p.is_meta:
         torch.utils.swap_tensors(p, type(p)(full.detach(), requires_grad=p.requires_grad))
     else:
