@@ -4,7 +4,7 @@
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
-                  [--optimizer-state memory|disk [--optimizer-chunk 32MiB]]
+                  [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -23,7 +23,9 @@ model built on the meta device and loaded) and training's (the plan's estimate p
 backward). With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest ``k`` that fits.
 ``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
-rank reads and writes per step.
+rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
+parameter and gradient shards leave memory for a file per rank except those in flight, and the estimates
+add the bytes each rank reads from and writes to it per step (with or without ``--memory``).
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -279,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer-chunk", default=None, metavar="SIZE",
                       help=f"with --optimizer-state disk: its staging buffer (chunk_bytes; default "
                            f"{DISK_CHUNK_DEFAULT})")
+    plan.add_argument("--offload", choices=["disk"], default=None,
+                      help="plan offload='disk': parameter and gradient shards in a file per rank, only those "
+                           "in flight in memory")
     return parser
 
 
@@ -323,9 +328,10 @@ def _train_one_step(opts: argparse.Namespace, inputs: Call) -> None:
     if owned:
         init_distributed()
     try:
-        model = BMTrainModelWrapper(load_factory(opts.model)(**{opts.grow: 1}))
         args, kwargs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype), inputs)
         with tempfile.TemporaryDirectory() as tmp:
+            offload = {"offload": "disk", "offload_dir": tmp} if opts.offload else {}
+            model = BMTrainModelWrapper(load_factory(opts.model)(**{opts.grow: 1}), **offload)
             opt = (AdamDiskOptimizer(model.parameters(), offload_dir=tmp) if opts.optimizer_state == "disk"
                    else torch.optim.AdamW(model.parameters(), fused=True))
             out = model(*args, **kwargs)
@@ -353,6 +359,7 @@ def _capacity(opts: argparse.Namespace) -> str:
         raise CLIError("--optimizer-chunk sizes the disk optimizer's buffer: add --optimizer-state disk")
     chunk = parse_bytes(opts.optimizer_chunk or DISK_CHUNK_DEFAULT, "--optimizer-chunk")
     io: dict[int | None, int] = {}
+    shards_io: dict[int | None, tuple[int, int]] = {}
 
     def peak(k: int | None) -> tuple[int, str]:
         model = build_model(opts.model, **({opts.grow: k} if opts.grow else {}))
@@ -362,7 +369,7 @@ def _capacity(opts: argparse.Namespace) -> str:
         captured = capture(model, discovery, inputs)
         captured = with_fused_loss(captured, fused_loss_section(model, captured, enabled=opts.fused_loss))
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
-                          memory_budget=budget, capture=captured)
+                          memory_budget=budget, capture=captured, offload=opts.offload)
         est = plan.estimates[str(n)]
         if on_disk:
             est, io[k] = optimizer_on_disk(est, chunk)
@@ -370,6 +377,11 @@ def _capacity(opts: argparse.Namespace) -> str:
         params = sum(g.param_numel() for g in plan.groups)
         disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
+        if est.disk_read is not None:
+            shards_io[k] = (est.disk_read, est.disk_written)
+            disk += (f"\n  shards on disk (offload='disk'): {fmt_bytes(est.disk_read)} read and "
+                     f"{fmt_bytes(est.disk_written)} written per rank every step; in memory only those in flight "
+                     f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
         return p.total, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
                          f"{fmt_bytes(p.baseline)} + max(wrapping {fmt_bytes(p.wrapping)}, training "
                          f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward)"
@@ -387,7 +399,9 @@ def _capacity(opts: argparse.Namespace) -> str:
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
               "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
               "streaming": opts.streaming, "optimizer_state": opts.optimizer_state or "memory",
-              "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "assumes": EXACT_SETTING}
+              "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "offload": opts.offload,
+              "shards_read_per_step": shards_io[k][0] if k in shards_io else None,
+              "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
@@ -435,7 +449,8 @@ def _run(opts: argparse.Namespace) -> str:
     for n in sizes:
         try:
             plans.append(build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
-                                    memory_budget=budget, mixed_precision=mp, capture=captured))
+                                    memory_budget=budget, mixed_precision=mp, capture=captured,
+                                    offload=opts.offload if opts.command == "plan" else None))
         except MemoryBudgetError as exc:
             over.append(exc)
     if over:

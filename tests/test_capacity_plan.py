@@ -194,3 +194,54 @@ def test_the_baseline_counts_the_model_library_the_factory_imports(tmp_path: Pat
         assert out.returncode == 0, out.stderr
         baselines[name] = json.loads(out.stdout)["baseline"]
     assert baselines["build"] - baselines["light"] >= 90 * MIB, baselines
+
+
+# ---- offload="disk": only the shards in flight count ----------------------------------------------------
+def _offload_plan(n_layers: int, world_size: int = 2):
+    from toy import ToyGPT
+
+    with torch.device("meta"):
+        model = ToyGPT(n_layers=n_layers)
+    discovery = discover_blocks(model)
+    plan = build_plan(model, discovery, world_size=world_size, capture=capture(model, discovery, None),
+                      offload="disk")
+    return plan, plan.estimates[str(world_size)]
+
+
+def test_offload_counts_only_the_shards_in_flight() -> None:
+    from bmt_wrap.base.plan import WrapPlan
+
+    _, est = _plan(8)
+    plan, off = _offload_plan(8)
+    largest = max(sum(b.shard_numel(2) * torch.empty(0, dtype=getattr(torch, b.dtype)).element_size()
+                      for b in g.buffers) for g in plan.groups)
+    assert plan.offload == "disk"
+    assert off.params == min(est.params, (plan.prefetch_depth + 2) * largest) < est.params
+    assert off.grads < est.grads and off.no_sync_grads == 0
+    # every shard read for forward's and backward's gathers and the optimizer, which reads the gradients too
+    assert off.disk_read == 3 * est.params + est.grads and off.disk_written == est.params + est.grads
+    assert replace(off, params=est.params, grads=est.grads, no_sync_grads=est.no_sync_grads, disk_read=None,
+                   disk_written=None) == est, "nothing else changes"
+    again = WrapPlan.from_json(plan.to_json())
+    assert again.offload == "disk" and again.estimates == plan.estimates
+    # the per-layer cost left is the gathered blocks' and activations': the more layers, the larger the gap
+    assert _offload_plan(32)[1].params == off.params
+
+
+def test_plan_cli_offload_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "4", "--offload", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "offload file: read / step" in out and "offload file: written / step" in out
+    baseline = 50 * MIB
+    limit = str(2 * _peak(6, baseline) + 1)  # exactly 6 layers fit in memory
+    answers = []
+    for extra in ([], ["--offload", "disk"], ["--offload", "disk", "--streaming"]):
+        assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
+                     "--baseline", str(baseline), "--json", *extra]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    memory, disk, streamed = answers
+    assert memory["layers"] == 6 and memory["offload"] is None and memory["shards_read_per_step"] is None
+    assert streamed["layers"] >= disk["layers"] > memory["layers"], answers
+    plan, est = _offload_plan(disk["layers"])
+    assert disk["peak_per_rank"] == process_peak(plan, est, baseline).total <= int(limit) // 2
+    assert (disk["shards_read_per_step"], disk["shards_written_per_step"]) == (est.disk_read, est.disk_written)

@@ -265,7 +265,9 @@ def _memory_body(tmp: str, optim: str) -> dict:
     opt.register_step_pre_hook(lambda *_: step_peak.append(_resident_file_bytes(path)))
     batches = _batches(2, 1)
     _train(model, opt, "toy", batches, clip=False)
-    return {"after_wrap": after_wrap, "in_blocks": max(samples), "largest_group": max(shard_bytes), "all_shards": sum(shard_bytes),
+    est = model.plan.estimates[str(bmt.world_size())]
+    return {"plan_offload": model.plan.offload, "plan_params": est.params, "plan_read": est.disk_read,
+            "after_wrap": after_wrap, "in_blocks": max(samples), "largest_group": max(shard_bytes), "all_shards": sum(shard_bytes),
             "before_step": max(step_peak), "after_step": _resident_file_bytes(path)}
 
 
@@ -274,6 +276,8 @@ def test_offloaded_pages_leave_the_process(tmp_path: Path, world_size: int, opti
     for res in run_distributed(_memory_body, world_size, str(tmp_path), optim):
         page = 4096
         assert res["after_wrap"] <= 8 * page, res  # each shard left memory once written
+        # model.plan counts the shards in flight, not all of them, and the bytes read per step
+        assert res["plan_offload"] == "disk" and res["plan_params"] < res["all_shards"] < res["plan_read"], res
         # While blocks run: the root's shard and a few blocks' (gathering, read ahead), never all of them.
         assert res["in_blocks"] <= 4 * res["largest_group"] + 8 * page, res
         assert res["in_blocks"] < res["all_shards"] / 2, res

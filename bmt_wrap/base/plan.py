@@ -221,6 +221,10 @@ class MemoryEstimate:
     # Tensor parallelism (passes.estimate_tp): ZeRO shards over world_size / tp_size data-parallel ranks
     tp_size: int | None = None
     comm_tp: int | None = None  # TP all-reduces and all-gathers of activations (included in comm_all_reduce/gather)
+    # offload="disk" (passes.estimate.shards_on_disk): params and grads above are the shards in flight; the
+    # rest is in each rank's file, read and written every step
+    disk_read: int | None = None
+    disk_written: int | None = None
 
     @property
     def total(self) -> int:
@@ -252,6 +256,7 @@ class WrapPlan:
     memory_budget: int | None = None  # bytes per rank the schedule was fitted to (None: options as given)
     tensor_parallel: TensorParallelPlan | None = None  # modules split across TP ranks (None: no TP)
     fused_loss: FusedLossPlan | None = None  # the vocabulary projection and its cross-entropy (None: not looked for)
+    offload: str | None = None  # "disk": shards and gradient shards in a file per rank (estimates count so)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -307,7 +312,8 @@ class WrapPlan:
                        estimates=estimates, version=raw["version"], memory_budget=raw.get("memory_budget"),
                        tensor_parallel=(TensorParallelPlan.from_dict(raw["tensor_parallel"])
                                         if raw.get("tensor_parallel") else None),
-                       fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None))
+                       fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
+                       offload=raw.get("offload"))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -403,6 +409,12 @@ _ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
 ]
 
 
+_DISK_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
+    ("offload file: read / step", lambda e: e.disk_read),
+    ("offload file: written / step", lambda e: e.disk_written),
+]
+
+
 _NODE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("  of which across replicas", lambda e: e.comm_replicas),
     ("  of which intra-node", lambda e: e.comm_intra_node),
@@ -430,6 +442,9 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     if any(e.comm_inter_node is not None for e in estimates):
         rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
                  for label, get in _NODE_ROWS]
+    if any(e.disk_read is not None for e in estimates):
+        rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
+                 for label, get in _DISK_ROWS]
     if any(e.tp_size is not None for e in estimates):
         # TP moves activations: without a batch shape (--input) its bytes are unknown, not zero.
         rows.append(("  of which TP activations", *(fmt_bytes(e.comm_tp) if e.tp_size else "-" for e in estimates)))

@@ -87,8 +87,10 @@ def _check_options(world_size: int, zero_level: int, prefetch_depth: int) -> Non
 
 
 def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int, checkpoint: bool = True,
-             zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None) -> WrapPlan:
-    """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched."""
+             zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
+             offload: str | None = None) -> WrapPlan:
+    """A copy of ``plan`` with the schedule chosen from ``capture``; the layout is untouched. ``offload``:
+    where the shards live (``"disk"``: the estimates count only those in flight)."""
     _check_options(world_size, zero_level, prefetch_depth)
     new = copy.deepcopy(plan)
     names = [g.name for g in new.blocks()]
@@ -96,6 +98,7 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     new.order = [b for b in capture.order if b in names] if capture is not None else names
     new.capture = capture.method if capture is not None else "none"
     new.prefetch_depth = prefetch_depth
+    new.offload = offload
     for group in new.blocks():
         group.zero_level = zero_level
         group.checkpoint = checkpoint
@@ -114,7 +117,8 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
 def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, checkpoint: bool = True,
                zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
                dtype: str | torch.dtype | None = None, mixed_precision: MixedPrecision | None = None,
-               capture: Capture | None = None, tensor_parallel: TensorParallelPlan | None = None) -> WrapPlan:
+               capture: Capture | None = None, tensor_parallel: TensorParallelPlan | None = None,
+               offload: str | None = None) -> WrapPlan:
     """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any).
 
     With ``tensor_parallel`` (``plan_tensor_parallel``'s section), split parameters are laid out in their
@@ -127,4 +131,4 @@ def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, check
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
                     self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel)
     return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
-                    prefetch_depth=prefetch_depth, memory_budget=memory_budget)
+                    prefetch_depth=prefetch_depth, memory_budget=memory_budget, offload=offload)
