@@ -227,22 +227,23 @@ def test_tp2_dp2_checkpoint_resumes_exactly_at_every_layout_and_in_plain_pytorch
 
 
 # ---- broken checkpoints: a named error on every rank ----------------------------------------------------------
-def _broken_body(path: str, tp: int) -> str:
+def _broken_body(fmt: str, path: str, tp: int) -> str:
     model, opt, _, _ = _wrapped("toy", tp)
     with pytest.raises(CheckpointError) as info:
-        bmt.load_checkpoint(path, model, optimizer=opt)
+        _load(fmt, path, model, opt)
     return f"{type(info.value).__name__}: {info.value}"
 
 
-def _save_only_body(tmp: str) -> None:
+def _save_only_body(fmt: str, tmp: str) -> None:
     model, opt, loss_fn, batches = _wrapped("toy", 2)
     _train(model, opt, loss_fn, batches, range(1))
-    bmt.save_checkpoint(f"{tmp}/ckpt", model, optimizer=opt, step=1)
+    _save(fmt, f"{tmp}/ckpt", model, opt)
 
 
-def test_a_corrupt_or_missing_shard_is_named_on_every_rank(tmp_path: Path) -> None:
-    run_distributed(_save_only_body, 4, str(tmp_path))
-    shards = sorted((tmp_path / "ckpt").glob("shard-*"))
+@pytest.mark.parametrize("fmt", ["bmt", "dcp"])
+def test_a_corrupt_or_missing_shard_is_named_on_every_rank(tmp_path: Path, fmt: str) -> None:
+    run_distributed(_save_only_body, 4, fmt, str(tmp_path))
+    shards = sorted((tmp_path / "ckpt").glob("shard-*" if fmt == "bmt" else "*.distcp"))
     assert len(shards) == 4
 
     corrupt = tmp_path / "corrupt"
@@ -252,16 +253,59 @@ def test_a_corrupt_or_missing_shard_is_named_on_every_rank(tmp_path: Path) -> No
     data[-5] ^= 0xFF  # a flipped byte inside the tensor data: the size is right
     victim.write_bytes(bytes(data))
     for tp, world in ((2, 4), (1, 2)):
-        messages = run_distributed(_broken_body, world, str(corrupt), tp)
+        messages = run_distributed(_broken_body, world, fmt, str(corrupt), tp)
         assert len(messages) == world and all(m.startswith(f"{CheckpointCorruptError.__name__}: ") and
                                               victim.name in m for m in messages), messages
 
     missing = tmp_path / "missing"
     shutil.copytree(tmp_path / "ckpt", missing)
     (missing / shards[1].name).unlink()
-    messages = run_distributed(_broken_body, 4, str(missing), 4)
+    messages = run_distributed(_broken_body, 4, fmt, str(missing), 4)
     assert all(m.startswith(f"{CheckpointError.__name__}: ") and shards[1].name in m for m in messages), messages
-    with pytest.raises(CheckpointError, match=shards[1].name):
-        bmt.consolidated_state_dict(missing)
-    with pytest.raises(CheckpointCorruptError, match=victim.name):
-        bmt.consolidated_state_dict(corrupt)
+    if fmt == "bmt":  # read whole in one process, the same checks
+        with pytest.raises(CheckpointError, match=shards[1].name):
+            bmt.consolidated_state_dict(missing)
+        with pytest.raises(CheckpointCorruptError, match=victim.name):
+            bmt.consolidated_state_dict(corrupt)
+
+
+# ---- the explicit API: BMTrain's TP layers, AdamOptimizer and OptimManager ----------------------------------
+def _explicit(tp: int):
+    from dist_harness import COMM_TIMEOUT
+    from test_tp_parity import TPGPT
+
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=tp)
+    torch.manual_seed(0)
+    model = TPGPT()  # VPEmbedding, Column/RowParallelLinear (a row-parallel bias is whole on every TP rank)
+    manager = bmt.optim.OptimManager()
+    manager.add_optimizer(bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, weight_decay=0.01))
+    return model, manager
+
+
+def _explicit_save_body(tmp: str) -> None:
+    from test_tp_parity import _batches
+
+    model, manager = _explicit(2)
+    tokens, targets = _batches()[0]
+    manager.backward(model(tokens, targets))
+    manager.step()
+    bmt.save_checkpoint(f"{tmp}/ckpt", model, optim_manager=manager, step=1)
+
+
+def _explicit_resume_body(tmp: str, tp: int) -> str:
+    model, manager = _explicit(tp)
+    bmt.load_checkpoint(f"{tmp}/ckpt", model, optim_manager=manager)
+    again = f"{tmp}/again-tp{tp}-w{bmt.world_size()}"
+    bmt.save_checkpoint(again, model, optim_manager=manager, step=1)
+    return again
+
+
+def test_explicit_tp_layers_and_adam_state_reshard_exactly(tmp_path: Path) -> None:
+    run_distributed(_explicit_save_body, 4, str(tmp_path))
+    params, optim = bmt.consolidated_state_dict(tmp_path / "ckpt"), bmt.consolidated_optimizer_state(tmp_path / "ckpt")
+    assert {k for st in optim.values() for k in st} >= {"exp_avg", "exp_avg_sq"}
+    for tp, world in ((4, 4), (1, 2), (1, 1)):
+        again = run_distributed(_explicit_resume_body, world, str(tmp_path), tp)[0]
+        where = f"explicit API at tp{tp} x dp{world // tp}"
+        _assert_same_tensors(bmt.consolidated_state_dict(again), params, f"{where}: parameters")
+        _assert_same_tensors(bmt.consolidated_optimizer_state(again), optim, f"{where}: optimizer state")

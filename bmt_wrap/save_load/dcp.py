@@ -8,6 +8,7 @@ These are thin: ``get_model_state_dict``/``get_optimizer_state_dict`` on a wrapp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -22,7 +23,10 @@ from ..job.distributed import get_state
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .agree import agree, agree_on_directory
-from .atomic import make_dirs, os_errors, require_directory
+from .atomic import make_dirs, os_errors, require_directory, write_atomic
+from .checksum import check_crc32, file_crc32
+
+CHECKSUMS = "checksums.json"  # file name -> CRC-32 of every file of the save
 
 
 def holds_sharded_parameters(obj: nn.Module | torch.optim.Optimizer) -> bool:
@@ -49,7 +53,8 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
 
     DCP alone overwrites in place, so a crash mid-save would leave old and new files mixed. Here the new
     save goes to a sibling ``.<name>.saving`` and is renamed into place; a crash between the two renames
-    leaves the old save in ``.<name>.old`` and the new, complete one in ``.<name>.saving``.
+    leaves the old save in ``.<name>.old`` and the new, complete one in ``.<name>.saving``. Every file's
+    CRC-32 (each computed by one rank) goes into ``checksums.json``, which ``load_directory`` checks.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -72,6 +77,14 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
                 with os_errors(saving, "write"):
                     for name, obj in (rank0_files or {}).items():
                         torch.save(obj, saving / name)
+            except CheckpointError as exc:
+                error = str(exc)
+        agree(error, what="save")
+        sums = _checksums(saving)
+        if rank0:
+            try:
+                write_atomic(saving / CHECKSUMS, json.dumps(sums, indent=1).encode())
+                with os_errors(saving, "write"):
                     if target.exists():
                         shutil.rmtree(old, ignore_errors=True)
                         target.rename(old)
@@ -82,6 +95,44 @@ def save_directory(directory: str | os.PathLike, state: dict[str, Any], rank0_fi
         agree(error, what="save")
 
 
+def _checksums(directory: Path) -> dict[str, int]:
+    """Every file's CRC-32 in ``directory`` (file k computed by rank k mod world); a collective."""
+    state = get_state()
+    error, names, mine = None, [], []
+    try:
+        with os_errors(directory, "list"):
+            names = sorted(f.name for f in directory.iterdir() if f.is_file())
+    except CheckpointError as exc:
+        error = exc
+    if len({row[0] for row in agree(error, [len(names)], what="file count")}) > 1:
+        raise CheckpointError(f"the ranks see different files in {directory}: save to a directory every rank "
+                              "shares (one file system)")
+    try:
+        mine = [file_crc32(directory / n) if k % state.world_size == state.rank else 0 for k, n in enumerate(names)]
+    except CheckpointError as exc:
+        error = exc
+    table = agree(error, mine if error is None else [0] * len(names), what="checksums")
+    return {n: table[k % state.world_size][k] for k, n in enumerate(names)}
+
+
+def _verify(directory: Path) -> None:
+    """Check this rank's share of the files ``checksums.json`` lists (all there, none changed); every rank
+    raises if one fails. A save from before checksums were written has none to check."""
+    state = get_state()
+    error = None
+    try:
+        listed_sums = directory / CHECKSUMS
+        if listed_sums.is_file():
+            with os_errors(listed_sums, "read"):
+                sums = json.loads(listed_sums.read_text())
+            for k, (name, crc) in enumerate(sorted(sums.items())):
+                if k % state.world_size == state.rank:
+                    check_crc32(directory / name, crc)
+    except (CheckpointError, ValueError) as exc:
+        error = exc if isinstance(exc, CheckpointError) else f"{directory / CHECKSUMS} is corrupted ({exc})"
+    agree(error, what="load verify")
+
+
 def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     """Read a complete ``save_directory`` save into ``state``'s tensors, in place (at any world size); a collective."""
     import torch.distributed.checkpoint as dcp
@@ -90,6 +141,7 @@ def load_directory(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     if not (Path(directory) / ".metadata").is_file():
         raise CheckpointError(f"{directory} holds no torch.distributed.checkpoint metadata (.metadata): it is not a "
                               "sharded checkpoint, or its save did not finish; resume from an earlier checkpoint")
+    _verify(Path(directory))
     dcp.load(state, checkpoint_id=str(directory))
 
 
