@@ -67,12 +67,13 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += dz^T @ h`` (fp32 accumulator; one chunk's contribution to the weight's gradient)."""
+def _add_weight_grad(acc: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``acc + dz^T @ h`` in the fp32 accumulator ``acc``, made by the first chunk (no zero fill to add to)."""
+    if acc is None:
+        return (dz.t() @ h).float()
     if dz.dtype == acc.dtype:
-        acc.addmm_(dz.t(), h)
-    else:
-        acc.add_(dz.t() @ h)
+        return acc.addmm_(dz.t(), h)
+    return acc.add_(dz.t() @ h)
 
 
 def _chunk_grads(z: torch.Tensor, target: torch.Tensor, epilogue: Epilogue, ignore_index: int,
@@ -107,7 +108,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), dtype=torch.float32)
         row_scale = torch.where(valid, scale, 0.0).to(hidden.device)  # all rows ignored: nan loss, zero gradients
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_w: torch.Tensor | None = None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -118,10 +119,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 total += chunk_loss
                 if grad_h is not None:
                     grad_h[a:a + rows] = dz @ w
-                if grad_w is not None:
-                    _add_weight_grad(grad_w, dz, h)
+                if want_w:
+                    grad_w = _add_weight_grad(grad_w, dz, h)
                 if grad_b is not None:
                     grad_b += dz.sum(0, dtype=torch.float32)
+        if want_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total * scale

@@ -41,7 +41,7 @@ def rows_forward(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoot
     valid = target != ignore_index
     inside = valid & (target >= start) & (target < start + width)
     local = torch.where(inside, target - start, 0)
-    top = x.max(dim=1).values
+    top = x.amax(dim=1)
     if world > 1:
         comm.all_reduce(top, "max", label="vocab-parallel max")
     parts = [x.gather(1, local[:, None]).squeeze(1) * inside]
