@@ -47,19 +47,49 @@ MODELS = str(Path(__file__).with_name("models.py"))
 FACTORIES = {"llama": models.llama, "gpt2": models.gpt2, "qwen2": models.qwen2, "gemma2": gemma2, "cohere": cohere}
 
 
-class LossGPT(models.ToyGPT):
-    """A plain PyTorch LM whose forward computes its loss with an ``nn.CrossEntropyLoss`` (fx captures it)."""
+class Projection(nn.Module):
+    """A custom projection module: its own Parameter and ``F.linear`` in its forward, no ``nn.Linear``."""
 
-    def __init__(self, extra: str = "", tie: bool = False, **loss: object) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(models.VOCAB, models.DIM) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+#: Heads other than a bias-free nn.Linear: the two the pass fuses (through the Linear inside them) and the two
+#: it leaves unfused, with the reason it gives.
+HEADS = {
+    "sequential": lambda: nn.Sequential(nn.Linear(models.DIM, models.DIM), nn.GELU(),
+                                        nn.Linear(models.DIM, models.VOCAB)),
+    "bias": lambda: nn.Linear(models.DIM, models.VOCAB, bias=True),
+    "projection": Projection,
+    "matmul": None,  # lm_head is a bare Parameter, multiplied in the model's forward
+}
+UNFUSED_HEADS = {"projection": "F.linear on parameter head.weight", "matmul": "matmul on parameter lm_head"}
+
+
+class LossGPT(models.ToyGPT):
+    """A plain PyTorch LM whose forward computes its loss with an ``nn.CrossEntropyLoss`` (fx captures it);
+    ``head`` one of ``HEADS`` replaces its bias-free nn.Linear head."""
+
+    def __init__(self, extra: str = "", tie: bool = False, head: str | None = None, **loss: object) -> None:
         super().__init__(n_layers=2, tie=tie)
         self.loss_fct = nn.CrossEntropyLoss(**loss)  # type: ignore[arg-type]
         self.extra = extra
+        if head == "matmul":
+            del self.head
+            self.lm_head = nn.Parameter(torch.randn(models.DIM, models.VOCAB) * 0.02)
+        elif head is not None:
+            self.head = HEADS[head]()
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
+        logits = x @ self.lm_head if hasattr(self, "lm_head") else self.head(x)
         if targets is None:
             return logits
         loss = self.loss_fct(logits.flatten(0, -2), targets.flatten())
@@ -117,6 +147,20 @@ def test_pass_reads_a_plain_models_loss_module_from_fx() -> None:
     assert section.fused and section.head == "head" and section.weight == "head.weight"
     assert section.loss == "nn.CrossEntropyLoss (loss_fct)" and section.steps == ["flatten(0, -2)"]
     assert section.logits_bytes is None  # no input shape under fx
+    assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_pass_fuses_a_linear_inside_a_head_or_says_why_not(head: str) -> None:
+    model = models.seeded(lambda: LossGPT(head=head))
+    graph, section = passes.fuse_loss(_capture(model).graph, model, enabled=True)
+    if head in UNFUSED_HEADS:
+        assert not section.fused and UNFUSED_HEADS[head] in section.reason, section.reason
+        assert "make the projection an nn.Linear" in section.reason
+        assert not any(n.target is fused_linear_cross_entropy for n in graph.nodes)
+        return
+    assert section.fused, section.reason
+    assert (section.head, section.weight) == (("head.2", "head.2.weight") if head == "sequential" else ("head", "head.weight"))
     assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
 
 
@@ -231,9 +275,13 @@ def test_bf16_autocast_gives_the_unfused_loss() -> None:
 
 # ---- wrapped, against plain PyTorch on 1, 2 and 4 ranks ------------------------------------------------------
 def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int | None = None) -> dict:
+    head = name.partition("-")[2] or None
     factory = FACTORIES[name] if name in FACTORIES else (lambda: models.seeded(
-        # Under TP, mean: a summed loss's gradients leave the tolerance through TP's own rounding, fused or not.
-        lambda: LossGPT(label_smoothing=0.1, reduction="mean" if tp_size else "sum", tie=tp_size is not None)))
+        # Under TP and with other heads, mean: a summed loss's gradients (up to ~40 here) take SGD's steps of
+        # lr 0.1 to weights whose step-1 gradients then differ past atol by rounding alone, fused or not
+        # (the step-0 gradients of a bias head are as close to fp64's as the unfused run's).
+        lambda: LossGPT(label_smoothing=0.1, reduction="mean" if tp_size or head else "sum",
+                        tie=tp_size is not None, head=head)))
     seen: dict = {}
     wrap_kw: dict = {}
     dp = None
@@ -259,7 +307,7 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int |
         result = train_side_by_side(factory, wrap, _batches(steps), optimizer="sgd", loss_fn=loss_fn,
                                     sliced_reference=True, data_parallel=dp)
     section = seen["model"].plan.fused_loss
-    return {"losses": result["losses"], "fused": section.fused, "head": section.head,
+    return {"losses": result["losses"], "fused": section.fused, "head": section.head, "reason": section.reason,
             "logits": [x is None for x in seen.get("logits", [])]}
 
 
@@ -272,9 +320,16 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int |
     # Label smoothing under the vocabulary-parallel form (each softmax from exp(x - max) / sum: from
     # exp(x - lse), ln_f's gradient was 1.35e-6 off at tp2, past atol 1e-6).
     ("plain", 1, {"tp_size": 1}), ("plain", 2, {"tp_size": 2}), ("plain", 4, {"tp_size": 2}), ("plain", 4, {"tp_size": 4}),
+    # Heads other than a bias-free nn.Linear: fused through the Linear inside, or trained unfused with the reason.
+    ("plain-sequential", 2, {}), ("plain-bias", 1, {}), ("plain-bias", 4, {}),
+    ("plain-projection", 2, {}), ("plain-matmul", 1, {}),
 ])
 def test_fused_training_matches_the_unfused_model(name: str, world_size: int, options: dict) -> None:
     results = run_distributed(_wrapped_body, world_size, name, 2, **options)
+    unfused = UNFUSED_HEADS.get(name.partition("-")[2])
+    if unfused is not None:  # trained exactly as the unfused model (train_side_by_side checked), and says why
+        assert not results[0]["fused"] and unfused in results[0]["reason"], results[0]
+        return
     assert results[0]["fused"], results[0]
     assert all(results[0]["logits"]), "a call that computes the loss returns no logits"
 

@@ -122,6 +122,34 @@ def _step_kind(node: fx.Node) -> str | None:
     return kind
 
 
+#: Products with a parameter that make logits outside an nn.Linear (a custom projection, a bare Parameter).
+_PRODUCTS: dict[Any, str] = {F.linear: "F.linear", aten.linear.default: "F.linear", torch.matmul: "matmul",
+                             operator.matmul: "matmul", aten.matmul.default: "matmul", aten.mm.default: "matmul"}
+_TRANSPOSES = {torch.t, aten.t.default, aten.transpose.int, aten.permute.default, "t", "transpose", "permute"}
+
+
+def _parameter_read(node: object) -> str | None:
+    """The parameter ``node`` reads, through transposes."""
+    while isinstance(node, fx.Node):
+        if node.op == "get_attr":
+            return unwrapped_name(str(node.target))
+        if node.op not in ("call_function", "call_method") or node.target not in _TRANSPOSES:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _bare_projection(node: fx.Node) -> str | None:
+    """Why a product with a parameter outside an nn.Linear is not fused, with the fix; None if it is not one."""
+    kind = _PRODUCTS.get(node.target) if node.op == "call_function" else None
+    name = next((p for a in node.args[:2] if (p := _parameter_read(a)) is not None), None) if kind else None
+    if name is None:
+        return None
+    return (f"the logits come from {kind} on parameter {name} outside an nn.Linear module; the fused op takes over "
+            "an nn.Linear head's forward: make the projection an nn.Linear (a tied weight can be assigned to its "
+            ".weight) to fuse it")
+
+
 def _describe(node: fx.Node) -> str:
     if node.op == "call_function" and node.target is operator.getitem:
         return "[...]"
@@ -151,8 +179,9 @@ def _trace_back(loss: fx.Node, kind: str, modules: dict[str, nn.Module]) -> _Mat
             match.path.reverse()
             return match
         if _step_kind(x) in (None, _SKIP):
-            match.reason = (f"the loss's input comes from {_describe(x)} ({x.name}), which is neither an nn.Linear "
-                            "projection nor a step the fused op replays per chunk")
+            match.reason = _bare_projection(x) or (
+                f"the loss's input comes from {_describe(x)} ({x.name}), which is neither an nn.Linear "
+                "projection nor a step the fused op replays per chunk")
             return match
         match.path.append(x)
         x = x.args[0]
