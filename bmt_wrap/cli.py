@@ -65,7 +65,7 @@ from .base.plan import (
     summary_line,
 )
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
-from .passes.capacity import largest_fitting, optimizer_on_disk, process_peak
+from .passes.capacity import largest_fitting, optimizer_on_disk, process_peak, training_phases
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -367,9 +367,10 @@ def _capacity(opts: argparse.Namespace) -> str:
         model = model.to(dtype) if dtype is not None else model
         discovery = discover_blocks(model)
         captured = capture(model, discovery, inputs)
-        captured = with_fused_loss(captured, fused_loss_section(model, captured, enabled=opts.fused_loss))
+        section = fused_loss_section(model, captured, enabled=opts.fused_loss)
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
-                          memory_budget=budget, capture=captured, offload=opts.offload)
+                          memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload)
+        plan.fused_loss = section  # its peak is a phase of training's
         est = plan.estimates[str(n)]
         if on_disk:
             est, io[k] = optimizer_on_disk(est, chunk)
@@ -382,10 +383,13 @@ def _capacity(opts: argparse.Namespace) -> str:
             disk += (f"\n  shards on disk (offload='disk'): {fmt_bytes(est.disk_read)} read and "
                      f"{fmt_bytes(est.disk_written)} written per rank every step; in memory only those in flight "
                      f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
+        phases = training_phases(plan, est)
+        at = max(phases, key=phases.__getitem__)
+        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
         return p.total, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
                          f"{fmt_bytes(p.baseline)} + max(wrapping {fmt_bytes(p.wrapping)}, training "
-                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward)"
-                         + disk)
+                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward, at "
+                         f"its peak: {at})" + disk + pair)
 
     if opts.grow:
         try:

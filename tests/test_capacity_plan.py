@@ -96,7 +96,7 @@ def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) ->
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "fits 1GiB over 2 ranks (512.00 MiB per rank)" in out
-    assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward)" in out
+    assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward, at its peak: " in out
     # The allocator setting the count is exact for (docs/design.md "Capacity") is stated with the answer.
     assert "exact for a job run with MALLOC_MMAP_THRESHOLD_=65536" in out
 

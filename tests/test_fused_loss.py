@@ -23,6 +23,7 @@ from bmt_wrap import passes
 from bmt_wrap.base.fused_loss_plan import FusedLossPlan
 from bmt_wrap.cli import main
 from bmt_wrap.errors import FusedLossWarning, PlanError
+from bmt_wrap.passes.capacity import process_peak, training_phases
 from bmt_wrap.passes.fused_loss import fused_linear_cross_entropy
 from bmt_wrap.plan import WrapPlan
 from bmt_wrap.wrapper import BMTrainModelWrapper
@@ -192,6 +193,25 @@ def test_plan_section_round_trips_and_shows_the_saving() -> None:
     assert "fused loss: lm_head -> to -> view -> cross_entropy" in text
     assert "off (BMTrainModelWrapper(model, fused_loss=True)" in text and "logits at this input: 12.00 KiB" in text
     assert passes.fused_loss_section(model, None, enabled=True).reason.startswith("the root's graph is unknown")
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_plan_counts_the_pairs_peak_as_a_phase_of_training(enabled: bool) -> None:
+    """Unfused, the loss's backward holds the gradients of the fp32 log-probabilities and of the logits
+    beside the saved log-probabilities; fused, the op holds one chunk and the head's fp32 gradient."""
+    model = models.llama()
+    ids = models.token_ids(batch=2, seq=16)
+    cap = _capture(model, input_ids=ids, labels=ids)
+    section = passes.fused_loss_section(model, cap, enabled=enabled)
+    plan = passes.build_plan(model, passes.discover_blocks(model), world_size=2,
+                             capture=passes.with_fused_loss(cap, section))
+    plan.fused_loss = section
+    est = plan.estimates["2"]
+    tokens, vocab, hidden = ids.numel(), models.VOCAB, models.DIM
+    pair = tokens * vocab * 4 + vocab * hidden * 4 if enabled else 2 * tokens * vocab * 4
+    held = est.params + est.optimizer + est.gathered + est.activations - est.activations_recompute
+    assert training_phases(plan, est)["vocabulary head and loss"] == held + pair
+    assert process_peak(plan, est, 0).training >= held + pair
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

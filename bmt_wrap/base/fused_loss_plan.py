@@ -33,7 +33,7 @@ class FusedLossPlan:
     rows: int | None = None  # tokens whose logits one call makes, at the captured input
     logits_bytes: int | None = None  # the head's output at the captured input
     unfused_bytes: int | None = None  # vocabulary-wide tensors the unfused pair holds at its peak
-    fused_bytes: int | None = None  # what the chunked op holds at once instead
+    fused_bytes: int | None = None  # what the chunked op holds at once instead (its chunk, the head's gradient)
     saved_bytes: int | None = None  # of the unfused pair's: what autograd keeps for backward (log-probabilities, tanh)
     kept_bytes: int | None = None  # what the chunked op keeps for backward instead (the hidden states' gradient)
 
@@ -41,6 +41,15 @@ class FusedLossPlan:
     def fused(self) -> bool:
         """True when the pair runs as one chunked op."""
         return self.enabled and self.reason is None
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the pair holds at its peak beyond the activations the plan keeps (0 when unknown): unfused,
+        the gradients of the log-probabilities and of the logits beside the saved log-probabilities; fused,
+        one chunk and the head's fp32 gradient beside the hidden states' gradient."""
+        if self.fused:
+            return (self.fused_bytes or 0) - (self.kept_bytes or 0)
+        return (self.unfused_bytes or 0) - (self.saved_bytes or 0)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> FusedLossPlan:

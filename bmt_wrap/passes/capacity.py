@@ -48,25 +48,36 @@ def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
 
 
 def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
-    """Bytes per rank above the baseline at the two moments a step peaks. Both hold the shards, their
-    optimizer state and the gathered buffers, and the root's full gradient (it lives from the root's first
-    use in backward to its reduce-scatter after the last) with one use's gradient not yet added in.
+    """Bytes per rank above the baseline at the moments a step peaks. All hold the shards, their
+    optimizer state and the gathered buffers; the last two the root's full gradient (it lives from the
+    root's first use in backward to its reduce-scatter after the last) with one use's gradient not yet
+    added in.
 
+    - ``vocabulary head and loss``: every activation the forward kept and what the head and its
+      cross-entropy hold at their peak beyond them (``FusedLossPlan.peak_bytes``: unfused, at the loss's
+      backward, the gradients of the log-probabilities and of the logits; fused, in forward, one chunk and
+      the head's gradient). No root gradient exists yet.
     - ``backward start``: every activation the forward kept, and the head's gradient (the first use);
     - ``blocks' backward end``: every gradient shard, the gradients in flight, one recompute's saved
       tensors, the embedding's gradient (the last use) and the reduce-scatter's receipt. The activations
       are gone by then: each block's went with its backward.
 
-    The forward's peak is below the first (no gradient yet), the optimizer step's below the second (no
-    recompute, no root gradient). Without an activation profile the activations count at backward start.
+    The forward's peak is below the first two (no gradient yet, no pair's peak but the fused op's, which is
+    the first), the optimizer step's below the last (no recompute, no root gradient). Without an activation
+    profile the activations count at backward start.
     """
     n = est.world_size if est.shard_size is None else est.shard_size
     full = _root_grad_bytes(plan, n)
     use = _largest_root_use(plan)
-    state = est.params + est.optimizer + est.gathered + full + use
-    return {"backward start": state + (est.activations or 0) - est.activations_recompute,
-            "blocks' backward end": state + est.grads + est.grads_in_flight + est.activations_recompute
-            + full * (n - 1) // n}
+    held = est.params + est.optimizer + est.gathered
+    kept = (est.activations or 0) - est.activations_recompute
+    state = held + full + use
+    phases = {"backward start": state + kept,
+              "blocks' backward end": state + est.grads + est.grads_in_flight + est.activations_recompute
+              + full * (n - 1) // n}
+    if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
+        phases = {"vocabulary head and loss": held + kept + plan.fused_loss.peak_bytes, **phases}
+    return phases
 
 
 def _largest_root_use(plan: WrapPlan) -> int:

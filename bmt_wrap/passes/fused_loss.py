@@ -215,9 +215,14 @@ def _bytes(match: _Match, head: nn.Linear) -> dict[str, int | None]:
     tanh_kept = sum(v.numel() * v.element_size() for n, v in values if _step_kind(n) == _TANH)
     grad_h = rows * hidden * out.element_size()
     chunk = min(rows, chunk_rows(vocab))
+    # A chunk's fp32 logits become its exponentials and then its gradient in place; a cast or an epilogue
+    # adds the chunk in the model's dtype and the epilogue's gradient beside them.
+    per_logit = 4 if len(made) == 1 and out.element_size() == 4 else out.element_size() + 2 * 4
+    # The weight's (and bias's) fp32 gradient is made in forward and held into backward.
+    head_grad = (vocab * hidden + (vocab if head.bias is not None else 0)) * 4
     return {"vocab": vocab, "rows": rows, "logits_bytes": out.numel() * out.element_size(),
             "unfused_bytes": sum(v.numel() * v.element_size() for v in made) + 2 * log_probs,
-            "fused_bytes": chunk * vocab * (out.element_size() + 2 * 4) + grad_h,
+            "fused_bytes": chunk * vocab * per_logit + grad_h + head_grad,
             "saved_bytes": log_probs + tanh_kept, "kept_bytes": grad_h}
 
 
