@@ -1,17 +1,23 @@
 """fused_loss=True against the unfused head: a Llama-shaped model with Llama-3's 128,256-word vocabulary.
 
-    nice python benchmarks/fused_loss.py [--seqs 512,1024,2048] [--world-size 2] [--steps 3] [--limit 8GiB]
-        [--hidden 256] [--layers 2] [--out benchmarks/results/fused_loss.md]
+    nice python benchmarks/fused_loss.py [--seqs 512,1024,2048] [--world-size 2] [--steps 4] [--rounds 2]
+        [--limit 8GiB] [--kill-limit 10GiB] [--hidden 256] [--layers 2] [--out benchmarks/results/fused_loss.md]
 
 Each (mode, sequence) is a fresh job of ``--world-size`` rank processes (gloo, ``OMP_NUM_THREADS=1``,
 ``MALLOC_MMAP_THRESHOLD_=65536``: freed tensors leave the process), under ``capacity.run_ranks``' watchdog,
-which kills the job when its ranks' summed RSS passes ``--limit``. Each rank builds transformers'
-``LlamaForCausalLM`` (untied head, default config but for the sizes), wraps it with or without
-``fused_loss=True``, and trains ``--steps`` steps (the first not timed) of one sequence per rank, called as
-users call it (``model(input_ids=x, labels=x)``, default ``use_cache``), with ``torch.optim.AdamW(fused=True)``.
-Reported: the ranks' summed peak RSS (``ru_maxrss``), whether the job fitted the limit, the median step
-time and its ratio to the unfused job's, the plan's count of the head and loss pair (``model.plan.fused_loss``),
-and the fused job's loss against the unfused one's at the first step (same weights and data).
+which kills the job when its ranks' summed RSS passes ``--kill-limit``; a job fits when its summed peak
+stays within ``--limit`` (the unfused job above the limit still runs, for its step time). Each rank builds
+transformers' ``LlamaForCausalLM`` (untied head, default config but for the sizes), wraps it with or
+without ``fused_loss=True``, and trains ``--steps`` steps (the first not timed) of one sequence per rank,
+called as users call it (``model(input_ids=x, labels=x)``, default ``use_cache``), with
+``torch.optim.AdamW(fused=True)``. The unfused and fused jobs alternate, ``--rounds`` times per sequence,
+so the machine's load falls on both alike; step times are the medians over every round's timed steps.
+Reported: the ranks' summed peak RSS (``ru_maxrss``, the largest over rounds), whether it fits, the median
+step times and their ratio, ``bmt-wrap plan --memory``'s peak per rank (run in a fresh process as a user
+runs it) against the largest rank's measured peak, the logits' share of the measured peak per rank (the
+vocabulary-wide tensors the pair holds at once: unfused, the plan's ``unfused_bytes``, logits and the
+fp32 log-probabilities' and logits' gradients; fused, one chunk of fp32 logits), and the fused job's loss
+against the unfused one's at the first step (same weights and data).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,10 +50,11 @@ def llama(hidden: int = 256, layers: int = 2, seq: int = 2048) -> object:
 
 
 def worker(mode: str, seq: int, steps: int, hidden: int, layers: int, out: Path) -> None:
-    """One rank: build, wrap, train; write peak RSS, step times, the first loss and the plan's bytes."""
+    """One rank: build, wrap, train; write peak RSS, step times, the first loss and the pair's bytes."""
     import torch
 
     import bmt_wrap as bmt
+    from bmt_wrap.base.fused_loss_plan import chunk_rows
 
     bmt.init_distributed(seed=0, backend="gloo")
     torch.manual_seed(0)
@@ -66,10 +74,10 @@ def worker(mode: str, seq: int, steps: int, hidden: int, layers: int, out: Path)
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
     section = model.plan.fused_loss
+    fused = bool(section and section.fused)
+    logits = min(seq, chunk_rows(VOCAB)) * VOCAB * 4 if fused else (section.unfused_bytes if section else None)
     out.write_text(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "times": times,
-                               "loss": losses[0], "fused": bool(section and section.fused),
-                               "unfused_bytes": section.unfused_bytes if section else None,
-                               "fused_bytes": section.fused_bytes if section else None}))
+                               "loss": losses[0], "fused": fused, "logits_bytes": logits}))
 
 
 def job(mode: str, seq: int, args: argparse.Namespace) -> dict:
@@ -82,48 +90,88 @@ def job(mode: str, seq: int, args: argparse.Namespace) -> dict:
                 str(args.layers), str(out)]
 
     print(f"  {mode} seq {seq} ...", file=sys.stderr, flush=True)
-    return run_ranks(argv, args.world_size, parse_size(args.limit), args.timeout, ENV)
+    r = run_ranks(argv, args.world_size, parse_size(args.kill_limit), args.timeout, ENV)
+    r["fits"] = r["ok"] and sum(r["rank_peaks"]) <= parse_size(args.limit)
+    return r
+
+
+def plan_peak(mode: str, seq: int, args: argparse.Namespace) -> int | None:
+    """``bmt-wrap plan --memory``'s peak per rank for the job, in a fresh process as a user runs it."""
+    cmd = [sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())", "plan",
+           f"{__file__}:llama", "--world-size", str(args.world_size), "--memory", args.limit,
+           "--input", f"input_ids=int64[1,{seq}]", "--input", f"labels=int64[1,{seq}]", "--json",
+           *(["--fused-loss"] if mode == "fused" else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV))
+    if out.returncode:
+        print(f"  plan {mode} {seq} failed: {out.stderr[-500:]}", file=sys.stderr)
+        return None
+    return int(json.loads(out.stdout)["peak_per_rank"])
+
+
+def merged(runs: list[dict]) -> dict:
+    """One mode's rounds at one sequence: the largest peaks, every timed step, the first round's results."""
+    ok = [r for r in runs if r["ok"]]
+    return {"ok": bool(ok), "fits": all(r["fits"] for r in runs) and bool(ok),
+            "peak_sum": max((sum(r["rank_peaks"]) for r in ok), default=None),
+            "peak_rank": max((max(r["rank_peaks"]) for r in ok), default=None),
+            "times": [t for r in ok for x in r["results"] for t in x["times"]],
+            "first": ok[0]["results"][0] if ok else None}
 
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MIB:.0f}"
 
 
-def _peak(r: dict) -> float | None:
-    return sum(r["rank_peaks"]) if r["ok"] else None
-
-
-def _step(r: dict) -> float | None:
-    return statistics.median(t for x in r["results"] for t in x["times"]) if r["ok"] else None
-
-
-def _fits(r: dict) -> str:
-    return "yes" if r["ok"] else "no"
-
-
 def _secs(t: float | None) -> str:
     return "-" if t is None else f"{t:.2f}"
 
 
-def table(rows: list[tuple[int, dict, dict]], args: argparse.Namespace) -> str:
+def _median(r: dict) -> float | None:
+    return statistics.median(r["times"]) if r["times"] else None
+
+
+def _share(r: dict) -> float | None:
+    first = r["first"]
+    return first["logits_bytes"] / r["peak_rank"] if first and first["logits_bytes"] and r["peak_rank"] else None
+
+
+def _vs_plan(r: dict, plan: int | None) -> str:
+    if r["peak_rank"] is None or plan is None:
+        return "-"
+    return f"{_mib(plan)} / {_mib(r['peak_rank'])} ({r['peak_rank'] / plan - 1:+.1%})"
+
+
+def table(rows: list[tuple[int, dict, dict, int | None, int | None]], args: argparse.Namespace) -> str:
     """The Markdown table and the command that made it."""
     head = (f"{args.world_size} ranks, Llama {args.layers} x {args.hidden}, vocabulary {VOCAB:,}, untied head, fp32, "
-            f"one sequence per rank, labels given, default use_cache; {args.steps} steps, the first not timed; "
-            f"MALLOC_MMAP_THRESHOLD_={ENV['MALLOC_MMAP_THRESHOLD_']}; killed above {args.limit} summed; RSS in MiB (sum over ranks)\n\n"
-            "| seq | unfused peak | fused peak | saved | fits: unfused | fits: fused | unfused step s | fused step s "
-            "| ratio | plan: pair unfused / fused per rank | first loss, fused - unfused |\n"
+            f"one sequence per rank, labels given, default use_cache; {args.rounds} rounds of {args.steps} steps "
+            f"per mode and sequence, alternating unfused/fused jobs, the first step of each not timed; "
+            f"MALLOC_MMAP_THRESHOLD_={ENV['MALLOC_MMAP_THRESHOLD_']}; fits: summed peak within {args.limit} "
+            f"(jobs killed above {args.kill_limit}); RSS in MiB\n\n"
+            "| seq | unfused peak (sum) | fused peak (sum) | fits: unfused / fused | unfused step s | fused step s "
+            "| ratio | logits' share of the peak: unfused / fused (ratio) | plan / measured per rank: unfused "
+            "| plan / measured per rank: fused | first loss, fused - unfused |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
-    for seq, plain, fused in rows:
-        p, f = _peak(plain), _peak(fused)
-        sp, sf = _step(plain), _step(fused)
-        first = fused["results"][0] if fused["results"] else None
-        cells = [str(seq), _mib(p), _mib(f), _mib(p - f) if p and f else "-", _fits(plain), _fits(fused),
+    for seq, plain, fused, plan_plain, plan_fused in rows:
+        sp, sf = _median(plain), _median(fused)
+        hp, hf = _share(plain), _share(fused)
+        loss = (f"{fused['first']['loss'] - plain['first']['loss']:.1e}" if fused["first"] and plain["first"]
+                else "-")
+        cells = [str(seq), _mib(plain["peak_sum"]), _mib(fused["peak_sum"]),
+                 f"{'yes' if plain['fits'] else 'no'} / {'yes' if fused['fits'] else 'no'}",
                  _secs(sp), _secs(sf), f"{sf / sp:.2f}" if sp and sf else "-",
-                 f"{_mib(first['unfused_bytes'])} / {_mib(first['fused_bytes'])}" if first else "-",
-                 f"{first['loss'] - plain['results'][0]['loss']:.1e}" if first and plain["results"] else "-"]
+                 f"{hp:.1%} / {hf:.1%} ({hf / hp:.3f})" if hp and hf else "-",
+                 _vs_plan(plain, plan_plain), _vs_plan(fused, plan_fused), loss]
         lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + f"\n\ncommand: python benchmarks/fused_loss.py {' '.join(sys.argv[1:])}\n"
+    fit = {mode: max((seq for seq, *r in rows if r[i]["fits"]), default=None)
+           for i, mode in enumerate(("unfused", "fused"))}
+    tried = max(seq for seq, *_ in rows)
+    largest = {m: "-" if v is None else f"{v}{'+' if v == tried else ''}" for m, v in fit.items()}
+    gain = f" ({fit['fused'] / fit['unfused']:.0f}x or more)" if fit["unfused"] and fit["fused"] else ""
+    return (head + "\n".join(lines) + f"\n\nlargest sequence tried that fits {args.limit} summed: unfused "
+            f"{largest['unfused']}, fused {largest['fused']}{gain} ('+': the largest tried)\n\n"
+            f"command: python benchmarks/fused_loss.py {' '.join(sys.argv[1:])}\n")
 
 
 def main() -> None:
@@ -135,20 +183,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="512,1024,2048")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--limit", default="8GiB")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--kill-limit", default="10GiB")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--no-plan", action="store_true", help="skip bmt-wrap plan's column")
     p.add_argument("--out", type=Path, default=HERE / "results" / "fused_loss.md")
     args = p.parse_args()
+    start = time.monotonic()
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        rows.append((seq, job("unfused", seq, args), job("fused", seq, args)))
+        runs: dict[str, list[dict]] = {"unfused": [], "fused": []}
+        for _ in range(args.rounds):
+            for mode in runs:
+                runs[mode].append(job(mode, seq, args))
+        plans = (None, None) if args.no_plan else (plan_peak("unfused", seq, args), plan_peak("fused", seq, args))
+        rows.append((seq, merged(runs["unfused"]), merged(runs["fused"]), *plans))
     text = table(rows, args)
     args.out.write_text(text)
     print(text)
-    print(f"load average: {os.getloadavg()}", file=sys.stderr)
+    print(f"took {time.monotonic() - start:.0f} s; load average: {os.getloadavg()}", file=sys.stderr)
 
 
 if __name__ == "__main__":
