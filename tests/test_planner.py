@@ -20,6 +20,7 @@ from bmt_wrap.passes import (
     self_checkpointing_modules,
 )
 from bmt_wrap.passes.budget import MAX_PREFETCH_DEPTH
+from bmt_wrap.passes.capacity import training_peak
 from bmt_wrap.passes.planner import SCHEDULE_NOTE
 from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan
 
@@ -173,7 +174,7 @@ def test_memory_budget_chooses_checkpointing_and_prefetch() -> None:
     assert c.activations is not None
     everything = build_plan(model, d, world_size=2, capture=c)
     assert all(g.checkpoint for g in everything.blocks()) and everything.prefetch_depth == 1
-    base = everything.estimates["2"].total
+    base = training_peak(everything, everything.estimates["2"])  # what a budget bounds: the step's peak
 
     roomy = build_plan(model, d, world_size=2, capture=c, memory_budget=10 * base)
     assert not any(g.checkpoint for g in roomy.blocks())
@@ -183,13 +184,14 @@ def test_memory_budget_chooses_checkpointing_and_prefetch() -> None:
         build_plan(model, d, world_size=2, capture=c, memory_budget=base // 2)
     assert info.value.needed == base and info.value.world_size == 2
 
-    # Parameters kept gathered come first (passes/budget.py). One block's worth keeps all four: the pool
-    # already held three buffers of their size (depth + 2), which keeping every block frees.
+    # Parameters kept gathered come first (passes/budget.py), and the peak is the blocks' backward end,
+    # where kept activations are gone: one block's worth keeps every block's parameters (the pool held
+    # depth + 2 buffers of their size, which keeping every block frees) and all activations but the last.
     one_block = everything.blocks()[-1].padded_bytes(2)
     some = build_plan(model, d, world_size=2, capture=c, memory_budget=base + one_block + 1)
-    assert [(g.name, g.checkpoint, g.zero_level) for g in some.blocks() if not g.checkpoint or g.zero_level == 2] \
-        == [(f"layers.{i}", True, 2) for i in range(4)]
-    assert some.estimates["2"].total <= base + one_block + 1
+    assert [(g.name, g.checkpoint, g.zero_level) for g in some.blocks()] \
+        == [("layers.0", True, 2)] + [(f"layers.{i}", False, 2) for i in range(1, 4)]
+    assert training_peak(some, some.estimates["2"]) <= base + one_block + 1
 
 
 def test_memory_budget_without_activations_keeps_every_block_checkpointed() -> None:

@@ -206,6 +206,7 @@ class MemoryEstimate:
     # rest is what the block calls keep. The process's peak counts them by phase (passes/capacity.py).
     activations_root: int = 0
     activations_recompute: int = 0
+    activations_objects: int = 0  # held by the output's objects (a KV cache) until the blocks' backward ends
     comm_all_gather: int = 0
     comm_reduce_scatter: int = 0
     comm_all_reduce: int = 0

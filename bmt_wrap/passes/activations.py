@@ -37,17 +37,23 @@ class ActivationProfile:
 
     root_bytes: int  # saved outside every block
     calls: list[BlockCallActivations] = field(default_factory=list)
+    # Held by the output's objects (a KV cache's keys and values). A checkpointed call keeps its
+    # arguments, the cache among them, for its recompute, so the cache lives through the blocks' backward
+    # even though the caller drops the output; a non-checkpointed call's saved tensors already count them.
+    object_bytes: int = 0
 
     def total(self, checkpointed: set[str]) -> int:
         """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""
         return sum(self.parts(checkpointed))
 
     def parts(self, checkpointed: set[str]) -> tuple[int, int, int]:
-        """(saved outside blocks, kept by the block calls, one recompute's saved tensors)."""
+        """(saved outside blocks, kept by the block calls, one recompute's saved tensors, held by the
+        output's objects through backward)."""
         kept = sum(c.input_bytes if c.block in checkpointed else c.saved_bytes for c in self.calls)
         # Backward recomputes one checkpointed call at a time: its saved tensors exist transiently.
         recompute = max((c.saved_bytes for c in self.calls if c.block in checkpointed), default=0)
-        return self.root_bytes, kept, recompute
+        objects = self.object_bytes if any(c.block in checkpointed for c in self.calls) else 0
+        return self.root_bytes, kept, recompute, objects
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..base.plan import ShardGroupSpec, WrapPlan, fmt_bytes
 from ..errors import MemoryBudgetError
 from .activations import ActivationProfile
+from .capacity import training_peak
 from .estimate import estimate, held_gathered
 
 #: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
@@ -106,7 +107,8 @@ def fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size
     given already exceeds ``budget``.
     """
     def total() -> int:
-        return estimate(plan, world_size, activations).total
+        # The step's peak as the capacity plan counts it (by phase), not the sum of terms that peak apart.
+        return training_peak(plan, estimate(plan, world_size, activations))
 
     if total() > budget:
         raise minimum_error(total(), budget, world_size, activations is not None)

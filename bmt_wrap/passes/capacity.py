@@ -60,7 +60,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     - ``backward start``: every activation the forward kept, and the head's gradient (the first use);
     - ``blocks' backward end``: every gradient shard, the gradients in flight, one recompute's saved
       tensors, the embedding's gradient (the last use) and the reduce-scatter's receipt. The activations
-      are gone by then: each block's went with its backward.
+      are gone by then: each block's went with its backward; but a KV cache the blocks were passed stays
+      until the first block's recompute is done (the calls keep their arguments for it).
 
     The forward's peak is below the first two (no gradient yet, no pair's peak but the fused op's, which is
     the first), the optimizer step's below the last (no recompute, no root gradient). Without an activation
@@ -74,10 +75,15 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     state = held + full + use
     phases = {"backward start": state + kept,
               "blocks' backward end": state + est.grads + est.grads_in_flight + est.activations_recompute
-              + full * (n - 1) // n}
+              + est.activations_objects + full * (n - 1) // n}
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
         phases = {"vocabulary head and loss": held + kept + plan.fused_loss.peak_bytes, **phases}
     return phases
+
+
+def training_peak(plan: WrapPlan, est: MemoryEstimate) -> int:
+    """Bytes per rank above the baseline at a training step's peak: the largest of its phases."""
+    return max(training_phases(plan, est).values())
 
 
 def _largest_root_use(plan: WrapPlan) -> int:
@@ -93,7 +99,7 @@ def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full:
     was built with real weights before wrapping (False when built on the meta device and loaded)."""
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
-    return ProcessPeak(baseline, wrapping, max(training_phases(plan, est).values()))
+    return ProcessPeak(baseline, wrapping, training_peak(plan, est))
 
 
 def optimizer_on_disk(est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:

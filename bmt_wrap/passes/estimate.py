@@ -67,9 +67,10 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
     est.no_sync_grads = sum(_grad_bytes(g, n) for g in plan.groups)  # runtime/local_grads.py
     if activations is not None:
-        root_saved, kept, recompute = activations.parts({g.name for g in blocks if g.checkpoint})
-        est.activations = root_saved + kept + recompute
+        root_saved, kept, recompute, objects = activations.parts({g.name for g in blocks if g.checkpoint})
+        est.activations = root_saved + kept + recompute + objects
         est.activations_root, est.activations_recompute = root_saved, recompute
+        est.activations_objects = objects
 
     # A zero-3 block is gathered for forward and again for backward; zero_level=2 kept it in between.
     calls = Counter(plan.order or [g.name for g in blocks])

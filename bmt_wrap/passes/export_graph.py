@@ -7,7 +7,7 @@ stack keys (``...@1``), so a shared layer called twice yields two calls.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,14 +25,44 @@ _INNER = "inner"  # attribute under which _TensorOutputs holds the model
 class _TensorOutputs(nn.Module):
     """Exports need pytree outputs; keeping only the output tensors drops objects such as a KV cache."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, report: Callable[[int], object] = lambda nbytes: None) -> None:
         super().__init__()
         setattr(self, _INNER, inner)
+        # Told the bytes the output's objects hold. A callable, not a dict on the module: export restores
+        # the module's own state after tracing.
+        self.report = report
 
     def forward(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
         """The wrapped model's output tensors, flattened."""
         out = getattr(self, _INNER)(*args, **kwargs)
-        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+        leaves = pytree.tree_leaves(out)
+        self.report(_bytes_held_by(x for x in leaves if not isinstance(x, torch.Tensor)))
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _bytes_held_by(objects: Iterable[object], depth: int = 6) -> int:
+    """Bytes of the distinct tensors reachable from ``objects`` through their attributes and containers
+    (a KV cache's keys and values), ``depth`` levels deep."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    frontier = list(objects)
+    for _ in range(depth):
+        nxt: list[object] = []
+        for obj in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                base = obj if obj._base is None else obj._base
+                found[id(base)] = base.untyped_storage().nbytes()
+            elif isinstance(obj, dict):
+                nxt += obj.values()
+            elif isinstance(obj, (list, tuple, set)):
+                nxt += obj
+            elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+                nxt += vars(obj).values()
+        frontier = nxt
+    return sum(found.values())
 
 
 def unwrapped_name(path: str) -> str:
@@ -117,8 +147,9 @@ class ExportResult:
 
 def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs: dict) -> ExportResult:
     """Export ``skeleton`` (meta parameters) on meta inputs; block order, graph and activation bytes."""
+    object_bytes: list[int] = []
     try:
-        ep = torch.export.export(_TensorOutputs(skeleton), args, kwargs, strict=False)
+        ep = torch.export.export(_TensorOutputs(skeleton, object_bytes.append), args, kwargs, strict=False)
     finally:
         forget_export_trace()
     gm = ep.module(check_guards=False)
@@ -128,6 +159,7 @@ def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs
     try:
         flat = pytree.tree_leaves((args, reorder_kwargs(kwargs, ep.call_spec.in_spec)))
         activations: ActivationProfile | None = profile_activations(gm, flat, block_of)
+        activations.object_bytes = object_bytes[-1] if object_bytes else 0
     except Exception as exc:  # the estimate is optional: the capture stands without it
         activations = None
         notes.append(f"activation bytes unknown: measuring them on the exported graph failed ({describe(exc)})")
