@@ -309,3 +309,20 @@ def test_explicit_tp_layers_and_adam_state_reshard_exactly(tmp_path: Path) -> No
         where = f"explicit API at tp{tp} x dp{world // tp}"
         _assert_same_tensors(bmt.consolidated_state_dict(again), params, f"{where}: parameters")
         _assert_same_tensors(bmt.consolidated_optimizer_state(again), optim, f"{where}: optimizer state")
+
+
+# ---- DCP's full (gathered) state dict under TP -------------------------------------------------------------
+def _full_state_body(tmp: str) -> dict | None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, opt, loss_fn, batches = _wrapped("toy", 2)
+    _train(model, opt, loss_fn, batches, range(1))
+    bmt.save_checkpoint(f"{tmp}/ckpt", model, optimizer=opt, step=1)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"model": msd, "optim": osd["state"]} if bmt.rank() == 0 else None
+
+
+def test_dcp_full_state_dict_under_tp_holds_whole_tensors(tmp_path: Path) -> None:
+    got = run_distributed(_full_state_body, 2, str(tmp_path))[0]
+    _assert_same_tensors(got["model"], bmt.consolidated_state_dict(tmp_path / "ckpt"), "full model state dict")
+    _assert_same_tensors(got["optim"], bmt.consolidated_optimizer_state(tmp_path / "ckpt"), "full optimizer state")
