@@ -2,8 +2,9 @@
 
     nice python benchmarks/capacity.py [--budgets 4GiB,8GiB] [--world-size 2]
         [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_mmap,
-                   bmt_wrapper_disk]
-        [--steps 3]
+                   bmt_wrapper_disk,bmt_wrapper_offload]
+        [--steps 3] [--starts SYSTEM=LAYERS,...] [--ceiling SYSTEM=LAYERS,...]
+    nice python benchmarks/capacity.py --step-time 13 [--out table.md]
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
 For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
@@ -22,8 +23,19 @@ assumption, docs/design.md "Capacity"); ``bmt_wrapper_budget`` runs so too, sinc
 up to the limit. ``bmt_wrapper_disk`` is that, trained by
 ``bmt.optim.AdamDiskOptimizer`` (Adam's moments in a file per rank under ``$BMT_OPTIMIZER_DIR`` or the temp
 dir, which must be a disk, not tmpfs), predicted by ``bmt-wrap plan --memory B --optimizer-state disk``; its
-row gives the bytes each rank read and wrote per step, measured and planned. Every other system runs with
-glibc's defaults. The machine's load during the run is written under the table.
+row gives the bytes each rank read and wrote per step, measured and planned. ``bmt_wrapper_offload`` is
+that with ``offload="disk"`` as well (each rank's parameter and gradient shards in a file under
+``$BMT_OFFLOAD_DIR`` or the temp dir, docs/offload.md), the model built on the meta device and initialised
+after wrapping (``bmt.init_parameters``: a full copy built first would be the limit), predicted by ``bmt-wrap
+plan ... --optimizer-state disk --offload disk --streaming``. ``--ceiling SYSTEM=N`` stops a search that
+still passes at N layers (the row then says "≥ N"): offload's largest size is bounded by the disk and the
+step time, not by memory. Every other system runs with glibc's defaults. The machine's load during the run
+is written under the table.
+
+``--step-time L`` instead trains the L-layer GPT without a limit under bmt_wrapper_mmap (everything in
+memory), bmt_wrapper_disk and bmt_wrapper_offload in turn, and writes their median step times side by side,
+with how long each offload rank's background reads of shards took and how long gathers waited for them
+(the part of the reads the compute did not hide).
 """
 
 from __future__ import annotations
@@ -43,15 +55,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 D_MODEL, SEQ, VOCAB = 1024, 128, 8192
 DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget",
-                   "bmt_wrapper_mmap", "bmt_wrapper_disk"]
+                   "bmt_wrapper_mmap", "bmt_wrapper_disk", "bmt_wrapper_offload"]
+OFFLOAD = "bmt_wrapper_offload"
 # Systems whose processes get MALLOC_MMAP_THRESHOLD_: glibc maps every allocation of 1 MiB or more and unmaps
 # it when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 # bmt_wrapper_budget too: it spends the plan's count of bytes up to the limit, so it needs the setting the
 # count is exact for (under glibc's default heap it went over B from 9 layers up at 4 GiB).
-MMAP_SYSTEMS = ("bmt_wrapper_budget", "bmt_wrapper_mmap", "bmt_wrapper_disk")
+MMAP_SYSTEMS = ("bmt_wrapper_budget", "bmt_wrapper_mmap", "bmt_wrapper_disk", OFFLOAD)
 #: Systems the plan predicts, and the ``bmt-wrap plan`` options that describe them.
-PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_mmap": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"]}
+PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_mmap": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"],
+             OFFLOAD: ["--optimizer-state", "disk", "--offload", "disk", "--streaming"]}
 GIB = 2**30
 
 
@@ -77,7 +91,7 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
     over the ranks: one each); write this rank's result."""
     sys.path.insert(0, str(HERE))
     import torch  # noqa: F401 - the baseline includes it
-    from systems import SYSTEMS
+    from systems import OPTIMIZERS, SYSTEMS, adam_on_disk
     from toy_gpt import ToyGPT, ToyGPTConfig
     from worker import run
     from workloads import WORKLOADS, Workload, _toy_loss
@@ -89,7 +103,16 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
 
     def build(seq: int) -> torch.nn.Module:
         torch.manual_seed(0)
+        if system == OFFLOAD:  # initialised after wrapping, straight into the shards' files
+            with torch.device("meta"):
+                return ToyGPT(ToyGPTConfig(vocab=VOCAB, d_model=D_MODEL, n_layers=layers, seq=seq))
         return ToyGPT(ToyGPTConfig(vocab=VOCAB, d_model=D_MODEL, n_layers=layers, seq=seq))
+
+    def offloaded(model: torch.nn.Module, wl: Workload, example: tuple) -> torch.nn.Module:
+        where = os.environ.get("BMT_OFFLOAD_DIR", tempfile.gettempdir())
+        model = bmt.BMTrainModelWrapper(model, offload="disk", offload_dir=where)
+        bmt.init_parameters(model)
+        return model
 
     WORKLOADS[name] = Workload(name, f"GPT {layers} x {D_MODEL}", build, "blocks", VOCAB, _toy_loss,
                                call=lambda idx, tgt: ((idx, tgt), {}))
@@ -112,6 +135,7 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
 
     SYSTEMS["bmt_wrapper_budget"] = budget
     SYSTEMS["bmt_wrapper_mmap"] = SYSTEMS["bmt_wrapper"]  # the same wrapper; its processes' allocator differs
+    SYSTEMS[OFFLOAD], OPTIMIZERS[OFFLOAD] = offloaded, adam_on_disk
     result = run(system, name, steps, 0, SEQ, global_batch)
     result["baseline"] = baseline
     out.write_text(json.dumps(result))
@@ -206,10 +230,11 @@ def probe(system: str, layers: int, limit: int, world: int, steps: int, timeout:
 
 
 def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
-           log: list[dict]) -> dict | None:
+           log: list[dict], ceiling: int | None = None) -> dict | None:
     """The largest layer count that passes, stepping a layer at a time from ``start`` (up while it passes,
-    down while it fails); None if even one layer fails. Without a ``start`` (systems the plan does not
-    predict), two small probes give the system's bytes per layer and the start is their extrapolation."""
+    down while it fails, never above ``ceiling``); None if even one layer fails. Without a ``start``
+    (systems the plan does not predict), two small probes give the system's bytes per layer and the start is
+    their extrapolation."""
     def run(layers: int) -> dict:
         print(f"  {system} {layers} layers under {limit / GIB:.1f} GiB ...", file=sys.stderr, flush=True)
         r = probe(system, layers, limit, args.world_size, args.steps, args.timeout)
@@ -235,7 +260,7 @@ def search(system: str, limit: int, start: int | None, args: argparse.Namespace,
     step = 1 if r["ok"] else -1
     while True:
         layers += step
-        if layers < 1:
+        if layers < 1 or (ceiling is not None and step > 0 and layers > ceiling):
             return best
         r = tried.get(layers) or run(layers)
         if r["ok"] and step > 0:
@@ -285,7 +310,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
     """The Markdown table and the lines around it."""
     head = ["limit B (sum over ranks)", "system", "largest layers", "params", "vs DDP", "peak RSS/rank",
             "peak RSS sum", "plan predicts", "peak vs plan", "step s (median)", "final loss",
-            "Δloss vs 1 process", "disk read+written/step/rank (plan)", "probes"]
+            "Δloss vs 1 process", "disk read+written/step/rank (plan)", "vs state on disk", "probes"]
     lines = [f"GPT d_model {D_MODEL}, vocab {VOCAB}, untied head, seq {SEQ}, batch 1/rank, "
              f"{args.world_size} ranks, {args.steps} AdamW steps per probe, OMP_NUM_THREADS=1, "
              f"host allocator: {allocator_setting()}", "",
@@ -294,7 +319,7 @@ def table(rows: list[dict], args: argparse.Namespace, loads: list[str]) -> list[
         lines.append("| " + " | ".join(str(r.get(k, "-")) for k in (
             "limit", "system", "layers", "params", "vs_ddp", "peak_rank", "peak_sum", "predicted", "vs_plan",
             "step_s",
-            "loss", "dloss", "disk_io", "probes")) + " |")
+            "loss", "dloss", "disk_io", "vs_disk", "probes")) + " |")
     lines += ["", "machine load while it ran: " + "; ".join(loads)]
     return lines
 
@@ -311,6 +336,39 @@ def _fmt_gib(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
 
 
+def step_times(args: argparse.Namespace) -> list[str]:
+    """``--step-time``: the same GPT trained in memory, with Adam's state on disk, and offloaded, side by side."""
+    layers, rows = args.step_time, []
+    base = None
+    for system in ("bmt_wrapper_mmap", "bmt_wrapper_disk", OFFLOAD):
+        print(f"  {system} {layers} layers, no limit ...", file=sys.stderr, flush=True)
+        r = probe(system, layers, 0, args.world_size, args.steps, args.timeout)
+        if not r["ok"]:
+            rows.append(f"| {system} | {layers} | failed: {r['why'][:100]} | - | - | - | - | - |")
+            continue
+        res = r["results"]
+        times = [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
+        median = statistics.median(times)
+        base = base or median
+        reads = [x["offload_reads"] for x in res if x.get("offload_reads")]
+        steps = len(res[0]["losses"])
+        read_s = max(x["read_s"] for x in reads) / steps if reads else None
+        waited_s = max(x["waited_s"] for x in reads) / steps if reads else None
+        hidden = f"{1 - waited_s / read_s:.0%}" if reads and read_s else "-"
+        rows.append(f"| {system} | {layers} | {median:.2f} | {median / base:.2f}x | "
+                    f"{_fmt_gib(max(r['rank_peaks']))} | "
+                    f"{f'{read_s:.2f}' if read_s is not None else '-'} | "
+                    f"{f'{waited_s:.2f}' if waited_s is not None else '-'} | {hidden} |")
+    return [f"GPT d_model {D_MODEL}, vocab {VOCAB}, seq {SEQ}, batch 1/rank, {args.world_size} ranks, "
+            f"{args.steps} AdamW steps, no memory limit, OMP_NUM_THREADS=1, {', '.join(f'{k}={v}' for k, v in MMAP_ENV.items())}; "
+            "offload files under the temp dir (a disk); step time: median over steps of the slowest rank; "
+            "shard reads: seconds per step the background thread spent reading the next block's shard "
+            "(MADV_POPULATE_READ), and seconds gathers waited for it, slowest rank",
+            "", "| system | layers | step s (median) | vs in memory | peak RSS/rank | shard reads s/step | "
+                "gathers waited s/step | reads hidden by compute |", "|---|---|---|---|---|---|---|---|",
+            *rows, "", "machine load while it ran: " + _load()]
+
+
 def main() -> None:
     """Search every (limit, system); compare each largest run with one process; print and write the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -324,14 +382,23 @@ def main() -> None:
                    help="where to start searching for systems the plan does not predict (e.g. from an "
                         "earlier "
                         "run's bytes per layer), instead of two small probes")
+    p.add_argument("--ceiling", default="", metavar="SYSTEM=LAYERS,...",
+                   help="stop searching upward at this many layers (the row says >= LAYERS)")
+    p.add_argument("--step-time", type=int, default=None, metavar="LAYERS",
+                   help="instead of searching: step times of the in-memory, state-on-disk and offloaded "
+                        "wrapper at LAYERS layers, side by side, without a limit")
     p.add_argument("--out", type=Path, default=HERE / "results" / "capacity.md")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
     from report import command_line, publish
 
+    if args.step_time is not None:
+        publish(step_times(args), args.out, command_line(None))
+        return
     loads, rows, log = [_load()], [], []
     starts = {k: int(v) for k, v in (item.split("=") for item in args.starts.split(",") if item)}
+    ceilings = {k: int(v) for k, v in (item.split("=") for item in args.ceiling.split(",") if item)}
     reference: dict[int, dict] = {}
     for text in args.budgets.split(","):
         limit = parse_size(text)
@@ -344,8 +411,8 @@ def main() -> None:
                 rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
                 continue
             prediction = predictions.get(system, predictions["bmt_wrapper"])
-            start = prediction["layers"] if system.startswith("bmt") else starts.get(system)
-            best = search(system, limit, start, args, log)
+            start = starts.get(system, prediction["layers"] if system.startswith("bmt") else None)
+            best = search(system, limit, start, args, log, ceilings.get(system))
             probes = sum(1 for r in log if r["system"] == system and r["limit"] == limit)
             row = {"limit": text, "system": system, "probes": probes}
             if best is None:
@@ -353,7 +420,8 @@ def main() -> None:
                 continue
             res = best["results"]
             times = [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
-            row.update(layers=best["layers"], params=f"{res[0]['params'] / 1e6:.0f}M",
+            capped = system in ceilings and best["layers"] == ceilings[system]
+            row.update(layers=f"≥ {best['layers']} (stopped there)" if capped else best["layers"], params=f"{res[0]['params'] / 1e6:.0f}M",
                        peak_rank=_fmt_gib(max(best["rank_peaks"])),
                        peak_sum=_fmt_gib(sum(best["rank_peaks"])),
                        step_s=f"{statistics.median(times):.2f}", loss=f"{res[0]['losses'][-1]:.4f}",
@@ -369,8 +437,15 @@ def main() -> None:
                 at_plan = best["layers"] == prediction["layers"]
                 planned = 2 * prediction["disk_read_per_step"] if at_plan else None
                 row["disk_io"] = _fmt_gib(io) + (f" ({_fmt_gib(planned)})" if planned else "")
+                if res[0].get("offload_reads"):  # the shards' traffic is mapped pages: only its reads are timed
+                    read = max(r["offload_reads"]["bytes_read"] for r in res) / len(res[0]["losses"])
+                    row["disk_io"] += f" + shards read {_fmt_gib(read)}"
             if system == "ddp":
                 ddp_layers = best["layers"]
+            if system == OFFLOAD:  # the ratio to the state-on-disk row of this limit, if it ran
+                disk = next((x for x in rows if x["limit"] == text and x["system"] == "bmt_wrapper_disk"), None)
+                if disk and isinstance(disk.get("layers"), int) and disk["layers"]:
+                    row["vs_disk"] = f"{best['layers'] / disk['layers']:.2f}x"
             row["vs_ddp"] = f"{best['layers'] / ddp_layers:.2f}x" if ddp_layers else "-"
             if not args.no_reference and system == "bmt_wrapper":  # one process is slow: bmt_wrap's size only
                 if best["layers"] not in reference:

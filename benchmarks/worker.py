@@ -72,7 +72,14 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,
             "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes,
-            "kept": _kept(plan), "disk_io": vars(opt.last_step_io) if hasattr(opt, "last_step_io") else None}
+            "kept": _kept(plan), "disk_io": vars(opt.last_step_io) if hasattr(opt, "last_step_io") else None,
+            "offload_reads": _offload_reads(model)}
+
+
+def _offload_reads(model: torch.nn.Module) -> dict | None:
+    """A model wrapped with offload="disk": its shard files' read-ahead statistics over the run."""
+    shards = getattr(getattr(model, "_bmt_runtime", None), "offload", None)
+    return vars(shards.stats) if shards is not None else None
 
 
 def _kept(plan: bmt.WrapPlan | None) -> dict | None:
