@@ -63,7 +63,7 @@ class CheckpointInfo:
     step: int | None
     extra: Any
     saved_world_size: int
-    rng_restored: bool  # False: resumed at another world size, RNGs reseeded (see ``rng.reseed``)
+    rng_restored: bool  # False: resumed at another world size or tp_size, RNGs reseeded (see ``rng.reseed``)
 
 
 def _file_names(rank: int, world: int, save_id: str) -> tuple[str, str]:
@@ -307,11 +307,11 @@ class CheckpointReader:
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manager: Any = None,
                     optimizer: torch.optim.Optimizer | None = None) -> CheckpointInfo:
-    """Restore what ``save_checkpoint`` wrote, at any world size; a collective.
+    """Restore what ``save_checkpoint`` wrote, at any world size and tensor-parallel size; a collective.
 
     Everything is validated, and the verdict agreed by all ranks, before anything is read or changed.
-    At the saved world size each rank gets its own RNG states back; at another one every rank reseeds
-    with ``rng.reseed(saved seed, step, rank)``.
+    At the saved world size and TP size each rank gets its own RNG states back; at another layout every
+    rank reseeds with ``rng.reseed(saved seed, step, rank)``.
     """
     directory = Path(directory)
     with collective_purpose("load_checkpoint", str(directory)):
