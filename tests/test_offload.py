@@ -284,3 +284,16 @@ def test_offloaded_pages_leave_the_process(tmp_path: Path, world_size: int, opti
         # Gradient shards left as their reduce-scatters ended; the optimizer step dropped what it touched.
         assert res["before_step"] <= 2 * res["largest_group"] + 8 * page, res
         assert res["after_step"] == 0, res
+
+
+def _generate_body(tmp: str) -> bool:
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(bmt.rank()))
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": VOCAB - 1}
+    plain = bmt.BMTrainModelWrapper(llama()).eval()
+    off = bmt.BMTrainModelWrapper(llama(), offload="disk", offload_dir=tmp).eval()
+    plain(ids), off(ids)  # first calls capture the schedule (as tests/test_generate.py does)
+    return torch.equal(plain.generate(ids, **settings), off.generate(ids, **settings))
+
+
+def test_generate_reads_offloaded_parameters(tmp_path: Path) -> None:
+    assert run_distributed(_generate_body, 2, str(tmp_path)) == [True, True]
