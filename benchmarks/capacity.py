@@ -4,7 +4,7 @@
         [--systems ddp,fsdp2,fsdp2_offload,deepspeed_zero3,bmt_wrapper,bmt_wrapper_budget,bmt_wrapper_mmap,
                    bmt_wrapper_disk,bmt_wrapper_offload]
         [--steps 3] [--starts SYSTEM=LAYERS,...] [--ceiling SYSTEM=LAYERS,...]
-    nice python benchmarks/capacity.py --step-time 13 [--out table.md]
+    nice python benchmarks/capacity.py --step-time 13 [--rounds 2] [--out table.md]
         [--out table.md]    # deepspeed_zero3 runs where `import deepspeed` works (DS_ACCELERATOR=cpu)
 
 For each limit B (bytes summed over the job's ranks) and system, the search starts from a prediction (for
@@ -337,36 +337,55 @@ def _fmt_gib(b: float) -> str:
 
 
 def step_times(args: argparse.Namespace) -> list[str]:
-    """``--step-time``: the same GPT trained in memory, with Adam's state on disk, and offloaded, side by side."""
-    layers, rows = args.step_time, []
-    base = None
-    for system in ("bmt_wrapper_mmap", "bmt_wrapper_disk", OFFLOAD):
-        print(f"  {system} {layers} layers, no limit ...", file=sys.stderr, flush=True)
-        r = probe(system, layers, 0, args.world_size, args.steps, args.timeout)
-        if not r["ok"]:
-            rows.append(f"| {system} | {layers} | failed: {r['why'][:100]} | - | - | - | - | - |")
+    """``--step-time``: the same GPT trained in memory, with Adam's state on disk, and offloaded, side by side:
+    ``--rounds`` rounds, the three systems in turn within each, so a change in the machine's load meets all
+    three alike."""
+    layers, systems = args.step_time, ("bmt_wrapper_mmap", "bmt_wrapper_disk", OFFLOAD)
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    peaks: dict[str, int] = {s: 0 for s in systems}
+    reads: dict[str, list[dict]] = {s: [] for s in systems}
+    failed: dict[str, str] = {}
+    for round_ in range(args.rounds):
+        for system in systems:
+            print(f"  round {round_ + 1}: {system} {layers} layers, no limit ...", file=sys.stderr, flush=True)
+            r = probe(system, layers, 0, args.world_size, args.steps, args.timeout)
+            if not r["ok"]:
+                failed[system] = r["why"][:100]
+                continue
+            res = r["results"]
+            times[system] += [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
+            peaks[system] = max(peaks[system], *r["rank_peaks"])
+            # per step, the slowest rank's
+            reads[system] += [max((x["offload_reads"] for x in res if x.get("offload_reads")),
+                                  key=lambda x: x["read_s"], default=None) or {}]
+    median = {s: statistics.median(t) for s, t in times.items() if t}
+    rows = []
+    for system in systems:
+        if system not in median:
+            rows.append(f"| {system} | {layers} | failed: {failed.get(system, '?')} | - | - | - | - | - | - |")
             continue
-        res = r["results"]
-        times = [max(step) for step in zip(*(x["times"] for x in res), strict=True)]
-        median = statistics.median(times)
-        base = base or median
-        reads = [x["offload_reads"] for x in res if x.get("offload_reads")]
-        steps = len(res[0]["losses"])
-        read_s = max(x["read_s"] for x in reads) / steps if reads else None
-        waited_s = max(x["waited_s"] for x in reads) / steps if reads else None
-        hidden = f"{1 - waited_s / read_s:.0%}" if reads and read_s else "-"
-        rows.append(f"| {system} | {layers} | {median:.2f} | {median / base:.2f}x | "
-                    f"{_fmt_gib(max(r['rank_peaks']))} | "
-                    f"{f'{read_s:.2f}' if read_s is not None else '-'} | "
-                    f"{f'{waited_s:.2f}' if waited_s is not None else '-'} | {hidden} |")
+        done = [x for x in reads[system] if x]
+        steps = args.steps * len(done)
+        read_s = sum(x["read_s"] for x in done) / steps if done else None
+        waited_s = sum(x["waited_s"] for x in done) / steps if done else None
+        hidden = f"{1 - waited_s / read_s:.0%}" if done and read_s else "-"
+        ratio = {b: f"{median[system] / median[b]:.2f}x" if b in median else "-"
+                 for b in ("bmt_wrapper_mmap", "bmt_wrapper_disk")}
+        rows.append(f"| {system} | {layers} | {median[system]:.2f} | {ratio['bmt_wrapper_mmap']} | "
+                    f"{ratio['bmt_wrapper_disk']} | {_fmt_gib(peaks[system])} | "
+                    f"{f'{read_s:.3f}' if read_s is not None else '-'} | "
+                    f"{f'{waited_s:.3f}' if waited_s is not None else '-'} | {hidden} |")
     return [f"GPT d_model {D_MODEL}, vocab {VOCAB}, seq {SEQ}, batch 1/rank, {args.world_size} ranks, "
-            f"{args.steps} AdamW steps, no memory limit, OMP_NUM_THREADS=1, {', '.join(f'{k}={v}' for k, v in MMAP_ENV.items())}; "
-            "offload files under the temp dir (a disk); step time: median over steps of the slowest rank; "
-            "shard reads: seconds per step the background thread spent reading the next block's shard "
-            "(MADV_POPULATE_READ), and seconds gathers waited for it, slowest rank",
-            "", "| system | layers | step s (median) | vs in memory | peak RSS/rank | shard reads s/step | "
-                "gathers waited s/step | reads hidden by compute |", "|---|---|---|---|---|---|---|---|",
-            *rows, "", "machine load while it ran: " + _load()]
+            f"{args.rounds} rounds x {args.steps} AdamW steps (the three systems in turn within a round), no "
+            f"memory limit, OMP_NUM_THREADS=1, {', '.join(f'{k}={v}' for k, v in MMAP_ENV.items())}; "
+            "bmt_wrapper_mmap trains with torch.optim.AdamW(fused=True), the other two with "
+            "AdamDiskOptimizer; offload files under the temp dir (a disk, its pages in the page cache: "
+            "memory was plentiful); step time: median over every step of the slowest rank; shard reads: "
+            "seconds per step the background thread spent reading the next block's shards "
+            "(MADV_POPULATE_READ), and seconds gathers waited for them",
+            "", "| system | layers | step s (median) | vs in memory | vs state on disk | peak RSS/rank | "
+                "shard reads s/step | gathers waited s/step | reads hidden by compute |",
+            "|---|---|---|---|---|---|---|---|---|", *rows, "", "machine load while it ran: " + _load()]
 
 
 def main() -> None:
@@ -387,6 +406,7 @@ def main() -> None:
     p.add_argument("--step-time", type=int, default=None, metavar="LAYERS",
                    help="instead of searching: step times of the in-memory, state-on-disk and offloaded "
                         "wrapper at LAYERS layers, side by side, without a limit")
+    p.add_argument("--rounds", type=int, default=2, help="with --step-time: rounds of the three systems")
     p.add_argument("--out", type=Path, default=HERE / "results" / "capacity.md")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
