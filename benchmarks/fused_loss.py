@@ -203,8 +203,9 @@ def main() -> None:
         plans = (None, None) if args.no_plan else (plan_peak("unfused", seq, args), plan_peak("fused", seq, args))
         rows.append((seq, merged(runs["unfused"]), merged(runs["fused"]), *plans))
     text = table(rows, args)
+    print(text, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(text)
     print(f"took {time.monotonic() - start:.0f} s; load average: {os.getloadavg()}", file=sys.stderr)
 
 
