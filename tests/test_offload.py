@@ -218,6 +218,26 @@ def test_truncated_file_is_a_named_error_on_every_rank(tmp_path: Path, world_siz
         assert msg.startswith("OffloadError"), (rank, msg)
 
 
+def _other_optimizer_body(tmp: str) -> list[str]:
+    """An offloaded model whose file was truncated, beside another optimizer over plain parameters (another
+    model, or a later test in the same process while the broken model waits for the collector)."""
+    off = bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir=tmp)
+    opt = _optimizer("ours", off, tmp)
+    _train(off, opt, "toy", _batches(2, 1)[:1], clip=False)
+    os.truncate(off._bmt_runtime.offload.path, 4096)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    plain = torch.optim.SGD([p], lr=0.5)
+    other = _raised(plain.step)
+    return [other, str(p.detach().tolist()), _raised(opt.step)]
+
+
+def test_a_truncated_file_stops_only_the_optimizers_that_read_it(tmp_path: Path) -> None:
+    other, value, own = run_distributed(_other_optimizer_body, 1, str(tmp_path))[0]
+    assert other == "no error" and value == "[0.5, 0.5, 0.5]", (other, value)
+    assert own.startswith("OffloadError") and "truncated or replaced" in own, own
+
+
 def _options_body(tmp: str) -> list[str]:
     out = []
     for kwargs in ({"offload": "host"}, {"offload": "nvme", "offload_dir": tmp}, {"offload_dir": tmp},

@@ -145,10 +145,17 @@ def note_touched(t: torch.Tensor) -> None:
 _HOOKS: list[object] = []
 
 
-def _check_before_step(optimizer: object, args: object, kwargs: object) -> None:
-    problem = next((p for p in (f.truncated() for f in list(_files) if not f.closed) if p is not None), None)
-    if problem is not None:
-        raise OffloadError(problem)
+def _check_before_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    # Only the files this optimizer reads: another model's broken file (one waiting for the collector after
+    # its own error) must not stop an optimizer that never touches it.
+    # A sharded parameter's memory is its local range (sharded_tensor.py imports this module: duck-typed).
+    params = [p.to_local() if hasattr(p, "to_local") else p for group in optimizer.param_groups
+              for p in group["params"]]
+    for f in list(_files):
+        if not f.closed and any(f.holds(p) for p in params):
+            problem = f.truncated()
+            if problem is not None:
+                raise OffloadError(problem)
 
 
 def _install_step_hooks() -> None:
@@ -179,6 +186,7 @@ class ShardFile(BackingFile):
         self._reader: ThreadPoolExecutor | None = None
         self._reads: dict[int, Future] = {}  # by start address: read-ahead in flight
         self._lock = threading.Lock()
+        self._spans: list[tuple[int, int]] = []  # this file's mappings: (start, end) addresses
         _files.add(self)
         _install_step_hooks()
 
@@ -196,8 +204,14 @@ class ShardFile(BackingFile):
         t = torch.frombuffer(mm, dtype=torch.uint8)[:numel * dtype.itemsize].view(dtype)
         start = t.data_ptr()
         _register(start, start + nbytes)
+        self._spans.append((start, start + nbytes))
         weakref.finalize(mm, _unregister, start)
         return t
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """True when ``t``'s memory lies in one of this file's mappings."""
+        addr = t.data_ptr()
+        return t.numel() > 0 and any(start <= addr < end for start, end in self._spans)
 
     def read_ahead(self, tensors: list[torch.Tensor]) -> None:
         """Start reading ``tensors``' pages on the reader thread (they are gathered next)."""
