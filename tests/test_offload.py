@@ -177,15 +177,21 @@ def _full_disk_body(tmp: str, failing: int) -> str:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def _assert_named_on_every_rank(out: list[str], failing: int, why: str, others_name_it: bool) -> None:
+    """The failing rank's error says ``why`` and names the file; every rank's is an OffloadError (naming
+    the failing rank, where ``others_name_it``)."""
+    assert why in out[failing] and "shards.bin" in out[failing], out[failing]
+    for rank, msg in enumerate(out):
+        assert msg.startswith("OffloadError"), (rank, msg)
+        if others_name_it and rank != failing:
+            assert f"rank(s) [{failing}]" in msg, msg
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_full_disk_is_a_named_error_on_every_rank(tmp_path: Path, world_size: int) -> None:
     failing = world_size - 1
     out = run_distributed(_full_disk_body, world_size, str(tmp_path), failing)
-    assert "cannot reserve" in out[failing] and "shards.bin" in out[failing], out[failing]
-    for rank, msg in enumerate(out):
-        assert msg.startswith("OffloadError"), (rank, msg)
-        if rank != failing:
-            assert f"rank(s) [{failing}]" in msg, msg
+    _assert_named_on_every_rank(out, failing, "cannot reserve", others_name_it=True)
 
 
 def _missing_dir_body(tmp: str) -> str:
@@ -199,32 +205,32 @@ def test_unwritable_directory_is_a_named_error_on_every_rank(tmp_path: Path) -> 
     assert out[0].startswith("OffloadError") and "rank(s) [1]" in out[0], out[0]
 
 
-def _truncated_body(tmp: str, failing: int) -> str:
-    batches = _batches(2, 1)
+def _trained_then_truncated(tmp: str, truncate: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An offloaded toy model trained one step, its file then cut to one page where ``truncate``."""
     off = bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir=tmp)
     opt = _optimizer("ours", off, tmp)
-    _train(off, opt, "toy", batches[:1], clip=False)
-    if bmt.rank() == failing:
+    _train(off, opt, "toy", _batches(2, 1)[:1], clip=False)
+    if truncate:
         os.truncate(off._bmt_runtime.offload.path, 4096)
-    return _raised(lambda: _train(off, opt, "toy", batches[1:], clip=False))
+    return off, opt
+
+
+def _truncated_body(tmp: str, failing: int) -> str:
+    off, opt = _trained_then_truncated(tmp, bmt.rank() == failing)
+    return _raised(lambda: _train(off, opt, "toy", _batches(2, 1)[1:], clip=False))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_truncated_file_is_a_named_error_on_every_rank(tmp_path: Path, world_size: int) -> None:
     failing = world_size - 1
     out = run_distributed(_truncated_body, world_size, str(tmp_path), failing)
-    assert "truncated or replaced" in out[failing] and "shards.bin" in out[failing], out[failing]
-    for rank, msg in enumerate(out):
-        assert msg.startswith("OffloadError"), (rank, msg)
+    _assert_named_on_every_rank(out, failing, "truncated or replaced", others_name_it=False)
 
 
 def _other_optimizer_body(tmp: str) -> list[str]:
     """An offloaded model whose file was truncated, beside another optimizer over plain parameters (another
     model, or a later test in the same process while the broken model waits for the collector)."""
-    off = bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir=tmp)
-    opt = _optimizer("ours", off, tmp)
-    _train(off, opt, "toy", _batches(2, 1)[:1], clip=False)
-    os.truncate(off._bmt_runtime.offload.path, 4096)
+    _, opt = _trained_then_truncated(tmp, truncate=True)
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
     plain = torch.optim.SGD([p], lr=0.5)
