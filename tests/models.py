@@ -54,17 +54,22 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: the repeated unit of every toy transformer."""
 
-    def __init__(self, dim: int = DIM) -> None:
+    def __init__(self, dim: int = DIM, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = Attention(dim)
         self.ln2 = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 4 * dim)
         self.fc2 = nn.Linear(4 * dim, dim)
+        # Residual dropout after each sublayer (GPT-2's resid_pdrop), only when asked for.
+        self.drop = nn.Dropout(dropout) if dropout else None
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.drop is None else self.drop(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self._residual(self.attn(self.ln1(x)))
+        return x + self._residual(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
 class DecoderBlock(Block):
@@ -88,13 +93,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 # ---- toy models -----------------------------------------------------------------------------------
 class ToyGPT(nn.Module):
-    """Blocks: ``layers.0 .. layers.{n-1}`` (a ModuleList). ``tie=True`` ties ``head.weight`` to ``embed.weight``."""
+    """Blocks: ``layers.0 .. layers.{n-1}`` (a ModuleList). ``tie=True`` ties ``head.weight`` to ``embed.weight``;
+    ``dropout=p``: residual dropout in each block."""
 
-    def __init__(self, n_layers: int = 4, dim: int = DIM, vocab: int = VOCAB, tie: bool = False) -> None:
+    def __init__(self, n_layers: int = 4, dim: int = DIM, vocab: int = VOCAB, tie: bool = False,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(SEQ * 4, dim) * 0.02)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Block(dim, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:

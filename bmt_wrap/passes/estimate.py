@@ -104,7 +104,7 @@ def shards_on_disk(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
 
 
 def estimate_tp(plan: WrapPlan, dp_size: int, tokens: int | None,
-                activations: ActivationProfile | None = None) -> MemoryEstimate:
+                activations: ActivationProfile | None = None, dp_rank: int = 0) -> MemoryEstimate:
     """``estimate`` for ZeRO-3 over ``dp_size`` data-parallel ranks (split parameters in their TP-local shapes),
     plus the TP group's traffic: activations all-reduced and gathered for ``tokens`` tokens per rank (None:
     unknown). Recomputed blocks run their forward collectives twice (forward and recompute), as the runtime does.
@@ -123,9 +123,31 @@ def estimate_tp(plan: WrapPlan, dp_size: int, tokens: int | None,
     calls = Counter(plan.order or [g.name for g in plan.blocks()])
     traffic = tp.traffic(tokens, itemsize(compute), {g.name for g in plan.blocks() if g.checkpoint}, dict(calls))
     est.comm_tp = sum(traffic.values())
-    est.comm_all_reduce += traffic["all_reduce"]
+    est.comm_all_reduce += traffic["all_reduce"] + partial_grad_traffic(plan, dp_size, dp_rank)
     est.comm_all_gather += traffic["all_gather"]
+    est.comm_reduce_scatter += traffic["reduce_scatter"]
+    est.comm_tp += partial_grad_traffic(plan, dp_size, dp_rank)
     return est
+
+
+def partial_grad_traffic(plan: WrapPlan, dp_size: int, dp_rank: int = 0) -> int:
+    """Bytes data-parallel rank ``dp_rank`` all-reduces over the TP group per step to sum the gradients of
+    parameters sequence parallelism uses on sequence parts (its shard's part of them; 0 without)."""
+    tp = plan.tensor_parallel
+    sp = tp.sequence if tp is not None else None
+    if sp is None or not sp.enabled or tp.tp_size == 1:
+        return 0
+    partial, total = set(sp.partial), 0
+    for group in plan.groups:
+        for buf in group.buffers:
+            if not buf.requires_grad:
+                continue
+            elems = sum(b - a for s in buf.slots if s.fqn in partial
+                        for a, b in [buf.local_range(s, dp_rank, dp_size)])
+            dtype = buf.reduce_dtype or buf.dtype
+            if elems:
+                total += round(2 * elems * itemsize(dtype) * (tp.tp_size - 1) / tp.tp_size)
+    return total
 
 
 def estimate_mesh(plan: WrapPlan, world_size: int, shard_size: int, ranks_per_node: int,

@@ -6,6 +6,9 @@ tensor's. ``_tp_mode`` with ``_tp_split_dim = -1`` (BMTrain's mark for RowParall
 parameter every TP peer holds whole and computes the same gradient for. The marks are plain attributes,
 set before ZeRO wrapping by whoever slices (the explicit layers, the one-liner's pass) and carried to the
 sharded parameter, so save, load, norms and ``init_parameters`` read one convention.
+
+``_tp_sequence_part`` marks a whole parameter the one-liner's sequence parallelism uses on this TP rank's
+part of the sequence (a norm between the parallel linears): its gradient is a part, summed over the TP group.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 TP_MODE = "_tp_mode"
 TP_SPLIT_DIM = "_tp_split_dim"
 TP_ORIGINAL_SHAPE = "_tp_original_shape"
+TP_SEQUENCE_PART = "_tp_sequence_part"
 _MARKS = (TP_MODE, TP_SPLIT_DIM, TP_ORIGINAL_SHAPE)
 
 
@@ -48,11 +52,23 @@ def tp_full_shape(p: torch.Tensor) -> torch.Size:
     return torch.Size(getattr(p, TP_ORIGINAL_SHAPE)) if tp_split_dim(p) is not None else p.shape
 
 
+def mark_sequence_part(p: torch.Tensor) -> None:
+    """Mark whole parameter ``p`` as used on this TP rank's part of the sequence (its gradient is a part)."""
+    setattr(p, TP_SEQUENCE_PART, True)
+
+
+def sequence_part(p: torch.Tensor) -> bool:
+    """True for a parameter marked by ``mark_sequence_part``."""
+    return bool(getattr(p, TP_SEQUENCE_PART, False))
+
+
 def copy_tp_marks(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Give ``dst`` (the sharded parameter that replaces ``src``) ``src``'s marks, if it has any."""
     if getattr(src, TP_MODE, False):
         for name in _MARKS:
             setattr(dst, name, getattr(src, name))
+    if sequence_part(src):
+        mark_sequence_part(dst)
 
 
 def tp_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ one-liner's replicated parameters, which see the same activations on every peer)
 when each peer runs it on its own part of the sequence (BMTrain's sequence-split activations between
 its parallel linears: layer norms, position embeddings): those are summed over the TP group after the
 dp reduce-scatter, as BMTrain's reduction over the world sums them. Unmarked parameters of the explicit
-API are of that second kind, as in BMTrain; a wrapped model's are of the first.
+API are of that second kind, as in BMTrain; a wrapped model's are of the first, except those its sequence
+parallelism runs on sequence parts (marked ``_tp_sequence_part``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
-from .tp_marks import tp_identical, tp_split_dim
+from .tp_marks import sequence_part, tp_identical, tp_split_dim
 
 
 def broadcast_under_tp(buf: FlatBuffer, full: torch.Tensor, originals: list[torch.Tensor | None],
@@ -43,8 +44,9 @@ def tp_sum_ranges(buf: FlatBuffer, tp: Communicator, sum_unmarked: bool
     """The TP group and this rank's gradient-shard ranges it sums, merged where adjacent; None if none."""
     ranges: list[tuple[int, int]] = []
     for p, (a, b) in zip(buf.params, buf.local_ranges, strict=True):
-        whole = tp_split_dim(p) is None
-        if a == b or not whole or tp_identical(p) or not sum_unmarked:
+        if a == b or tp_split_dim(p) is not None:
+            continue
+        if not sequence_part(p) and (tp_identical(p) or not sum_unmarked):
             continue
         if ranges and ranges[-1][1] == a:
             ranges[-1] = (ranges[-1][0], b)

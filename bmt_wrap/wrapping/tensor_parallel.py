@@ -23,8 +23,9 @@ from ..job import distributed
 from ..job.tp_inputs import check_tp_inputs_agree
 from ..runtime.comm import Communicator, TensorParallelLayout
 from ..runtime.tp_marks import mark_tp, tp_slice
-from ..runtime.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from ..runtime.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_tp, scatter_to_tp
 from .compiled import never_traced
+from .sequence_parallel import apply_sequence_parallel
 
 
 def tensor_parallel_layout(tp_size: int | None, mesh: Any) -> TensorParallelLayout | None:
@@ -52,8 +53,10 @@ def tensor_parallel_layout(tp_size: int | None, mesh: Any) -> TensorParallelLayo
 
 def tensor_parallel_section(model: nn.Module, discovery: passes.Discovery,
                             layout: TensorParallelLayout | None, plan: WrapPlan | None,
-                            tp_plan: dict[str, str] | None) -> TensorParallelPlan | None:
-    """The plan's TP section: ``plan=``'s own, or the pass's for this model; None without TP."""
+                            tp_plan: dict[str, str] | None, sequence_parallel: bool = False
+                            ) -> TensorParallelPlan | None:
+    """The plan's TP section: ``plan=``'s own, or the pass's for this model (with its sequence-parallel
+    section when ``sequence_parallel``); None without TP."""
     given = plan.tensor_parallel if isinstance(plan, WrapPlan) else None
     if layout is None:
         if given is not None:
@@ -69,7 +72,10 @@ def tensor_parallel_section(model: nn.Module, discovery: passes.Discovery,
         return given
     if plan is not None:
         raise PlanError("plan= has no tensor_parallel section: use model.plan of a model wrapped with TP")
-    return passes.plan_tensor_parallel(model, layout.tp_size, discovery, tp_plan)
+    tp = passes.plan_tensor_parallel(model, layout.tp_size, discovery, tp_plan)
+    if sequence_parallel:
+        tp.sequence = passes.plan_sequence_parallel(model, tp, discovery)
+    return tp
 
 
 def guard_tp_inputs(model: nn.Module) -> None:
@@ -97,6 +103,8 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallelPlan, comm: Commun
         module.forward = types.MethodType(_FORWARDS[entry.style], module)
     for head in tp.heads:
         setattr(modules[head.module], head.attribute, head.local)
+    if tp.sequence is not None and tp.sequence.enabled:
+        apply_sequence_parallel(model, tp.sequence, comm)
 
 
 def tp_split(module: nn.Module) -> tuple[str, Communicator] | None:
@@ -117,6 +125,7 @@ class _TPState:
 
     def __init__(self, comm: Communicator, entry: TPEntry) -> None:
         self.comm, self.style, self.kind = comm, entry.style, entry.kind
+        self.sequence: Any = None  # a SequenceState where sequence parallelism moves this module's activations
         rows = entry.full_shapes["weight"][0] // comm.world_size
         self.rows = (comm.rank * rows, (comm.rank + 1) * rows)
 
@@ -133,8 +142,13 @@ def _matmul(self: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _on_parts(self: nn.Module) -> bool:
+    return self._bmt_tp.sequence is not None and self._bmt_tp.sequence.active
+
+
 def _colwise(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _matmul(self, copy_to_tp(x, self._bmt_tp.comm), self.bias)
+    # Under sequence parallelism the input was gathered whole, and that gather's backward sums its gradient.
+    return _matmul(self, x if _on_parts(self) else copy_to_tp(x, self._bmt_tp.comm), self.bias)
 
 
 def _colwise_gather(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +157,11 @@ def _colwise_gather(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _rowwise(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # The bias is added once, after the sum: each rank's partial product has none.
-    y = reduce_from_tp(_matmul(self, x, None), self._bmt_tp.comm)
+    y = _matmul(self, x, None)
+    if _on_parts(self):
+        y = reduce_scatter_to_tp(y, self._bmt_tp.comm, self._bmt_tp.sequence.dim)
+    else:
+        y = reduce_from_tp(y, self._bmt_tp.comm)
     return y if self.bias is None else y + self.bias
 
 

@@ -88,7 +88,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         memory_budget: int | None = None, plan: WrapPlan | None = None,
                         example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
-                        fused_loss: bool = False, offload: str | None = None,
+                        sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
@@ -103,7 +103,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``tp_size=T`` (or a 2-D mesh with dims ("dp", "tp")): tensor parallelism over T adjacent ranks, ZeRO-3
     over the data-parallel ranks; the modules split come from ``tp_plan=`` (transformers' vocabulary), the
     transformers model's own tp plan, or column -> row Linear pairs in its blocks (listed in
-    ``model.plan.tensor_parallel``).
+    ``model.plan.tensor_parallel``). ``sequence_parallel=True`` (with TP): norms, dropout and residual adds
+    between the parallel Linears run on this TP rank's part of the sequence (Megatron-SP), where the plan
+    proves it safe; ``model.plan.tensor_parallel.sequence`` says where and why not elsewhere.
     ``fused_loss=True``: the projection to the vocabulary and the cross-entropy it feeds run as one chunked op
     (the logits are never whole); a training call that computes the loss returns ``logits=None``.
     ``model.plan.fused_loss`` says what was found, or why not, and the logits' bytes at the captured input.
@@ -130,7 +132,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                    "memory_budget": memory_budget, "offload": offload if offload == "disk" else None}
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
-        tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan)
+        tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
         built = plan is None
         if plan is None:
             mine, failure = None, None
