@@ -5,18 +5,21 @@ the norms' saved input activations measured at 1/T of plain TP's, and bytes coun
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 import models
 import pytest
 import torch
 from dist_harness import raised, run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from parity import lm_batches, train_side_by_side
 from test_tp_plan import TOY_PLAN
 from test_tp_wrap import llama_mha
 
 import bmt_wrap as bmt
 from bmt_wrap import passes
+from bmt_wrap.base.tp_plan import tp_text
 
 
 def _hf_loss(model, ids):
@@ -174,3 +177,129 @@ def test_norm_activations_per_rank_are_one_tth(name: str, tp: int) -> None:
             assert all(sp[n] * tp == plain[n] for n in final), r
         else:  # each Llama block gathers its output: the final norm sees the whole sequence
             assert all(sp[n] == plain[n] for n in final), r
+
+
+# ---- the plan (one process) ------------------------------------------------------------------------------
+def _sp_plan(model: torch.nn.Module, t: int = 2, tp_plan: dict | None = None):
+    discovery = passes.discover_blocks(model)
+    tp = passes.plan_tensor_parallel(model, t, discovery, tp_plan)
+    tp.sequence = passes.plan_sequence_parallel(model, tp, discovery)
+    return tp
+
+
+@given(n_layers=st.integers(2, 4), dropout=st.sampled_from([0.0, 0.1]), tie=st.booleans(), t=st.sampled_from([2, 4]))
+@settings(max_examples=12, deadline=None)
+def test_toy_plan_chains_its_blocks_to_the_head(n_layers: int, dropout: float, tie: bool, t: int) -> None:
+    model = models.ToyGPT(n_layers=n_layers, dropout=dropout, tie=tie)
+    sp = _sp_plan(model, t, TOY_PLAN).sequence
+    kinds = {(p.module, p.kind) for p in sp.points}
+    assert sp.enabled and not sp.reasons
+    # cut once where the first block is entered (after the embedding and the position add), gathered where
+    # the head reads the final norm's output; nothing between the blocks
+    assert {(m, k) for m, k in kinds if k in ("enter", "leave", "head", "head_whole")} == {
+        ("layers.0", "enter"), ("head", "head")}
+    assert {(f"layers.{i}.attn", "unit") for i in range(n_layers)} <= kinds
+    assert {(f"layers.{i}.fc1", "gather") for i in range(n_layers)} <= kinds
+    norms = [f"layers.{i}.{ln}.{w}" for i in range(n_layers) for ln in ("ln1", "ln2") for w in ("weight", "bias")]
+    biases = [f"layers.{i}.{row}.bias" for i in range(n_layers) for row in ("attn.o", "fc2")]
+    assert sp.partial == sorted([*norms, *biases, "ln_f.weight", "ln_f.bias"])
+    assert sp.dropouts == ([f"layers.{i}.drop" for i in range(n_layers)] if dropout else [])
+    again = type(sp).from_dict(dataclasses.asdict(sp))
+    assert again == sp
+
+
+def test_llama_plan_gathers_attention_by_keyword_and_says_why_blocks_are_not_chained() -> None:
+    sp = _sp_plan(llama_mha()).sequence
+    units = {p.module: p.arg for p in sp.points if p.kind == "unit"}
+    assert units == {"model.layers.0.self_attn": "hidden_states", "model.layers.0.mlp": 0,
+                     "model.layers.1.self_attn": "hidden_states", "model.layers.1.mlp": 0}
+    assert sp.partial == [f"model.layers.{i}.{n}.weight" for i in range(2)
+                          for n in ("input_layernorm", "post_attention_layernorm")]
+    assert sp.enabled and len(sp.reasons) == 1 and "fx cannot trace LlamaForCausalLM" in sp.reasons[0]
+
+
+def test_attention_left_whole_keeps_its_block_off_with_the_reason() -> None:
+    # No tp_plan: only the MLP pairs are derived; the attention, whole on every rank, mixes tokens, so the
+    # block cannot run on sequence parts.
+    tp = _sp_plan(models.ToyGPT())
+    assert not tp.sequence.enabled and not tp.sequence.points
+    assert tp.sequence.reasons[0] == ("block layers.0: getattr(ln1, 'shape') in layers.0.attn (Attention) is not "
+                                      "token-wise and would get a sequence part")
+    assert "not sequence parallel: block layers.3" in "\n".join(tp_text(tp))
+
+
+def test_untraceable_block_is_off_with_the_reason() -> None:
+    sp = _sp_plan(models.gpt2()).sequence
+    assert not sp.enabled and all("fx cannot trace GPT2Block" in r for r in sp.reasons) and len(sp.reasons) == 2
+
+
+# ---- lengths that do not divide ---------------------------------------------------------------------------
+def _length_body() -> dict:
+    build, _, _, tp_plan = _setup("toy")
+    ref = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2, tp_plan=tp_plan)
+    model = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2, tp_plan=tp_plan, sequence_parallel=True)
+    ids = torch.arange(14).remainder(models.VOCAB).view(2, 7)
+    with torch.no_grad():  # generate()'s steps: run as plain TP, the same function
+        same = torch.equal(model(ids), ref(ids))
+        even = torch.allclose(model(ids[:, :6]), ref(ids[:, :6]), rtol=1e-5, atol=1e-6)
+    return {"same": same, "even": even, "raised": raised(lambda: model(ids, ids))}
+
+
+def test_odd_length_runs_as_plain_tp_without_grad_and_is_a_named_error_in_training() -> None:
+    for r in run_distributed(_length_body, 2):
+        assert r["same"] and r["even"], r
+        kind, message = r["raised"]
+        assert kind == "TPShapeError" and "layers.0" in message and "pad_to_multiple_of=2" in message, r
+
+
+@given(t=st.sampled_from([2, 4]), batch=st.integers(1, 3), part=st.integers(1, 5), p=st.sampled_from([0.1, 0.5]))
+@settings(max_examples=12, deadline=None)
+def test_dropout_on_a_part_is_one_processs_dropout_on_that_part_bit_for_bit(t: int, batch: int, part: int,
+                                                                           p: float) -> None:
+    # Each TP rank's dropout (rank and size are all it reads of its group) against torch's on the whole
+    # sequence, from the same RNG state.
+    from types import SimpleNamespace
+
+    from bmt_wrap.wrapping.sequence_parallel import SequenceState, _dropout_on_part
+
+    whole = torch.randn(batch, part * t, 8)
+    torch.manual_seed(5)
+    want = torch.nn.functional.dropout(whole, p, training=True)
+    for rank in range(t):
+        drop = torch.nn.Dropout(p)
+        drop._bmt_sequence = SequenceState(SimpleNamespace(world_size=t, rank=rank), 1)
+        torch.manual_seed(5)
+        got = _dropout_on_part(drop, whole[:, rank * part:(rank + 1) * part])
+        assert torch.equal(got, want[:, rank * part:(rank + 1) * part])
+
+
+def _no_sync_body() -> dict:
+    from parity import whole
+
+    build, batches, _, tp_plan = _setup("toy", steps=1, batch=8)
+    ref = models.seeded(build)
+    model = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2, tp_plan=tp_plan, sequence_parallel=True)
+    again = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2,
+                                    plan=bmt.WrapPlan.from_json(model.plan.to_json()))
+    dp, n = bmt.rank() // 2, 2
+    ids, tgt = (t.chunk(n)[dp] for t in batches[0])
+    with model.no_sync():
+        (model(ids[:2], tgt[:2]) / 2).backward()
+    (model(ids[2:], tgt[2:]) / 2).backward()
+    for r in range(n):  # the reference: every dp rank's two micro-batches, averaged over dp
+        rids, rtgt = (t.chunk(n)[r] for t in batches[0])
+        (ref(rids[:2], rtgt[:2]) / 2 / n).backward()
+        (ref(rids[2:], rtgt[2:]) / 2 / n).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(whole(p.grad, p), refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        same = torch.equal(again(ids), model(ids))
+    return {"replanned": again.plan.tensor_parallel.sequence == model.plan.tensor_parallel.sequence, "same": same}
+
+
+def test_no_sync_accumulates_like_plain_pytorch_and_plan_reapplies() -> None:
+    # tp2 x dp2: two micro-batches, the first under no_sync(); the parts' gradients are summed over TP once
+    # the accumulated gradient is reduced. A saved plan re-applies the same sequence-parallel section.
+    results = run_distributed(_no_sync_body, 4)
+    assert all(r == {"replanned": True, "same": True} for r in results), results

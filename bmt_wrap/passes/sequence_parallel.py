@@ -86,7 +86,7 @@ def plan_sequence_parallel(model: nn.Module, tp: TensorParallelPlan, discovery: 
     sp.enabled = any(p.kind == "row" for p in sp.points)
     if not sp.enabled and not sp.reasons:
         sp.reasons.append("no block holds a column -> row pair of the TP plan")
-    sp.partial = sorted(set(sp.partial))
+    sp.partial, sp.dropouts = sorted(set(sp.partial)), sorted(set(sp.dropouts))
     return sp
 
 
@@ -180,7 +180,7 @@ class _Walk:
         for a in nested:
             for leaf in _nodes_in(a):
                 if self.state[leaf] in (_SPLIT, _TP):
-                    raise _NotSafe(f"{node.format_node()} gets the sequence part inside a container")
+                    raise _NotSafe(f"{self._where(node)} gets a sequence part inside a container")
         return found
 
     def _step(self, node: fx.Node) -> str:
@@ -198,9 +198,9 @@ class _Walk:
         elementwise = (node.op == "call_function" and node.target in _TOKEN_WISE_FUNCS) or (
             node.op == "call_method" and node.target in _TOKEN_WISE_METHODS)
         if not elementwise:
-            raise _NotSafe(f"{node.format_node()} is not token-wise and gets a sequence part")
+            raise _NotSafe(f"{self._where(node)} is not token-wise and would get a sequence part")
         if _WHOLE in kinds or {_SPLIT, _TP} <= kinds:
-            raise _NotSafe(f"{node.format_node()} mixes a sequence part with a tensor the block holds whole")
+            raise _NotSafe(f"{self._where(node)} mixes a sequence part with a tensor the block gets whole")
         self.partial += [f"{self.fqn}.{a.target}" for a in _nodes_in((node.args, node.kwargs))
                          if a.op == "get_attr"]
         return _SPLIT if _SPLIT in kinds else _TP
@@ -210,7 +210,7 @@ class _Walk:
         cut = [(where, s) for where, s in states if s in (_SPLIT, _TP)]
         where, state = cut[0]
         if len(cut) > 1:
-            raise _NotSafe(f"{node.format_node()} gets more than one sequence part")
+            raise _NotSafe(f"{self._where(node)} gets more than one sequence part")
         entry = self.inside.get(target)
         if target in self.units and state == _SPLIT:
             if target in self.unit_args:
@@ -231,6 +231,21 @@ class _Walk:
                 self.dropouts.append(f"{self.fqn}.{target}")
             return _SPLIT
         raise _NotSafe(f"{target} ({type(module).__name__}) is not token-wise and gets a sequence part")
+
+    def _where(self, node: fx.Node) -> str:
+        """``node`` for people: the op, and the module whose code runs it."""
+        if node.op == "call_module":
+            what = f"{self.fqn}.{node.target} ({type(self.block.get_submodule(node.target)).__name__})"
+        else:
+            args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
+            name = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+            what = f"{'.' if node.op == 'call_method' else ''}{name}({args})"
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        if stack and node.op != "call_module":
+            inner, cls = stack[-1]
+            cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+            what += f" in {self.fqn}.{inner} ({cls_name.rpartition('.')[2]})"
+        return what
 
     def _output(self, node: fx.Node) -> None:
         out = node.args[0]
