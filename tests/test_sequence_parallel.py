@@ -303,3 +303,35 @@ def test_no_sync_accumulates_like_plain_pytorch_and_plan_reapplies() -> None:
     # the accumulated gradient is reduced. A saved plan re-applies the same sequence-parallel section.
     results = run_distributed(_no_sync_body, 4)
     assert all(r == {"replanned": True, "same": True} for r in results), results
+
+
+class _CollectingGPT(models.ToyGPT):
+    """The toy GPT returning every block's output when ``collect`` is set (fx bakes the flag's value at wrap
+    time, as a config flag such as ``output_hidden_states`` would be)."""
+
+    collect = False
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        states = []
+        for layer in self.layers:
+            x = layer(x)
+            states.append(x)
+        loss = models.lm_loss(self.head(self.ln_f(x)), targets)
+        return (loss, states) if self.collect else loss
+
+
+def _escape_body() -> dict:
+    build, batches, _, tp_plan = _setup("toy", steps=1)
+    model = bmt.BMTrainModelWrapper(models.seeded(_CollectingGPT), tp_size=2, tp_plan=tp_plan,
+                                    sequence_parallel=True)
+    ids, tgt = batches[0]
+    model(ids, tgt).backward()
+    model.collect = True
+    return {"raised": raised(lambda: model(ids, tgt))}
+
+
+def test_a_cut_block_output_reaching_the_caller_is_a_named_error() -> None:
+    for r in run_distributed(_escape_body, 2):
+        kind, message = r["raised"]
+        assert kind == "TensorParallelError" and "_CollectingGPT returned a block's output cut" in message, r

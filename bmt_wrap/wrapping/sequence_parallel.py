@@ -18,7 +18,7 @@ from torch import nn
 
 from ..base._compat import pytree
 from ..base.tp_plan import SequenceParallel
-from ..errors import TPShapeError
+from ..errors import TensorParallelError, TPShapeError
 from ..runtime.comm import Communicator
 from ..runtime.tp_marks import mark_sequence_part
 from ..runtime.tp_ops import gather_from_tp, gather_sum_grads, scatter_to_tp
@@ -57,6 +57,12 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Commun
     for name in sp.partial:
         mark_sequence_part(params[name])
     model.register_forward_pre_hook(never_traced(_decide(state)), with_kwargs=True)
+    # Blocks chained by the root's graph hand on cut outputs: one reaching the caller means the root kept a
+    # block's output in a way that graph did not show (a branch taken only now, e.g. every layer's states).
+    leaving = {p.module for p in sp.points if p.kind == "leave"}
+    for block in sorted({p.block for p in sp.points if p.block is not None} - leaving):
+        modules[block].register_forward_hook(never_traced(lambda m, a, out: _mark_cut(out, state)))
+    model.register_forward_hook(never_traced(lambda m, a, out: _refuse_cut(m, out, state)))
 
 
 def _decide(state: SequenceState) -> Any:
@@ -101,6 +107,24 @@ def _gather_first(out: Any, state: SequenceState) -> Any:
     if isinstance(out, torch.Tensor):
         return gather_from_tp(out, state.comm, state.dim)
     return (gather_from_tp(out[0], state.comm, state.dim), *out[1:])
+
+
+_CUT = "_bmt_sequence_part"
+
+
+def _mark_cut(out: Any, state: SequenceState) -> None:
+    first = out if isinstance(out, torch.Tensor) else out[0]
+    if state.active:
+        setattr(first, _CUT, True)
+
+
+def _refuse_cut(model: nn.Module, out: Any, state: SequenceState) -> None:
+    if state.active and any(getattr(t, _CUT, False) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+        raise TensorParallelError(
+            f"sequence_parallel=True: {type(model).__name__} returned a block's output cut along the sequence "
+            "(its forward kept a block's output, e.g. every layer's hidden states when asked for them): the "
+            "blocks were chained from the root's fx graph at wrap time, which did not show that use. Wrap with "
+            "sequence_parallel=False for such calls")
 
 
 def _dropout_on_part(self: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
