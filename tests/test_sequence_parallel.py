@@ -60,7 +60,9 @@ def _parity_body(name: str, tp: int, optimizer: str, checkpoint: bool = True) ->
 def test_sequence_parallel_matches_plain_pytorch_sgd(name: str, world: int, tp: int) -> None:
     results = run_distributed(_parity_body, world, name, tp, "sgd")
     assert all(r["losses"] == results[0]["losses"] and len(r["losses"]) == 3 for r in results)
-    assert all(r["enabled"] and {"unit", "row", "column"} <= set(r["kinds"]) for r in results), results[0]
+    assert all(r["enabled"] and "row" in r["kinds"] and "unit_whole" in r["kinds"] for r in results), results[0]
+    if name == "llama":  # its MLP traces and reads its input only through its columns: Megatron's form
+        assert all({"unit", "column"} <= set(r["kinds"]) for r in results), results[0]
     if name == "toy":  # the root traces: blocks chained, the head gathers the final norm's output
         assert "sp enter layers.0" in results[0]["plan"] and "sp head head" in results[0]["plan"]
         assert "sp leave" not in results[0]["plan"]
@@ -198,7 +200,9 @@ def test_toy_plan_chains_its_blocks_to_the_head(n_layers: int, dropout: float, t
     # the head reads the final norm's output; nothing between the blocks
     assert {(m, k) for m, k in kinds if k in ("enter", "leave", "head", "head_whole")} == {
         ("layers.0", "enter"), ("head", "head")}
-    assert {(f"layers.{i}.attn", "unit") for i in range(n_layers)} <= kinds
+    # the attention takes (x, memory=None): fx would bake the branch on memory, so its gather's backward
+    # keeps a whole gradient and q/k/v keep their all-reduce
+    assert {(f"layers.{i}.attn", "unit_whole") for i in range(n_layers)} <= kinds
     assert {(f"layers.{i}.fc1", "gather") for i in range(n_layers)} <= kinds
     norms = [f"layers.{i}.{ln}.{w}" for i in range(n_layers) for ln in ("ln1", "ln2") for w in ("weight", "bias")]
     biases = [f"layers.{i}.{row}.bias" for i in range(n_layers) for row in ("attn.o", "fc2")]
@@ -210,9 +214,9 @@ def test_toy_plan_chains_its_blocks_to_the_head(n_layers: int, dropout: float, t
 
 def test_llama_plan_gathers_attention_by_keyword_and_says_why_blocks_are_not_chained() -> None:
     sp = _sp_plan(llama_mha()).sequence
-    units = {p.module: p.arg for p in sp.points if p.kind == "unit"}
-    assert units == {"model.layers.0.self_attn": "hidden_states", "model.layers.0.mlp": 0,
-                     "model.layers.1.self_attn": "hidden_states", "model.layers.1.mlp": 0}
+    units = {p.module: (p.arg, p.kind) for p in sp.points if p.kind.startswith("unit")}
+    assert units == {f"model.layers.{i}.{unit}": arg for i in range(2)
+                     for unit, arg in (("self_attn", ("hidden_states", "unit_whole")), ("mlp", (0, "unit")))}
     assert sp.partial == [f"model.layers.{i}.{n}.weight" for i in range(2)
                           for n in ("input_layernorm", "post_attention_layernorm")]
     assert sp.enabled and len(sp.reasons) == 1 and "fx cannot trace LlamaForCausalLM" in sp.reasons[0]
@@ -335,3 +339,32 @@ def test_a_cut_block_output_reaching_the_caller_is_a_named_error() -> None:
     for r in run_distributed(_escape_body, 2):
         kind, message = r["raised"]
         assert kind == "TensorParallelError" and "_CollectingGPT returned a block's output cut" in message, r
+
+
+ENC_DEC_PLAN = {f"{side}.*.{attn}.{p}": s for side, attns in (("encoder", ("attn",)), ("decoder", ("attn", "cross")))
+                for attn in attns for p, s in (("q", "colwise"), ("k", "colwise"), ("v", "colwise"), ("o", "rowwise"))}
+
+
+def _enc_dec_body() -> dict:
+    g = torch.Generator().manual_seed(4)
+    batches = [tuple(torch.randint(0, models.VOCAB, (2, 8), generator=g) for _ in range(2)) for _ in range(2)]
+    wrapped = []
+
+    def wrap(m: torch.nn.Module) -> torch.nn.Module:
+        wrapped.append(bmt.BMTrainModelWrapper(m, tp_size=2, tp_plan=ENC_DEC_PLAN, sequence_parallel=True))
+        return wrapped[0]
+
+    def loss(m, ids, dec):
+        return torch.nn.functional.cross_entropy(m(ids, dec).flatten(0, -2), dec.flatten())
+
+    result = train_side_by_side(models.EncoderDecoder, wrap, batches, loss_fn=loss, data_parallel=(0, 1))
+    kinds = {p.module: p.kind for p in wrapped[0].plan.tensor_parallel.sequence.points}
+    return {"losses": result["losses"], "cross": kinds.get("decoder.0.cross")}
+
+
+def test_cross_attention_reading_a_whole_tensor_matches_plain_pytorch() -> None:
+    # The decoder's cross-attention gathers its cut queries' input while its k/v columns read the encoder's
+    # output, which every rank holds whole: those columns must keep their all-reduce, or the encoder's
+    # gradients miss the other rank's part (what the gather's reduce-scatter form gave before).
+    results = run_distributed(_enc_dec_body, 2)
+    assert all(r["cross"] == "unit_whole" and len(r["losses"]) == 2 for r in results), results

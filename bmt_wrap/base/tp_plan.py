@@ -23,14 +23,16 @@ SPLIT_STYLES = ("colwise", "colwise_gather", "rowwise", "rowwise_split_input", "
 INPUT_DIGEST_BYTES = 8
 #: Where sequence parallelism moves activations along the sequence (``SPPoint.kind``), and the collectives
 #: each issues, forward then backward (elements per token of the whole sequence: ``SPPoint.width``):
-#: ``unit``: a module holding a column -> row pair gathers its hidden-states argument on entry;
-#: ``column``: a column Linear inside a unit (its input is already whole: no copy, no all-reduce);
+#: ``unit``: a module holding a column -> row pair gathers its hidden-states argument on entry, and the
+#: gather's backward sums the partial gradients of its columns (``column``: no copy, no all-reduce);
+#: ``unit_whole``: the same gather, whose backward keeps this rank's slice of a whole gradient (the unit's
+#: column Linears keep their copy and its all-reduce: right whatever the unit's unseen code does);
 #: ``gather``: a column Linear gathers its own input (its pair is elementwise, no reshape on the way);
 #: ``row``: a row Linear reduce-scatters its output along the sequence instead of all-reducing it;
 #: ``enter``: a block cuts its hidden-states input to this rank's part (backward gathers the gradient);
 #: ``leave``: a block gathers its output whole; ``head``: a root Linear gathers its input (the chain's end).
 SP_OPS: dict[str, tuple[list[str], list[str]]] = {
-    "unit": (["all_gather"], ["reduce_scatter"]), "column": ([], []),
+    "unit": (["all_gather"], ["reduce_scatter"]), "unit_whole": (["all_gather"], []), "column": ([], []),
     "gather": (["all_gather"], ["reduce_scatter"]), "row": (["reduce_scatter"], ["all_gather"]),
     "enter": ([], ["all_gather"]), "leave": (["all_gather"], []),
     "head": (["all_gather"], ["reduce_scatter"]), "head_whole": (["all_gather"], []),

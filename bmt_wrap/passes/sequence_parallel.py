@@ -10,14 +10,15 @@ input (its first argument, dimension ``dim`` the sequence) through the graph:
 
 - into a *unit* (a module holding column Linears and the row Linear they feed, and no other parameter: an
   attention, an MLP): the unit gathers that argument whole on entry and its row Linear reduce-scatters, so
-  the unit's own code (reshapes into heads, attention over every token) sees the whole sequence;
+  the unit's own code (reshapes into heads, attention over every token) sees the whole sequence (whether
+  the gather's backward may sum the columns' partial gradients is ``_columns_only``'s question);
 - into a column Linear of the block itself, whose pair is elementwise (``derive_pairs``' kind): it gathers
   its own input;
 - through token-wise ops only otherwise: norms over the last dimension, dropout, Linears left whole, and
   elementwise ops whose other operands are parameters or constants, never a tensor the block got whole.
 
-A unit's inside is not traced (transformers' attentions are not fx-traceable); its split is the TP plan's
-(the model's own or ``tp_plan=``), whose reshapes TP already relies on. The blocks are then chained through
+A unit's inside need not trace (transformers' attentions do not); its split is the TP plan's (the model's
+own or ``tp_plan=``), whose reshapes TP already relies on. The blocks are then chained through
 the root's fx graph where it traces (a block's output feeding only the next block's input stays cut; after
 the last block, token-wise root modules run cut up to the head, which gathers); where it does not, each
 block cuts its input on entry and gathers its output on exit. What cannot be proven is listed in
@@ -110,10 +111,16 @@ def _plan_block(model: nn.Module, fqn: str, entries: dict[str, TPEntry], sp: Seq
     graph = _trace(block, lambda m, q: q in units or token_wise(m))
     walk = _Walk(block, fqn, units, inside)
     walk.run(graph)
+    direct: set[str] = set()  # units whose columns read the gathered hidden states and nothing else does
     for unit in sorted(units):
         first = next(e for n, e in inside.items() if _parent(n) == unit and e.style == "colwise")
-        sp.points.append(SPPoint(f"{fqn}.{unit}", "unit", first.in_features, fqn, walk.unit_args[unit]))
+        sole = _columns_only(block.get_submodule(unit), {n.rpartition(".")[2] for n in inside if _parent(n) == unit})
+        direct |= {unit} if sole else set()
+        sp.points.append(SPPoint(f"{fqn}.{unit}", "unit" if sole else "unit_whole", first.in_features, fqn,
+                                 walk.unit_args[unit]))
     for name, e in sorted(inside.items()):
+        if e.style == "colwise" and _parent(name) in units and _parent(name) not in direct:
+            continue  # a plain column Linear of a unit_whole: its copy's all-reduce stays
         kind = ("row" if e.style == "rowwise" else "column" if _parent(name) in units else "gather")
         sp.points.append(SPPoint(e.module, kind, e.out_features if kind == "row" else e.in_features, fqn))
         if kind == "row" and "bias" in e.full_shapes:  # added after the reduce-scatter: to sequence parts
@@ -138,6 +145,30 @@ def _check_unit(block: nn.Module, unit: str, inside: dict[str, TPEntry]) -> None
     drops = [f"{unit}.{n}" for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if drops:
         raise _NotSafe(f"{unit} holds dropout {listed(drops)}, which may run on its row Linear's cut output")
+
+
+def _columns_only(unit: nn.Module, linears: set[str]) -> bool:
+    """True when ``unit``'s forward takes one argument and its graph uses it only as the input of its
+    column Linears (and for its shape): the gather's backward may then sum the columns' partial input
+    gradients (one reduce-scatter, Megatron's form). A forward with more parameters could branch on them
+    (fx would bake the branch), and an untraceable one is unseen: such a unit gathers with a backward that
+    keeps this rank's slice, its columns keeping their all-reduce ("unit_whole"), right whatever its code."""
+    params = list(inspect.signature(inspect.unwrap(type(unit).forward)).parameters.values())[1:]
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return False
+    try:
+        graph = _trace(unit, lambda m, q: linear_kind(m) is not None)
+    except _NotSafe:
+        return False
+    hidden = next(n for n in graph.nodes if n.op == "placeholder")
+    reads_shape = {"size", "dim"}
+    for user in hidden.users:
+        column = user.op == "call_module" and user.target in linears and user.args == (hidden,)
+        shape = (user.op == "call_function" and user.target is getattr and user.args[1:] == ("shape",)) or (
+            user.op == "call_method" and user.target in reads_shape)
+        if not (column or shape):
+            return False
+    return True
 
 
 class _Walk:

@@ -43,9 +43,10 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Commun
         module = modules[point.module]
         if point.kind in ("column", "gather", "head", "row"):
             module._bmt_tp.sequence = state
-        if point.kind in ("unit", "gather", "head", "head_whole"):
-            where = point.arg if point.kind == "unit" else 0
-            _hook_input(module, where, state, gather_from_tp if point.kind == "head_whole" else gather_sum_grads)
+        if point.kind in ("unit", "unit_whole", "gather", "head", "head_whole"):
+            where = point.arg if point.kind.startswith("unit") else 0
+            whole = point.kind in ("unit_whole", "head_whole")  # consumers hold whole gradients
+            _hook_input(module, where, state, gather_from_tp if whole else gather_sum_grads)
         elif point.kind == "enter":
             _hook_input(module, 0, state, _cut(point.module, state))
         elif point.kind == "leave":
