@@ -368,3 +368,20 @@ def test_cross_attention_reading_a_whole_tensor_matches_plain_pytorch() -> None:
     # gradients miss the other rank's part (what the gather's reduce-scatter form gave before).
     results = run_distributed(_enc_dec_body, 2)
     assert all(r["cross"] == "unit_whole" and len(r["losses"]) == 2 for r in results), results
+
+
+def _generate_body(sp: bool = True) -> dict:
+    ref = models.seeded(llama_mha)
+    model = bmt.BMTrainModelWrapper(models.seeded(llama_mha), tp_size=2, sequence_parallel=sp)
+    ids = torch.arange(8).view(1, 8) + 3  # the prompt runs cut (8 divides by 2), each new token whole
+    # A first call that is generate()'s fails in the first forward's capture with or without sequence
+    # parallelism (a cache on cpu met by the meta copy's export; noted in the issue): capture on a plain call.
+    with torch.no_grad():
+        model(input_ids=ids)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    return {"same": torch.equal(out, want), "new": out.shape[1] - 8}
+
+
+def test_llama_generates_like_plain_pytorch() -> None:
+    assert all(r == {"same": True, "new": 4} for r in run_distributed(_generate_body, 2))
