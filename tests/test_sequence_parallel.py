@@ -385,3 +385,32 @@ def _generate_body(sp: bool = True) -> dict:
 
 def test_llama_generates_like_plain_pytorch() -> None:
     assert all(r == {"same": True, "new": 4} for r in run_distributed(_generate_body, 2))
+
+
+class _SharedNormBlock(models.Block):
+    """``ln1`` also normalises the MLP's input: called twice, both times on a sequence part, so the block
+    stays sequence-parallel; ``_MixedNormBlock`` calls ``ln2`` on a whole tensor too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln1(x))))
+
+
+class _MixedNormBlock(models.Block):
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = self.ln2(other)  # ln2 on a whole tensor ...
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))), aux  # ... and on a part
+
+
+def test_a_module_used_on_parts_and_on_whole_tensors_keeps_its_block_plain_tp() -> None:
+    shared, mixed = torch.nn.ModuleList(_SharedNormBlock() for _ in range(2)), torch.nn.ModuleList(
+        _MixedNormBlock() for _ in range(2))
+    for blocks, on in ((shared, True), (mixed, False)):
+        model = torch.nn.Module()
+        model.layers = blocks
+        plan = {k: v for k, v in TOY_PLAN.items() if k.startswith("layers")}
+        sp = _sp_plan(model, 2, plan).sequence
+        assert sp.enabled is on, sp.reasons
+        if not on:
+            assert "'layers.0.ln2' runs both on sequence parts and on whole tensors" in sp.reasons[0], sp.reasons

@@ -180,7 +180,8 @@ class _Walk:
         self.unit_args: dict[str, int | str] = {}
         self.partial: list[str] = []
         self.dropouts: list[str] = []
-        self.whole_dropouts: set[str] = set()
+        self.on_parts: set[str] = set()  # modules called on a sequence part
+        self.on_whole: set[str] = set()  # modules called on whole tensors only
 
     def run(self, graph: fx.Graph) -> None:
         """Raise ``_NotSafe`` naming the first op that would see a sequence part it cannot."""
@@ -196,9 +197,9 @@ class _Walk:
                 self._output(node)
             else:
                 self.state[node] = self._step(node)
-        if set(self.dropouts) & self.whole_dropouts:
-            raise _NotSafe(f"dropout {listed(sorted(set(self.dropouts) & self.whole_dropouts))} runs both on "
-                           "sequence parts and on whole tensors")
+        both = sorted(self.on_parts & self.on_whole)
+        if both:  # its parameters' gradients would be part sums and whole ones at once; a dropout, two streams
+            raise _NotSafe(f"{listed(both)} runs both on sequence parts and on whole tensors")
         missing = self.units - set(self.unit_args)
         if missing:
             raise _NotSafe(f"{listed(sorted(missing))} never gets the block's hidden states")
@@ -221,8 +222,8 @@ class _Walk:
         states = [(w, _SPLIT if s == "unit_out" else s) for w, s in self._states(node)]
         kinds = {s for _, s in states}
         if not kinds & {_SPLIT, _TP}:
-            if node.op == "call_module" and isinstance(self.block.get_submodule(node.target), nn.Dropout):
-                self.whole_dropouts.add(f"{self.fqn}.{node.target}")
+            if node.op == "call_module":
+                self.on_whole.add(f"{self.fqn}.{node.target}")
             return _WHOLE
         if node.op == "call_module":
             return self._module(node, states)
@@ -257,6 +258,7 @@ class _Walk:
                 return _TP
             raise _NotSafe(f"{target} ({type(module).__name__}) sits between a column and a row Linear")
         if entry is None and token_wise(module):
+            self.on_parts.add(f"{self.fqn}.{target}")
             self.partial += [f"{self.fqn}.{target}.{n}" for n, _ in module.named_parameters()]
             if type(module) is nn.Dropout and module.p > 0:
                 self.dropouts.append(f"{self.fqn}.{target}")
@@ -377,8 +379,9 @@ def _tail(model: nn.Module, node: fx.Node, entries: dict[str, TPEntry]
             if entry.style == "colwise_gather":
                 return SPPoint(node.target, "head", entry.in_features), partial, dropouts
             return None
-        if entry is not None or not token_wise(module):
-            return None
+        if entry is not None or not token_wise(module) or sum(
+                n.op == "call_module" and n.target == node.target for n in node.graph.nodes) > 1:
+            return None  # also called elsewhere: on whole tensors there
         partial += [f"{node.target}.{n}" for n, _ in module.named_parameters()]
         if type(module) is nn.Dropout and module.p > 0:
             dropouts.append(node.target)
