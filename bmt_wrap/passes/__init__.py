@@ -20,13 +20,13 @@ from .planner import build_plan, place_parameters, schedule
 from .recorder import EagerRecorder
 from .render import render_dot, render_json, render_text
 from .schedule_graph import Step, schedule_graph, steps
-from .sequence_parallel import plan_sequence_parallel
+from .sequence_parallel import chain_from_capture, plan_sequence_parallel
 from .tensor_parallel import plan_tensor_parallel
 from .util import self_checkpointing_modules
 
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
-    "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_graph",
+    "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_from_capture", "chain_graph",
     "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
     "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "render_dot",

@@ -21,12 +21,14 @@ A unit's inside need not trace (transformers' attentions do not); its split is t
 own or ``tp_plan=``), whose reshapes TP already relies on. The blocks are then chained through
 the root's fx graph where it traces (a block's output feeding only the next block's input stays cut; after
 the last block, token-wise root modules run cut up to the head, which gathers); where it does not, each
-block cuts its input on entry and gathers its output on exit. What cannot be proven is listed in
+block cuts its input on entry and gathers its output on exit, until the first forward's exported graph
+chains them (``chain_from_capture``). What cannot be proven is listed in
 ``SequenceParallel.reasons`` and runs as plain TP.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ _TOKEN_WISE_FUNCS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch.tanh, torc
 _TOKEN_WISE_METHODS = {"mul", "add", "sub", "div", "pow", "relu", "sigmoid", "tanh", "contiguous", "float",
                        "to", "type_as"}
 _ELEMENTWISE_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity)
+_NOT_CHAINED = "blocks not chained"
 _SPLIT, _TP, _WHOLE = "split", "tp", "whole"  # a value cut along the sequence; between a pair; anything else
 
 
@@ -83,7 +86,7 @@ def plan_sequence_parallel(model: nn.Module, tp: TensorParallelPlan, discovery: 
         try:
             _chain(model, discovery, entries, sp)
         except _NotSafe as why:
-            sp.reasons.append(f"blocks not chained, each gathers its output ({why})")
+            sp.reasons.append(f"{_NOT_CHAINED}, each gathers its output ({why})")
     sp.enabled = any(p.kind == "row" for p in sp.points)
     if not sp.enabled and not sp.reasons:
         sp.reasons.append("no block holds a column -> row pair of the TP plan")
@@ -340,9 +343,15 @@ def _trace(module: nn.Module, leaf: Any) -> fx.Graph:
 def _chain(model: nn.Module, discovery: Discovery, entries: dict[str, TPEntry], sp: SequenceParallel) -> None:
     """Drop the gather/cut between consecutive sequence-parallel blocks, and carry the last block's cut
     output through token-wise root modules to the head, where the root's graph proves it."""
-    cut = {p.module for p in sp.points if p.kind == "enter"}
     blocks = set(discovery.fqns())
     graph = _trace(model, lambda m, q: q in blocks or token_wise(m))
+    _link(graph, sp, lambda node: _tail(model, node, entries))
+
+
+def _link(graph: fx.Graph, sp: SequenceParallel, tail: Any = None) -> None:
+    """Drop the leave/enter pairs between blocks of ``graph`` (one call node per block) that feed each other
+    directly; ``tail(node)``: the head point after block ``node``, or None."""
+    cut = {p.module for p in sp.points if p.kind == "enter"}
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target in cut]
     if len({n.target for n in calls}) != len(calls):
         raise _NotSafe("a block is called more than once per forward")
@@ -352,13 +361,33 @@ def _chain(model: nn.Module, discovery: Discovery, entries: dict[str, TPEntry], 
         nxt = users[0] if len(users) == 1 else None
         if nxt is not None and nxt.op == "call_module" and nxt.target in cut and nxt.args[:1] == (node,):
             drop |= {(node.target, "leave"), (nxt.target, "enter")}
-        elif (tail := _tail(model, node, entries)) is not None:
-            point, partial, dropouts = tail
+        elif tail is not None and (found := tail(node)) is not None:
+            point, partial, dropouts = found
             drop.add((node.target, "leave"))
             sp.points.append(point)
             sp.partial += partial
             sp.dropouts += dropouts
     sp.points = [p for p in sp.points if (p.module, p.kind) not in drop]
+
+
+def chain_from_capture(sp: SequenceParallel, graph: fx.Graph) -> SequenceParallel:
+    """``sp`` with the cut and gather dropped between blocks that the first forward's exported graph (a
+    ``call_module`` node per block call, with its real data flow) shows feeding each other directly: for
+    models whose root fx cannot trace at wrap time. The last block still gathers its output (carrying it
+    to the head would change which parameters get part gradients, fixed at wrap time)."""
+    if not sp.enabled or not any(r.startswith(_NOT_CHAINED) for r in sp.reasons):
+        return sp
+    out = copy.deepcopy(sp)
+    try:
+        _link(graph, out)
+    except _NotSafe as why:
+        out.reasons.append(f"the first forward's graph does not chain the blocks either ({why})")
+        return out
+    if len(out.points) < len(sp.points):
+        out.reasons = [r for r in out.reasons if not r.startswith(_NOT_CHAINED)]
+        out.reasons.append("blocks chained from the first forward's exported graph (the root's fx trace "
+                           "failed at wrap time); the last block gathers its output")
+    return out
 
 
 def _tail(model: nn.Module, node: fx.Node, entries: dict[str, TPEntry]

@@ -30,6 +30,8 @@ class SequenceState:
 
     def __init__(self, comm: Communicator, dim: int) -> None:
         self.comm, self.dim, self.active = comm, dim, True
+        self.skip: set[tuple[str, str]] = set()  # (block, "enter"/"leave") points the first forward chained
+        self.chained: set[str] = set()  # blocks whose output stays cut
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceState:
         return self  # a communicator is not copied with the module (meta skeletons, reference copies)
@@ -38,6 +40,7 @@ class SequenceState:
 def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Communicator) -> None:
     """Install ``sp`` on ``model`` (already split by ``apply_tensor_parallel`` over ``comm``)."""
     state = SequenceState(comm, sp.dim)
+    model._bmt_sequence = state
     modules = dict(model.named_modules())
     for point in sp.points:
         module = modules[point.module]
@@ -48,9 +51,10 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Commun
             whole = point.kind in ("unit_whole", "head_whole")  # consumers hold whole gradients
             _hook_input(module, where, state, gather_from_tp if whole else gather_sum_grads)
         elif point.kind == "enter":
-            _hook_input(module, 0, state, _cut(point.module, state))
+            _hook_input(module, 0, state, _cut(point.module, state), skip=(point.module, "enter"))
         elif point.kind == "leave":
-            module.register_forward_hook(never_traced(lambda m, a, out: _gather_first(out, state)))
+            module.register_forward_hook(never_traced(
+                lambda m, a, out, key=(point.module, "leave"): _gather_first(out, state, key)))
     for name in sp.dropouts:
         modules[name]._bmt_sequence = state
         modules[name].forward = _dropout_on_part.__get__(modules[name])
@@ -60,10 +64,23 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Commun
     model.register_forward_pre_hook(never_traced(_decide(state)), with_kwargs=True)
     # Blocks chained by the root's graph hand on cut outputs: one reaching the caller means the root kept a
     # block's output in a way that graph did not show (a branch taken only now, e.g. every layer's states).
-    leaving = {p.module for p in sp.points if p.kind == "leave"}
-    for block in sorted({p.block for p in sp.points if p.block is not None} - leaving):
-        modules[block].register_forward_hook(never_traced(lambda m, a, out: _mark_cut(out, state)))
+    blocks = {p.block for p in sp.points if p.block is not None}
+    state.chained = blocks - {p.module for p in sp.points if p.kind == "leave"}
+    for block in sorted(blocks):
+        modules[block].register_forward_hook(never_traced(lambda m, a, out, b=block: _mark_cut(out, state, b)))
     model.register_forward_hook(never_traced(lambda m, a, out: _refuse_cut(m, out, state)))
+
+
+def adopt_sequence_chain(model: nn.Module, sp: SequenceParallel | None) -> None:
+    """Follow ``sp``'s chain (the first forward's, ``passes.chain_from_capture``): a block cut point or
+    gather point it no longer lists is skipped from now on."""
+    state: SequenceState | None = getattr(model, "_bmt_sequence", None)
+    if state is None or sp is None:
+        return
+    kept = {(p.module, p.kind) for p in sp.points if p.kind in ("enter", "leave")}
+    blocks = {p.block for p in sp.points if p.block is not None}
+    state.skip = {(b, k) for b in blocks for k in ("enter", "leave")} - kept
+    state.chained = {b for b in blocks if (b, "leave") not in kept}
 
 
 def _decide(state: SequenceState) -> Any:
@@ -76,10 +93,12 @@ def _decide(state: SequenceState) -> Any:
     return hook
 
 
-def _hook_input(module: nn.Module, where: int | str | None, state: SequenceState, op: Any) -> None:
-    """Replace argument ``where`` (a position or keyword) of ``module``'s calls by ``op(it, comm, dim)``."""
+def _hook_input(module: nn.Module, where: int | str | None, state: SequenceState, op: Any,
+                skip: tuple[str, str] | None = None) -> None:
+    """Replace argument ``where`` (a position or keyword) of ``module``'s calls by ``op(it, comm, dim)``
+    (not while ``skip`` is in ``state.skip``)."""
     def hook(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not state.active:
+        if not state.active or skip in state.skip:
             return None
         if isinstance(where, str) and where in kwargs:
             return args, {**kwargs, where: op(kwargs[where], state.comm, state.dim)}
@@ -102,8 +121,8 @@ def _cut(block: str, state: SequenceState) -> Any:
     return cut
 
 
-def _gather_first(out: Any, state: SequenceState) -> Any:
-    if not state.active:
+def _gather_first(out: Any, state: SequenceState, key: tuple[str, str]) -> Any:
+    if not state.active or key in state.skip:
         return None
     if isinstance(out, torch.Tensor):
         return gather_from_tp(out, state.comm, state.dim)
@@ -113,10 +132,9 @@ def _gather_first(out: Any, state: SequenceState) -> Any:
 _CUT = "_bmt_sequence_part"
 
 
-def _mark_cut(out: Any, state: SequenceState) -> None:
-    first = out if isinstance(out, torch.Tensor) else out[0]
-    if state.active:
-        setattr(first, _CUT, True)
+def _mark_cut(out: Any, state: SequenceState, block: str) -> None:
+    if state.active and block in state.chained:
+        setattr(out if isinstance(out, torch.Tensor) else out[0], _CUT, True)
 
 
 def _refuse_cut(model: nn.Module, out: Any, state: SequenceState) -> None:
@@ -124,7 +142,8 @@ def _refuse_cut(model: nn.Module, out: Any, state: SequenceState) -> None:
         raise TensorParallelError(
             f"sequence_parallel=True: {type(model).__name__} returned a block's output cut along the sequence "
             "(its forward kept a block's output, e.g. every layer's hidden states when asked for them): the "
-            "blocks were chained from the root's fx graph at wrap time, which did not show that use. Wrap with "
+            "blocks were chained from the root's graph (fx at wrap time, or the first forward's export), which "
+            "did not show that use. Wrap with "
             "sequence_parallel=False for such calls")
 
 

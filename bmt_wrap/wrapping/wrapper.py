@@ -26,6 +26,7 @@ from .consistency import check_same_wrap
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .offload_option import check_offload
+from .sequence_parallel import adopt_sequence_chain
 from .tensor_parallel import (
     apply_tensor_parallel,
     guard_tp_inputs,
@@ -70,6 +71,8 @@ class _FirstForward:
             mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
                                    **self.options)
             mine.fused_loss = section
+            if cap.method == "export" and mine.tensor_parallel is not None and mine.tensor_parallel.sequence:
+                mine.tensor_parallel.sequence = passes.chain_from_capture(mine.tensor_parallel.sequence, cap.graph)
         except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
             if not budgeted:
                 raise
@@ -80,6 +83,7 @@ class _FirstForward:
             agree(failure if state.rank == 0 else None, what="first-forward schedule", error_type=PlanError)
         chosen = WrapPlan.from_json(broadcast_bytes(mine.to_json().encode() if state.rank == 0 else None).decode())
         update_schedule(model, chosen)
+        adopt_sequence_chain(model, chosen.tensor_parallel.sequence if chosen.tensor_parallel else None)
         install_fused_loss(model, chosen.fused_loss)
         get_logger().debug("first forward: block order captured by %s", chosen.capture)
 
