@@ -30,6 +30,8 @@ def _setup(name: str, steps: int = 3, batch: int = 4):
     """(build, batches, loss_fn, tp_plan) for the toy GPT (a user plan) or the Llama (its own plan)."""
     if name == "toy":
         return models.ToyGPT, lm_batches(steps, batch), None, TOY_PLAN
+    if name == "toy_tied":  # the head's weight is the embedding's: both split by vocabulary rows
+        return (lambda: models.ToyGPT(tie=True)), lm_batches(steps, batch), None, TOY_PLAN
     if name == "toy_dropout":  # residual dropout after each row Linear, on sequence parts
         return (lambda: models.ToyGPT(dropout=0.1)), lm_batches(steps, batch), None, TOY_PLAN
     g = torch.Generator().manual_seed(3)
@@ -71,6 +73,11 @@ def test_sequence_parallel_matches_plain_pytorch_sgd(name: str, world: int, tp: 
         assert "sp enter model.layers.0" in plan and "sp leave model.layers.1" in plan, plan
         assert "sp leave model.layers.0" not in plan and "sp enter model.layers.1" not in plan, plan
         assert "blocks chained from the first forward's exported graph" in plan
+
+
+def test_tied_head_gathering_the_final_norm_matches_plain_pytorch() -> None:
+    results = run_distributed(_parity_body, 2, "toy_tied", 2, "sgd")
+    assert all(r["enabled"] and "head" in r["kinds"] for r in results)
 
 
 @pytest.mark.parametrize("name", ["toy", "llama"])

@@ -58,7 +58,7 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, comm: Commun
     for name in sp.dropouts:
         modules[name]._bmt_sequence = state
         modules[name].forward = _dropout_on_part.__get__(modules[name])
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied alias is named too
     for name in sp.partial:
         mark_sequence_part(params[name])
     model.register_forward_pre_hook(never_traced(_decide(state)), with_kwargs=True)
