@@ -214,9 +214,10 @@ def tp_text(tp: TensorParallelPlan) -> list[str]:
     sp = tp.sequence
     if sp is not None:
         where = Counter(p.kind for p in sp.points)
-        lines.append(f"  sequence parallel: {'on' if sp.enabled else 'off'} (sequence dim {sp.dim}): "
-                     + ", ".join(f"{n} {k}" for k, n in sorted(where.items()))
-                     + f"; {len(sp.partial)} parameter(s) on sequence parts, {len(sp.dropouts)} dropout(s)")
+        what = ", ".join(f"{n} {k}" for k, n in sorted(where.items()))
+        lines.append(f"  sequence parallel: {'on' if sp.enabled else 'off'} (sequence dim {sp.dim})"
+                     + (f": {what}; {len(sp.partial)} parameter(s) on sequence parts, {len(sp.dropouts)} "
+                        "dropout(s)" if what else ""))
         lines += [f"    sp {p.kind} {p.module}" for p in sp.points if p.kind in ("enter", "leave", "head",
                                                                              "head_whole")]
         lines += [f"    not sequence parallel: {r}" for r in sp.reasons]
