@@ -69,3 +69,31 @@ def test_cli_shard_size_adds_an_hsdp_column_and_splits_traffic_by_node(capsys: p
 def test_cli_shard_size_must_divide_the_world_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", f"{MODELS}:llama", "--world-size", "16", "12", "--shard-size", "8"]) == 2
     assert "--shard-size 8 must divide every --world-size" in capsys.readouterr().err
+
+
+def test_a_3d_mesh_splits_traffic_by_axis_tp_inside_the_node() -> None:
+    # HSDP 2 replicas x shards of 2 x TP 2 (8 ranks, a node = one shard group and its TP peers)
+    import models
+    from test_tp_plan import TOY_PLAN
+
+    from bmt_wrap import passes
+
+    model = models.ToyGPT()
+    discovery = discover_blocks(model)
+    tp = passes.plan_tensor_parallel(model, 2, discovery, TOY_PLAN)
+    plan = build_plan(model, discovery, world_size=2, tensor_parallel=tp)
+    mesh, zero = estimate_mesh(plan, 8, 2, 4, tokens=16), estimate(plan, 2)
+    alone = passes.estimate_tp(plan, 2, tokens=16)
+    assert (mesh.world_size, mesh.shard_size, mesh.tp_size) == (8, 2, 2)
+    assert mesh.comm_shard == zero.comm_all_gather + zero.comm_reduce_scatter > 0
+    assert mesh.comm_tp == alone.comm_tp > 0
+    grad_shards = sum(b.shard_numel(2) * 4 for g in plan.groups for b in g.buffers if b.requires_grad)
+    assert mesh.comm_replicas == 2 * grad_shards // 2
+    mask = mesh.comm_total - mesh.comm_shard - mesh.comm_tp - mesh.comm_replicas
+    assert 0 < mask < 1000  # one byte per trainable parameter tensor, over the job
+    assert mesh.comm_inter_node == mesh.comm_replicas + mask
+    assert mesh.comm_intra_node == mesh.comm_shard + mesh.comm_tp
+    assert mesh.params == zero.params and mesh.total == alone.total
+    with pytest.raises(PlanError, match="tp size 2 must divide"):
+        estimate_mesh(plan, 8, 3, 4)
+

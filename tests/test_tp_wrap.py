@@ -1,7 +1,7 @@
 """``BMTrainModelWrapper(model, tp_size=T)`` on 4 gloo ranks: parity with plain PyTorch at tp2 x dp2,
 tp4 x dp1 and tp1 x dp4 (losses, gathered gradients, final parameters; the Contracts' tolerances), bytes
 counted equal to the plan's, named errors on every rank, and composition with memory_budget=, no_sync(),
-save and the ("dp", "tp") mesh; HSDP with TP is refused clearly."""
+save and the ("dp", "tp") mesh; tp_size= with a 2-D HSDP mesh points to the 3-D mesh (test_mesh3d.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parity import lm_batches, train_side_by_side, whole
 from test_tp_plan import TOY_PLAN
 
 import bmt_wrap as bmt
-from bmt_wrap.errors import UnsupportedError
+from bmt_wrap.errors import MeshError
 
 WORLD = 4
 
@@ -183,9 +183,10 @@ def _hsdp_body() -> tuple[str, str]:
     return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=2, mesh=mesh))
 
 
-def test_hsdp_with_tp_is_refused_clearly() -> None:
+def test_tp_size_with_a_2d_hsdp_mesh_points_to_the_3d_mesh() -> None:
+    # A (replicate, shard) mesh covers every rank without a TP dim: the 3-D mesh names it (test_mesh3d.py)
     results = run_distributed(_hsdp_body, WORLD)
-    assert all(r[0] == UnsupportedError.__name__ and "HSDP" in r[1] for r in results), results
+    assert all(r[0] == MeshError.__name__ and "('replicate', 'shard', 'tp')" in r[1] for r in results), results
 
 
 def _mesh_body() -> dict:

@@ -217,6 +217,7 @@ class MemoryEstimate:
     # HSDP (passes.estimate_mesh): shards over shard_size ranks, world_size / shard_size replicas
     shard_size: int | None = None
     comm_replicas: int | None = None  # gradient all-reduce across replicas (included in comm_all_reduce)
+    comm_shard: int | None = None  # the shard group's all-gathers and reduce-scatters (of the two totals)
     comm_intra_node: int | None = None  # of comm_total: collectives whose group lies within one node
     comm_inter_node: int | None = None  # of comm_total: collectives whose group spans nodes
     # Tensor parallelism (passes.estimate_tp): ZeRO shards over world_size / tp_size data-parallel ranks
@@ -418,18 +419,20 @@ _DISK_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
 
 _NODE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("  of which across replicas", lambda e: e.comm_replicas),
+    ("  of which in a shard group", lambda e: e.comm_shard),
     ("  of which intra-node", lambda e: e.comm_intra_node),
     ("  of which inter-node", lambda e: e.comm_inter_node),
 ]
 
 
 def layout_label(e: MemoryEstimate) -> str:
-    """`` ZeRO-3`` or `` HSDP RxS`` for estimates made for a mesh (``estimate_mesh``), else nothing."""
-    if e.tp_size is not None:
-        return f" TP {e.tp_size} x DP {e.world_size // e.tp_size}"
-    if e.shard_size is None:
-        return ""
-    return " ZeRO-3" if e.shard_size == e.world_size else f" HSDP {e.world_size // e.shard_size}x{e.shard_size}"
+    """`` ZeRO-3``, `` HSDP RxS``, `` TP T x DP D`` or `` HSDP RxS x TP T`` for estimates made for a mesh
+    (``estimate_mesh``, ``estimate_tp``), else nothing."""
+    tp = f" TP {e.tp_size}" if e.tp_size is not None else ""
+    dp = e.world_size // (e.tp_size or 1)
+    if e.shard_size is None or e.shard_size == dp:
+        return f"{tp} x DP {dp}" if tp else "" if e.shard_size is None else " ZeRO-3"
+    return f" HSDP {dp // e.shard_size}x{e.shard_size}{' x' + tp if tp else ''}"
 
 
 def render_estimates(plans: list[WrapPlan]) -> str:

@@ -62,8 +62,9 @@ class DistState:
     # Rank layouts built from device meshes, by the mesh's ranks: each mesh's sub-group communicators once.
     layouts: dict[tuple, RankLayout] = field(repr=False, default_factory=dict)
     tp_size: int = 1  # init_distributed(tp_size=): ranks each tensor-parallel layer is split over
-    # Tensor-parallel layouts by tp_size, each built once (its sub-group communicators and device mesh).
-    tp_layouts: dict[int, TensorParallelLayout] = field(repr=False, default_factory=dict)
+    tp_replicas: int = 1  # under a 3-D mesh= with TP: HSDP replicas of the (shard x tp) model
+    # Tensor-parallel layouts by (tp_size, replicas), each built once (its sub-group communicators and mesh).
+    tp_layouts: dict[tuple[int, int], TensorParallelLayout] = field(repr=False, default_factory=dict)
 
 
 _STATE: DistState | None = None
@@ -225,7 +226,8 @@ def _stop_comm_thread() -> bool:
     if _STATE is None:
         return True
     comms = [c for layout in _STATE.layouts.values() for c in (layout.shard, layout.replicate) if c is not None]
-    comms += [c for tp in _STATE.tp_layouts.values() for c in (tp.tp, tp.dp.shard) if c is not _STATE.comm]
+    comms += [c for tp in _STATE.tp_layouts.values() for c in (tp.tp, tp.dp.shard, tp.dp.replicate)
+              if c is not None and c is not _STATE.comm]
     closed = True
     for comm in [*comms, _STATE.comm]:
         inner = comm
@@ -325,39 +327,87 @@ def rank_layout(mesh: Any = None) -> RankLayout:
 
 # ---- tensor parallelism: the TP group and the data-parallel group ZeRO shards over ---------------------------
 TP_MESH_DIMS = ("dp", "tp")
+MESH_3D_DIMS = ("replicate", "shard", "tp")
 
 
 def tensor_parallel() -> TensorParallelLayout:
-    """This rank's tensor-parallel layout (``init_distributed(tp_size=)``; tp_size 1: the plain layout)."""
+    """This rank's tensor-parallel layout (``init_distributed(tp_size=)`` or a TP ``mesh=``; else the plain one)."""
     state = get_state()
-    return state.tp_layouts.get(state.tp_size) or _tp_layout(state, 1)
+    return state.tp_layouts.get((state.tp_size, state.tp_replicas)) or _tp_layout(state, 1, 1)
 
 
-def _tp_layout(state: DistState, tp_size: int) -> TensorParallelLayout:
-    """The layout for ``tp_size``, built once per size (a collective on every rank the first time)."""
-    if tp_size in state.tp_layouts:
-        return state.tp_layouts[tp_size]
-    if tp_size == 1:
+def mesh_tensor_parallel(mesh: Any, tp_size: int | None) -> TensorParallelLayout | None:
+    """The TP layout ``mesh=`` and ``tp_size=`` ask for (a collective on first use), or None when ``mesh=``
+    is HSDP's or ZeRO's without TP (``rank_layout`` reads it then).
+
+    A ("dp", "tp") mesh, or a ("replicate", "shard", "tp") mesh: HSDP across the replicate dim, ZeRO-3
+    within a shard group, TP within a node. Either way TP peers are adjacent ranks (``tp_rank = rank % T``,
+    BMTrain's layout), then shard ranks, then replicas. ``tp_size`` alone: init_distributed's when None.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+    if mesh is not None and names not in (TP_MESH_DIMS, MESH_3D_DIMS):
+        if tp_size not in (None, 1):
+            raise MeshError(f"tp_size={tp_size} with a {names or 'unnamed'} mesh= (HSDP): name the TP dim in the "
+                            "mesh instead, init_device_mesh(device, (replicas, shard_size, tp_size), "
+                            "mesh_dim_names=('replicate', 'shard', 'tp')), and leave tp_size= out")
+        return None
+    replicas = 1
+    if mesh is not None:
+        t = mesh.size(mesh.ndim - 1)
+        if tp_size not in (None, t):
+            raise MeshError(f"tp_size={tp_size} differs from the mesh's 'tp' dimension ({t}); pass one")
+        if mesh.mesh.flatten().tolist() != list(range(get_state().world_size)):
+            raise MeshError(f"a {names} mesh must put TP peers on adjacent ranks, then shard ranks, then "
+                            "replicas (BMTrain's layout: tp_rank = rank % T), i.e. init_device_mesh(device, "
+                            f"{'(world // T, T)' if len(names) == 2 else '(replicas, shard_size, T)'}, "
+                            f"mesh_dim_names={names})")
+        if len(names) == 3:
+            replicas = mesh.size(0)
+            if t == 1:
+                raise MeshError(f"a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor "
+                                "parallelism: pass a 2-D mesh with mesh_dim_names=('replicate', 'shard')")
+        tp_size = t
+    if tp_size is None:
+        return tensor_parallel()
+    return use_tensor_parallel(tp_size, replicas)
+
+
+def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelLayout:
+    """The layout for ``tp_size`` and ``replicas`` (HSDP replicas of the shard x tp model), built once per
+    pair (a collective on every rank the first time)."""
+    key = (tp_size, replicas)
+    if key in state.tp_layouts:
+        return state.tp_layouts[key]
+    if key == (1, 1):
         layout = TensorParallelLayout(SingleProcessCommunicator(state.timeout), RankLayout(state.comm))
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dp_size = state.world_size // tp_size
-        # BMTrain's layout: TP peers adjacent, so the mesh's rows (dim "tp") are runs of tp_size ranks.
-        mesh = init_device_mesh(state.device.type, (dp_size, tp_size), mesh_dim_names=TP_MESH_DIMS)
-        tp_rank, dp_rank = state.rank % tp_size, state.rank // tp_size
-        row = tuple(dp_rank * tp_size + i for i in range(tp_size))
-        column = tuple(i * tp_size + tp_rank for i in range(dp_size))
+        shard_size = state.world_size // (tp_size * replicas)
+        # BMTrain's layout: TP peers adjacent (the mesh's last dim is runs of tp_size ranks), then shard
+        # ranks; replicas are the outermost dim (FSDP2's HSDP order: one replica per node group).
+        shape, names = ((shard_size, tp_size), TP_MESH_DIMS) if replicas == 1 else \
+            ((replicas, shard_size, tp_size), MESH_3D_DIMS)
+        mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
+        tp_rank, shard_rank = state.rank % tp_size, (state.rank // tp_size) % shard_size
+        first = state.rank - tp_rank - shard_rank * tp_size  # this replica's rank 0
+        row = tuple(state.rank - tp_rank + i for i in range(tp_size))
+        column = tuple(first + i * tp_size + tp_rank for i in range(shard_size))
+        across = tuple(i * shard_size * tp_size + state.rank - first for i in range(replicas))
+        # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate.
         tp = state.comm.subgroup_counted(row, mesh.get_group("tp"), "tp")
-        dp = state.comm.subgroup_counted(column, mesh.get_group("dp"), "dp") if dp_size > 1 else \
-            SingleProcessCommunicator(state.timeout)
-        layout = TensorParallelLayout(tp, RankLayout(dp))
-    state.tp_layouts[tp_size] = layout
+        shard_scope = "dp" if replicas == 1 else "shard"
+        shard = state.comm.subgroup_counted(column, mesh.get_group(names[-2]), shard_scope) if shard_size > 1 \
+            else SingleProcessCommunicator(state.timeout)
+        replicate = state.comm.subgroup_counted(across, mesh.get_group("replicate"), "replicate") \
+            if replicas > 1 else None
+        layout = TensorParallelLayout(tp, RankLayout(shard, replicate))
+    state.tp_layouts[key] = layout
     return layout
 
 
-def _use_tensor_parallel(tp_size: int) -> None:
-    """Make ``tp_size`` the job's tensor-parallel size: new shard groups are built over its dp group."""
+def _use_tensor_parallel(tp_size: int, replicas: int = 1) -> None:
+    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group."""
     state = get_state()
     if not isinstance(tp_size, int) or tp_size < 1 or state.world_size % tp_size:
         raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {state.world_size} must be a "
@@ -365,18 +415,20 @@ def _use_tensor_parallel(tp_size: int) -> None:
     from ..runtime.active_engine import get_engine
 
     engine = get_engine()
-    layout = _tp_layout(state, tp_size)
+    layout = _tp_layout(state, tp_size, replicas)
     if engine.groups and engine.layout != layout.dp:
-        raise InitError(f"init_distributed(tp_size={tp_size}) while models sharded under tp_size={state.tp_size} "
-                        "live: call init_distributed once, at start-up, before building any model")
-    state.tp_size = tp_size
+        raise InitError(f"tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models sharded "
+                        f"under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
+                        "init_distributed once, at start-up, before building any model, and wrap every model "
+                        "with the same mesh=")
+    state.tp_size, state.tp_replicas = tp_size, replicas
     engine.adopt_layout(layout.dp, layout.tp)
 
 
-def use_tensor_parallel(tp_size: int) -> TensorParallelLayout:
-    """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``): make
-    ``tp_size`` the job's tensor-parallel size and return its layout; a collective on first use of a size."""
-    _use_tensor_parallel(tp_size)
+def use_tensor_parallel(tp_size: int, replicas: int = 1) -> TensorParallelLayout:
+    """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``, or ``replicas``
+    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use."""
+    _use_tensor_parallel(tp_size, replicas)
     return tensor_parallel()
 
 
@@ -390,7 +442,10 @@ def _active_layout() -> RankLayout:
 def writes_for_all() -> bool:
     """True on the one rank that writes files every rank's data goes into (rank 0 of the first replica)."""
     layout = _active_layout()
-    return layout.shard_rank == 0 and layout.replica_rank == 0 if layout.replicate else get_state().rank == 0
+    if layout.replicate is None:
+        return get_state().rank == 0
+    # Under HSDP x TP each TP peer of that replica's shard rank 0 holds it too: one of them writes.
+    return layout.shard_rank == 0 and layout.replica_rank == 0 and tensor_parallel().tp_rank == 0
 
 
 def in_first_replica() -> bool:
@@ -428,8 +483,9 @@ def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:
                             "dim last (ranks of one node in a row).")
         rows = grid
     else:
-        raise MeshError(f"mesh= has {mesh.ndim} dims {names or ''}; bmt_wrap takes a 1-D mesh (ZeRO-3 over it) "
-                        "or a 2-D (replicate, shard) mesh (HSDP). Flatten the other dims into those two.")
+        raise MeshError(f"mesh= has {mesh.ndim} dims {names or ''}; bmt_wrap takes a 1-D mesh (ZeRO-3 over it), "
+                        "a 2-D (replicate, shard) mesh (HSDP), a 2-D (dp, tp) mesh or a 3-D (replicate, shard, "
+                        "tp) mesh (HSDP x TP). Name the dims so, or flatten the others into them.")
     flat = sorted(r for row in rows for r in row)
     if flat != list(range(world)):
         raise MeshError(f"mesh= covers ranks {flat[:8]}{' ...' if len(flat) > 8 else ''} ({len(flat)} ranks), but "

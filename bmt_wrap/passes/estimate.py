@@ -151,31 +151,45 @@ def partial_grad_traffic(plan: WrapPlan, dp_size: int, dp_rank: int = 0) -> int:
 
 
 def estimate_mesh(plan: WrapPlan, world_size: int, shard_size: int, ranks_per_node: int,
-                  activations: ActivationProfile | None = None) -> MemoryEstimate:
-    """``estimate`` for shards over ``shard_size`` ranks and ``world_size // shard_size`` replicas (HSDP; a
-    shard size equal to the world is ZeRO-3), with its traffic split by nodes of ``ranks_per_node`` ranks.
+                  activations: ActivationProfile | None = None, tokens: int | None = None,
+                  shard_rank: int = 0) -> MemoryEstimate:
+    """``estimate`` for shards over ``shard_size`` ranks and ``world_size // (shard_size x T)`` replicas (HSDP; a
+    shard size equal to the world is ZeRO-3), with its traffic split by mesh axis and by nodes of
+    ``ranks_per_node`` ranks. A plan with a tensor-parallel section is a 3-D mesh (replicate, shard, tp):
+    TP over T adjacent ranks, its activations' traffic (``estimate_tp``) for ``tokens`` tokens per rank (and
+    shard rank ``shard_rank``'s part of the sequence-parallel gradient sums).
 
-    Memory and the all-gathers and reduce-scatters are ZeRO-3's over the shard group. Each reduce-scatter's
-    shard is then averaged across replicas: one all-reduce of the gradient shard. A collective over a
-    group that lies within one node counts as intra-node; over a group that spans nodes, every byte counts
-    as inter-node (ZeRO++'s accounting: a ring over several nodes moves its whole volume across them).
+    Memory and the all-gathers and reduce-scatters are ZeRO-3's over the shard group (``comm_shard``). Each
+    reduce-scatter's shard is then averaged across replicas: one all-reduce of the gradient shard
+    (``comm_replicas``). A collective over a group that lies within one node counts as intra-node; over a
+    group that spans nodes, every byte counts as inter-node (ZeRO++'s accounting: a ring over several nodes
+    moves its whole volume across them).
     """
-    if shard_size < 1 or world_size % shard_size:
-        raise PlanError(f"shard size {shard_size} must divide the world size {world_size} (replicas x shard size)")
+    t = plan.tensor_parallel.tp_size if plan.tensor_parallel is not None else 1
+    if shard_size < 1 or world_size % (shard_size * t):
+        raise PlanError(f"shard size {shard_size}{f' x tp size {t}' if t > 1 else ''} must divide the world "
+                        f"size {world_size} (replicas x shard size{' x tp size' if t > 1 else ''})")
     if ranks_per_node < 1:
         raise PlanError(f"ranks per node must be >= 1, got {ranks_per_node}")
-    est = estimate(plan, shard_size, activations)
-    replicas = world_size // shard_size
+    zero = estimate(plan, shard_size, activations)
+    est = estimate_tp(plan, shard_size, tokens, activations, shard_rank) if t > 1 else zero
+    replicas = world_size // (shard_size * t)
     grad_shards = sum(b.shard_numel(shard_size) * itemsize(b.grad_dtype)
                       for g in plan.groups for b in g.buffers if b.requires_grad)
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.world_size, est.shard_size = world_size, shard_size
+    est.comm_shard = zero.comm_all_gather + zero.comm_reduce_scatter
     est.comm_replicas = 2 * grad_shards * (replicas - 1) // replicas
     mask = round(2 * trainable * USED_MASK_BYTES * (world_size - 1) / world_size)  # over the whole job
-    est.comm_all_reduce = est.comm_replicas + mask
-    sharded = est.comm_all_gather + est.comm_reduce_scatter
-    shard_spans_nodes = shard_size > ranks_per_node
+    # TP's all-reduces: what its traffic holds beyond the activations' gathers and reduce-scatters
+    tp_all_reduce = ((est.comm_tp or 0) - (est.comm_all_gather - zero.comm_all_gather)
+                     - (est.comm_reduce_scatter - zero.comm_reduce_scatter))
+    est.comm_all_reduce = est.comm_replicas + mask + tp_all_reduce
+    # A shard group strides over the TP peers: it spans shard_size x t consecutive ranks.
+    shard_spans_nodes = shard_size * t > ranks_per_node
     job_spans_nodes = world_size > ranks_per_node  # the replicate group and the mask's group: the whole job's span
-    est.comm_inter_node = (sharded if shard_spans_nodes else 0) + (est.comm_all_reduce if job_spans_nodes else 0)
+    tp_spans_nodes = t > ranks_per_node
+    est.comm_inter_node = ((est.comm_shard if shard_spans_nodes else 0) + ((est.comm_tp or 0) if tp_spans_nodes else 0)
+                           + (est.comm_replicas + mask if job_spans_nodes else 0))
     est.comm_intra_node = est.comm_total - est.comm_inter_node
     return est

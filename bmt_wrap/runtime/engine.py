@@ -153,7 +153,7 @@ class Engine:
                         # Over the whole job, not the shard group: every replica must start from rank 0's values.
                         self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
                     else:
-                        broadcast_under_tp(buf, full, originals, layout.shard, self.tp, spec.name)
+                        broadcast_under_tp(buf, full, originals, layout, self.tp, spec.name)
                     buf.load_full_flat(full)
                     del full
                 else:

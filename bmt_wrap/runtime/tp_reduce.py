@@ -1,7 +1,8 @@
 """What ZeRO over the data-parallel group adds under tensor parallelism: the start-up broadcast of values
 that differ between TP peers, and the gradients TP peers sum.
 
-Every group is sharded over the dp group (the ranks with this rank's ``tp_rank``), and TP peers hold the
+Every group is sharded over the dp group (the ranks with this rank's ``tp_rank``; under a 3-D mesh, those
+of its replica, the replicas averaging the gradient shards as HSDP does), and TP peers hold the
 same ranges of their own flat buffers, whose slots have the same TP-local shapes. Two kinds of parameter
 live there (``tp_marks.py``): a TP-split one (each peer its slice) and one every TP peer holds whole.
 A whole one gets either the same gradient on every TP peer (marked ``tp_mode``, split dim -1; the
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Communicator, Handle
+from .comm import Communicator, Handle, RankLayout
 from .flat_buffer import FlatBuffer
 from .tp_marks import sequence_part, tp_identical, tp_split_dim
 
 
 def broadcast_under_tp(buf: FlatBuffer, full: torch.Tensor, originals: list[torch.Tensor | None],
-                       dp: Communicator, tp: Communicator, name: str) -> None:
+                       dp: RankLayout, tp: Communicator, name: str) -> None:
     """Make ``full`` (a flat buffer's unsharded values) rank 0's for whole parameters and the first dp
     replica's for TP-split ones (whose slices differ between TP peers)."""
-    dp.broadcast(full, 0, label=f"{name} parameters")
+    dp.shard.broadcast(full, 0, label=f"{name} parameters")
+    if dp.replicate is not None:  # HSDP x TP: the first replica's, as rank 0 is the first replica's rank 0
+        dp.replicate.broadcast(full, 0, label=f"{name} parameters (replicas)")
     split = [o is not None and tp_split_dim(o) is not None for o in originals]
     if not any(split) or all(split):
         if not any(split):

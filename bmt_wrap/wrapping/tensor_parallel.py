@@ -18,7 +18,7 @@ from .. import passes
 from ..base._compat import pytree
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan, TPEntry
-from ..errors import MeshError, PlanError, UnsupportedError
+from ..errors import PlanError
 from ..job import distributed
 from ..job.tp_inputs import check_tp_inputs_agree
 from ..runtime.comm import Communicator, TensorParallelLayout
@@ -29,26 +29,11 @@ from .sequence_parallel import apply_sequence_parallel
 
 
 def tensor_parallel_layout(tp_size: int | None, mesh: Any) -> TensorParallelLayout | None:
-    """The TP and dp groups for ``tp_size=`` (default: ``init_distributed(tp_size=)``'s) or a ("dp", "tp")
-    mesh, or None without tensor parallelism (then ``mesh=`` is HSDP's, read by ``rank_layout``)."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
-    if mesh is not None and names != distributed.TP_MESH_DIMS:
-        if tp_size not in (None, 1):
-            raise UnsupportedError(f"tp_size={tp_size} with a {names or 'unnamed'} mesh= (HSDP) is not "
-                                   "supported yet: pass tp_size= alone, or a 2-D mesh with dims ('dp', 'tp')")
-        return None
-    if mesh is not None:
-        t = mesh.size(1)
-        if tp_size not in (None, t):
-            raise MeshError(f"tp_size={tp_size} differs from the mesh's 'tp' dimension ({t}); pass one")
-        if mesh.mesh.flatten().tolist() != list(range(mesh.mesh.numel())):
-            raise MeshError("a ('dp', 'tp') mesh must put TP peers on adjacent ranks (BMTrain's layout: "
-                            "tp_rank = rank % T), i.e. init_device_mesh(device, (world // T, T), "
-                            "mesh_dim_names=('dp', 'tp'))")
-        tp_size = t
-    # tp_size=None: init_distributed(tp_size=)'s; InitError, alike on every rank, if it does not divide the world
-    layout = distributed.use_tensor_parallel(tp_size) if tp_size is not None else distributed.tensor_parallel()
-    return layout if layout.tp_size > 1 else None
+    """The TP and dp groups for ``tp_size=`` (default: ``init_distributed(tp_size=)``'s), a ("dp", "tp") or a
+    ("replicate", "shard", "tp") mesh, or None without tensor parallelism (then ``mesh=`` is HSDP's, read by
+    ``rank_layout``)."""
+    layout = distributed.mesh_tensor_parallel(mesh, tp_size)
+    return layout if layout is not None and layout.tp_size > 1 else None
 
 
 def tensor_parallel_section(model: nn.Module, discovery: passes.Discovery,

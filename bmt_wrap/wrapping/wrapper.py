@@ -105,7 +105,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``mesh=``: a 2-D ``DeviceMesh`` with dims (replicate, shard) shards within each row and replicates
     across rows (HSDP); None or a 1-D mesh over every rank is ZeRO-3 over the whole job.
     ``tp_size=T`` (or a 2-D mesh with dims ("dp", "tp")): tensor parallelism over T adjacent ranks, ZeRO-3
-    over the data-parallel ranks; the modules split come from ``tp_plan=`` (transformers' vocabulary), the
+    over the data-parallel ranks; a 3-D mesh with dims ("replicate", "shard", "tp") adds HSDP: ZeRO-3 within
+    each shard group, gradients averaged across replicas (``rank = (replica x S + shard) x T + tp``); the modules split come from ``tp_plan=`` (transformers' vocabulary), the
     transformers model's own tp plan, or column -> row Linear pairs in its blocks (listed in
     ``model.plan.tensor_parallel``). ``sequence_parallel=True`` (with TP): norms, dropout and residual adds
     between the parallel Linears run on this TP rank's part of the sequence (Megatron-SP), where the plan
