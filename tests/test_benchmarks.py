@@ -115,3 +115,20 @@ def test_results_md_holds_only_tables_a_script_wrote(tmp_path: Path) -> None:
     new, replaced, _ = assemble("x\n<!-- table: comm.md -->\nold\n<!-- end table -->\ny\n", tmp_path)
     assert replaced == ["comm.md"]
     assert new == "x\n<!-- table: comm.md -->\n| op | x |\n|---|---|\n| a | 1 |\n\ncommand: torchrun bench\n<!-- end table -->\ny\n"
+
+
+def test_mesh3d_benchmark_writes_its_table_with_counted_bytes_equal_to_the_plan(tmp_path: Path) -> None:
+    # 4 ranks as 2 replicas x shards of 1 x TP 2 (the script asserts every rank's bytes equal its plan's)
+    out = tmp_path / "mesh3d.md"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                           str(BENCHMARKS / "mesh3d.py"), "--shard-size", "1", "--steps", "1", "--warmup", "1",
+                           "--rounds", "1", "--batch", "1", "--seq", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| HSDP") or line.startswith("| TP")]
+    axes = [(r[0].strip(), r[1].split()[0]) for r in rows if len(r) == 6]
+    assert axes == [("TP 2 x DP 2 (ZeRO-3 over 2)", a) for a in ("dp", "tp", "world")] + [
+        ("HSDP 2 x 1 x TP 2", a) for a in ("replicate", "shard", "tp", "world")]
+    assert all(r[5].strip() in ("1.00x", "-") for r in rows if len(r) == 6)
+    assert "command: torchrun --nproc_per_node=4 benchmarks/mesh3d.py" in text
