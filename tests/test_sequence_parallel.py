@@ -424,3 +424,21 @@ def test_a_module_used_on_parts_and_on_whole_tensors_keeps_its_block_plain_tp() 
         assert sp.enabled is on, sp.reasons
         if not on:
             assert "'layers.0.ln2' runs both on sequence parts and on whole tensors" in sp.reasons[0], sp.reasons
+
+
+def _mesh3d_body(name: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    build, batches, loss_fn, tp_plan = _setup(name, steps=2)
+    result = train_side_by_side(
+        build, lambda m: bmt.BMTrainModelWrapper(m, mesh=mesh, tp_plan=tp_plan, sequence_parallel=True),
+        batches, loss_fn=loss_fn, data_parallel=(bmt.rank() // 2, 2))
+    return {"losses": result["losses"]}
+
+
+@pytest.mark.parametrize("name", ["toy", "llama"])
+def test_sequence_parallel_on_a_3d_mesh_matches_plain_pytorch(name: str) -> None:
+    # 2 replicas x shard groups of 1 x TP 2: the parts' gradients summed over TP, then averaged over replicas
+    results = run_distributed(_mesh3d_body, 4, name)
+    assert all(r["losses"] == results[0]["losses"] and len(r["losses"]) == 2 for r in results)
