@@ -37,7 +37,26 @@ def _optimizer(kind: str, model: torch.nn.Module, tmp: str) -> torch.optim.Optim
     if kind == "disk":
         return bmt.optim.AdamDiskOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, offload_dir=tmp,
                                            chunk_bytes=64 * 1024)
+    if kind == "muon":  # the whole-matrix optimizer on the matrices (owners exchange them), AdamW on the rest
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        return _Pair(bmt.optim.Muon(matrices, lr=0.02, weight_decay=0.1),
+                     torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-2))
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class _Pair:
+    """Two optimizers stepped together, as a script with Muon for matrices and AdamW for the rest does."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
 
 
 def _batches(steps: int, micro: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -108,6 +127,12 @@ def test_toy_gpt_is_bit_equal(tmp_path: Path, world_size: int, optim: str) -> No
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_disk_adam_is_bit_equal(tmp_path: Path, world_size: int) -> None:
     _check(run_distributed(_parity_body, world_size, str(tmp_path), "toy", "disk", 1, False))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_muon_is_bit_equal(tmp_path: Path, world_size: int) -> None:
+    """Muon's owners gather whole matrices from offloaded shards and write their ranges back."""
+    _check(run_distributed(_parity_body, world_size, str(tmp_path), "toy", "muon", 1, False))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
