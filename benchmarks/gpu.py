@@ -7,8 +7,12 @@
    AdamW for all): plain PyTorch, plain with ``torch.utils.checkpoint`` per block, and
    ``bmt.BMTrainModelWrapper`` (world size 1, every block checkpointed): median (min-max) step time and
    peak CUDA memory, as ratios to plain.
+3. With ``--offload-capacity`` (issue 37; tens of minutes, not five): benchmarks/gpu_offload.py's search for
+   the largest Llama-shaped model on an emulated 24 GiB card: plain, per-layer checkpointing, FSDP2 with
+   ``CPUOffloadPolicy`` and ``offload="host"``, and tokens/s where all fit.
 
-    python benchmarks/gpu.py [--numel 100000000] [--layers 24] [--steps 10]
+    python benchmarks/gpu.py [--numel 100000000] [--layers 24] [--steps 10] [--offload-capacity [--card 24GiB]]
+    python benchmarks/gpu.py --dry-run      # no GPU: section 3's probes and model sizes
 
 Without a CUDA device it exits at once with a message (CPU numbers: ``benchmarks/compare.py``).
 """
@@ -24,6 +28,7 @@ import torch
 from optim import BF16_STEP_BYTES, compare, copy_bandwidth
 from report import publish
 from torch import nn
+from gpu_offload import add_options, capacity_lines, dry_run
 from torch.utils.checkpoint import checkpoint
 from toy_gpt import ToyGPT, ToyGPTConfig
 
@@ -124,12 +129,20 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu.md")
+    p.add_argument("--offload-capacity", action="store_true", help="also section 3 (issue 37's GPU goal)")
+    p.add_argument("--dry-run", action="store_true", help="print section 3's probes; needs no GPU")
+    add_options(p)
     args = p.parse_args()
+    if args.dry_run:
+        print("\n".join(dry_run(args)))
+        return
     if not torch.cuda.is_available():
         raise SystemExit(NO_CUDA)
     bmt.init_distributed(seed=0)
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     lines = [device, "", *optimizer_table(args.numel, args.steps), "", *model_table(args.layers, args.batch, args.steps)]
+    if args.offload_capacity:
+        lines += ["", "#### Largest model on an emulated card (issue 37)", "", *capacity_lines(args)]
     publish(lines, args.out)
 
 

@@ -54,6 +54,17 @@ def test_gpu_benchmark_exits_with_a_message_without_cuda() -> None:
     assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
 
 
+def test_gpu_offload_section_dry_runs_without_a_gpu() -> None:
+    """Issue 37's GPU section: its options parse beside gpu.py's, and its sizes count a Llama-shaped model."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--dry-run", "--hidden", "1024",
+                           "--start", "2", "--max-layers", "8"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sizes = [line for line in proc.stdout.splitlines() if " layers: " in line]
+    counts = [float(line.split(": ")[1].split("B")[0]) for line in sizes]
+    assert [line.split(" ")[0] for line in sizes] == ["2", "5", "8"] and counts == sorted(counts) and counts[0] > 0
+    assert "bmt_offload_host from 2 layers up to 8" in proc.stdout and "fsdp2_offload" in proc.stdout
+
+
 def test_sharded_formats_benchmark_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "formats.md"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
