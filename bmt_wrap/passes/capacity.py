@@ -24,16 +24,18 @@ from ..errors import PlanError
 
 @dataclass(frozen=True)
 class ProcessPeak:
-    """Bytes per rank: the process baseline, then the larger of wrapping's and training's peaks above it."""
+    """Bytes per rank: the process baseline and what the layers add beside their tensors, then the larger
+    of wrapping's and training's peaks above them."""
 
     baseline: int
     wrapping: int  # the full copy built before wrapping, the shard made from it, the pooled buffers
-    training: int  # the larger of backward's two peaks (training_phases)
+    training: int  # the largest of training's phases (training_phases)
+    beside: int = 0  # beside the tensors the layers add above the baseline's (measured per layer)
 
     @property
     def total(self) -> int:
         """The process's peak resident bytes."""
-        return self.baseline + max(self.wrapping, self.training)
+        return self.baseline + self.beside + max(self.wrapping, self.training)
 
 
 def _root_grad_bytes(plan: WrapPlan, world_size: int) -> int:
@@ -47,35 +49,56 @@ def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
     return 2 * full + full * (world_size - 1) // world_size
 
 
+def _head_grad_bytes(plan: WrapPlan, world_size: int) -> int:
+    """The root gradient that exists while the blocks' backward runs: the vocabulary head's (for a tied
+    head, the shared weight's), the root's first use in backward. Without a head found, the root's whole."""
+    weight = plan.fused_loss.weight if plan.fused_loss is not None else None
+    slots = [slot.numel * itemsize(b.grad_dtype) for g in plan.groups if g.is_root for b in g.buffers
+             if b.requires_grad for slot in b.slots if weight in (slot.fqn, *slot.aliases)]
+    return slots[0] if weight is not None and slots else _root_grad_bytes(plan, world_size)
+
+
+def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
+    """The root's gradient shard (as ``estimate`` counts it), which its reduce-scatter makes last in backward;
+    none apart when the shards live on disk (``shards_on_disk`` keeps only those in flight)."""
+    if est.disk_read is not None:
+        return 0
+    n = est.world_size if est.shard_size is None else est.shard_size
+    return sum(b.shard_numel(n) * itemsize(b.dtype) for g in plan.groups if g.is_root
+               for b in g.buffers if b.requires_grad)
+
+
 def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     """Bytes per rank above the baseline at the moments a step peaks. All hold the shards, their
-    optimizer state and the gathered buffers; the last two the root's full gradient (it lives from the
-    root's first use in backward to its reduce-scatter after the last) with one use's gradient not yet
-    added in.
+    optimizer state and the gathered buffers (the root's stay gathered from forward to its gradient).
 
     - ``vocabulary head and loss``: every activation the forward kept and what the head and its
       cross-entropy hold at their peak beyond them (``FusedLossPlan.peak_bytes``: unfused, at the loss's
       backward, the gradients of the log-probabilities and of the logits; fused, in forward, one chunk and
       the head's gradient). No root gradient exists yet.
-    - ``backward start``: every activation the forward kept, and the head's gradient (the first use);
-    - ``blocks' backward end``: every gradient shard, the gradients in flight, one recompute's saved
-      tensors, the embedding's gradient (the last use) and the reduce-scatter's receipt. The activations
-      are gone by then: each block's went with its backward; but a KV cache the blocks were passed stays
-      until the first block's recompute is done (the calls keep their arguments for it).
+    - ``backward start``: every activation the forward kept, and the head's gradient (the root's first use
+      in backward).
+    - ``blocks' backward end``: the head's gradient, every block's gradient shard, the gradients in
+      flight and one recompute's saved tensors. The activations are gone by then: each block's went with
+      its backward; but a KV cache the blocks were passed stays until the first block's recompute is done
+      (the calls keep their arguments for it).
+    - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
+      the root's full gradient, one use's gradient and their sum for a tied weight, and the reduce-scatter's
+      receipt beside every gradient shard. The recompute and the cache are gone.
 
     The forward's peak is below the first two (no gradient yet, no pair's peak but the fused op's, which is
-    the first), the optimizer step's below the last (no recompute, no root gradient). Without an activation
-    profile the activations count at backward start.
+    the first), the optimizer step's below the last two (no recompute, no root gradient). Without an
+    activation profile the activations count at backward start.
     """
     n = est.world_size if est.shard_size is None else est.shard_size
     full = _root_grad_bytes(plan, n)
-    use = _largest_root_use(plan)
+    head = _head_grad_bytes(plan, n)
     held = est.params + est.optimizer + est.gathered
     kept = (est.activations or 0) - est.activations_recompute
-    state = held + full + use
-    phases = {"backward start": state + kept,
-              "blocks' backward end": state + est.grads + est.grads_in_flight + est.activations_recompute
-              + est.activations_objects + full * (n - 1) // n}
+    phases = {"backward start": held + head + kept,
+              "blocks' backward end": held + head + est.grads - _root_grad_shards(plan, est)
+              + est.grads_in_flight + est.activations_recompute + est.activations_objects,
+              "root's gradient": held + full + _largest_root_use(plan) + est.grads + full * (n - 1) // n}
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
         phases = {"vocabulary head and loss": held + kept + plan.fused_loss.peak_bytes, **phases}
     return phases
@@ -96,12 +119,15 @@ def _largest_root_use(plan: WrapPlan) -> int:
                 if b.requires_grad for slot in b.slots if slot.aliases), default=0)
 
 
-def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full: bool = True) -> ProcessPeak:
+def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full: bool = True,
+                 beside: int = 0) -> ProcessPeak:
     """Peak bytes per rank of a process training ``plan`` at ``est``'s world size. ``built_full``: the model
-    was built with real weights before wrapping (False when built on the meta device and loaded)."""
+    was built with real weights before wrapping (False when built on the meta device and loaded);
+    ``beside``: the resident bytes beside the tensors the model's layers add above the baseline's
+    (``bmt_wrap.process_baseline``)."""
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
-    return ProcessPeak(baseline, wrapping, training_peak(plan, est))
+    return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside)
 
 
 def optimizer_on_disk(est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:

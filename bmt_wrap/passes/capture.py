@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from ..base._compat import drop_compiled_call, pytree
+from ..base.fused_loss_plan import FusedLossPlan
 from ..base.plan import FX_FAILED_NOTE
 from .activations import ActivationProfile
 from .discover import Discovery
@@ -41,6 +42,7 @@ class Capture:
     graph: fx.Graph  # one ``call_module`` node per block call; display and schedule source, never run
     notes: list[str] = field(default_factory=list)
     activations: ActivationProfile | None = None  # needs example inputs
+    fused_loss: FusedLossPlan | None = None  # the vocabulary head and its loss found in the graph (with_fused_loss)
 
 
 def as_call(example_inputs: object) -> Call | None:

@@ -291,13 +291,14 @@ def _draw(graph: fx.Graph, match: _Match) -> fx.Graph:
 
 
 def with_fused_loss(capture: Capture, section: FusedLossPlan) -> Capture:
-    """``capture`` with the root's activations the fused op changes: the unfused pair's saved tensors out,
-    the hidden states' gradient it keeps in (its weight gradient is the root's, which the plan counts)."""
+    """``capture`` carrying ``section`` (the plan made from it takes it: its phases count the pair and the
+    head's gradient), with the root's activations the fused op changes: the unfused pair's saved tensors
+    out, the hidden states' gradient it keeps in (its weight gradient is the root's, which the plan counts)."""
     profile = capture.activations
     if profile is None or not section.fused or section.saved_bytes is None:
-        return capture
+        return replace(capture, fused_loss=section)
     root = profile.root_bytes - section.saved_bytes + (section.kept_bytes or 0)
-    return replace(capture, activations=replace(profile, root_bytes=root))
+    return replace(capture, activations=replace(profile, root_bytes=root), fused_loss=section)
 
 
 def fused_loss_section(model: nn.Module, capture: Capture | None, *, enabled: bool) -> FusedLossPlan:

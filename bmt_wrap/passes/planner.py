@@ -99,6 +99,8 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     new.capture = capture.method if capture is not None else "none"
     new.prefetch_depth = prefetch_depth
     new.offload = offload
+    if capture is not None and capture.fused_loss is not None:
+        new.fused_loss = capture.fused_loss  # before the budget: the head and loss are phases of the peak
     for group in new.blocks():
         group.zero_level = zero_level
         group.checkpoint = checkpoint

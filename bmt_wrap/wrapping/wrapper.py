@@ -70,7 +70,6 @@ class _FirstForward:
             section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
             mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
                                    **self.options)
-            mine.fused_loss = section
             if cap.method == "export" and mine.tensor_parallel is not None and mine.tensor_parallel.sequence:
                 mine.tensor_parallel.sequence = passes.chain_from_capture(mine.tensor_parallel.sequence, cap.graph)
         except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
@@ -185,7 +184,6 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
     section = passes.fused_loss_section(model, cap, enabled=fused_loss)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
-    plan.fused_loss = section
     return plan
 
 
