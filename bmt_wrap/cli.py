@@ -65,7 +65,7 @@ from .base.plan import (
     summary_line,
 )
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
-from .passes.capacity import largest_fitting, optimizer_on_disk, process_peak, training_phases
+from .passes.capacity import ProcessPeak, largest_fitting, optimizer_on_disk, process_peak, training_phases
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -75,6 +75,8 @@ from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
 from .passes.tensor_parallel import plan_tensor_parallel
 from .passes.util import describe
+from . import process_baseline
+from .process_baseline import ProcessBaseline, resident_bytes
 
 #: ``AdamDiskOptimizer``'s default ``chunk_bytes`` (optim/adam_disk.py; a test checks they agree): the CLI
 #: does not import the optimizers, whose import would count in the process baseline it measures.
@@ -287,61 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS), or 0 where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-    except OSError:
-        return 0
-
-
-def warm_baseline(opts: argparse.Namespace, inputs: Call | None) -> int:
+def warm_baseline(opts: argparse.Namespace, inputs: Call | None) -> ProcessBaseline:
     """A training rank's resident memory beside its tensors: this process's after building the smallest
     model and freeing it. With ``--grow`` and ``--input`` that model (one layer, real weights) is wrapped
     and trained one step first, as a rank does: the kernels a real step pages in, the optimizer's module
     and the heap the runtime's objects grow stay in a rank for good (about 35 MiB on four transformers
-    families beyond a trace alone). Without them it is built on meta and captured: the model library's
-    import (about 100 MiB for a Llama) and torch.export's machinery (about 60 MiB) stay too."""
+    families beyond a trace alone); a ``--grow`` of layers also trains 2 and 4 layers, for the bytes beside
+    the tensors each layer adds. Without them it is built on meta and captured: the model library's import
+    (about 100 MiB for a Llama) and torch.export's machinery (about 60 MiB) stay too."""
     if inputs is not None and opts.grow and os.environ.get("WORLD_SIZE", "1") == "1":
-        _train_one_step(opts, inputs)
-    else:
-        model = build_model(opts.model, **({opts.grow: 1} if opts.grow else {}))
-        if inputs is not None:
-            capture(model, discover_blocks(model), inputs)
-        del model
+        factory = load_factory(opts.model)
+        return process_baseline.measure(lambda k: factory(**{opts.grow: k}), inputs, opts.optimizer_state,
+                                        opts.offload, process_baseline.grows_by_layers(opts.grow))
+    model = build_model(opts.model, **({opts.grow: 1} if opts.grow else {}))
+    if inputs is not None:
+        capture(model, discover_blocks(model), inputs)
+    del model
     gc.collect()
     release_free_heap()  # the job runs under EXACT_SETTING, where freed tensors leave; this process may not
-    return resident_bytes()
-
-
-def _train_one_step(opts: argparse.Namespace, inputs: Call) -> None:
-    """Wrap the one-layer model in a one-process job, train it one step on zeros of the inputs' shapes
-    with the optimizer the answer is for, and drop everything (a dropped model frees its shards)."""
-    import tempfile
-
-    from .job.distributed import init_distributed, is_initialized, shutdown
-    from .optim import AdamDiskOptimizer
-    from .wrapping.wrapper import BMTrainModelWrapper
-
-    owned = not is_initialized()
-    if owned:
-        init_distributed()
-    try:
-        args, kwargs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype), inputs)
-        with tempfile.TemporaryDirectory() as tmp:
-            offload = {"offload": "disk", "offload_dir": tmp} if opts.offload else {}
-            model = BMTrainModelWrapper(load_factory(opts.model)(**{opts.grow: 1}), **offload)
-            opt = (AdamDiskOptimizer(model.parameters(), offload_dir=tmp) if opts.optimizer_state == "disk"
-                   else torch.optim.AdamW(model.parameters(), fused=True))
-            out = model(*args, **kwargs)
-            loss = out if isinstance(out, torch.Tensor) else out["loss"]
-            loss.backward()
-            opt.step()
-            del model, opt, out, loss
-    finally:
-        if owned:
-            shutdown()
+    return ProcessBaseline(resident_bytes())
 
 
 def _capacity(opts: argparse.Namespace) -> str:
@@ -351,7 +317,8 @@ def _capacity(opts: argparse.Namespace) -> str:
     n = opts.world_size[0]
     limit = parse_bytes(opts.memory, "--memory")
     inputs = parse_inputs(opts.input)
-    baseline = parse_bytes(opts.baseline, "--baseline") if opts.baseline else warm_baseline(opts, inputs)
+    baseline = (ProcessBaseline(parse_bytes(opts.baseline, "--baseline")) if opts.baseline
+                else warm_baseline(opts, inputs))
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
 
     on_disk = opts.optimizer_state == "disk"
@@ -361,7 +328,7 @@ def _capacity(opts: argparse.Namespace) -> str:
     io: dict[int | None, int] = {}
     shards_io: dict[int | None, tuple[int, int]] = {}
 
-    def peak(k: int | None) -> tuple[int, str]:
+    def peak(k: int | None) -> tuple[ProcessPeak, str, dict[str, int]]:
         model = build_model(opts.model, **({opts.grow: k} if opts.grow else {}))
         dtype = _dtype_option(opts.dtype, "--dtype")
         model = model.to(dtype) if dtype is not None else model
@@ -370,11 +337,11 @@ def _capacity(opts: argparse.Namespace) -> str:
         section = fused_loss_section(model, captured, enabled=opts.fused_loss)
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload)
-        plan.fused_loss = section  # its peak is a phase of training's
         est = plan.estimates[str(n)]
         if on_disk:
             est, io[k] = optimizer_on_disk(est, chunk)
-        p = process_peak(plan, est, baseline, built_full=not opts.streaming)
+        p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
+                         beside=baseline.per_layer * (k - 1) if k is not None else 0)
         params = sum(g.param_numel() for g in plan.groups)
         disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
@@ -386,22 +353,26 @@ def _capacity(opts: argparse.Namespace) -> str:
         phases = training_phases(plan, est)
         at = max(phases, key=phases.__getitem__)
         pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
-        return p.total, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
-                         f"{fmt_bytes(p.baseline)} + max(wrapping {fmt_bytes(p.wrapping)}, training "
+        beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
+        return p, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
+                         f"{fmt_bytes(p.baseline)} + {beside}max(wrapping {fmt_bytes(p.wrapping)}, training "
                          f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward, at "
-                         f"its peak: {at})" + disk + pair)
+                         f"its peak: {at})" + disk + pair), phases
 
     if opts.grow:
         try:
-            k, total = largest_fitting(lambda k: peak(k)[0], limit // n, start=8)
+            k, _ = largest_fitting(lambda k: peak(k)[0].total, limit // n, start=8)
         except PlanError as exc:
             raise CLIError(f"--memory {opts.memory} over {n} ranks: {exc}") from None
-        detail = peak(k)[1]
+        chosen, detail, phases = peak(k)
     else:
         k = None
-        total, detail = peak(None)
+        chosen, detail, phases = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
-              "value": k, "peak_per_rank": total, "baseline": baseline, "fits": total <= limit // n,
+              "value": k, "peak_per_rank": chosen.total, "baseline": chosen.baseline,
+              "beside_per_layer": baseline.per_layer, "beside": chosen.beside, "wrapping": chosen.wrapping,
+              "fits": chosen.total <= limit // n,
+              "training_phases": phases,
               "streaming": opts.streaming, "optimizer_state": opts.optimizer_state or "memory",
               "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "offload": opts.offload,
               "shards_read_per_step": shards_io[k][0] if k in shards_io else None,
@@ -443,9 +414,9 @@ def _run(opts: argparse.Namespace) -> str:
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     section = fused_loss_section(measured, captured, enabled=opts.fused_loss)
-    if section.fused:  # the plan counts the fused op's activations; dump draws its node
-        captured = replace(with_fused_loss(captured, section), graph=fuse_loss(captured.graph, measured,
-                                                                                enabled=True)[0])
+    captured = with_fused_loss(captured, section)  # the plan counts the pair's (or the fused op's) bytes
+    if section.fused:  # dump draws its node
+        captured = replace(captured, graph=fuse_loss(captured.graph, measured, enabled=True)[0])
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     if opts.command == "plan" and opts.tp_size is not None:
         return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp, section)
@@ -461,8 +432,6 @@ def _run(opts: argparse.Namespace) -> str:
         raise budget_error(budget, over, opts.prefetch_depth)
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
-    for plan in plans:
-        plan.fused_loss = section
     if opts.command == "plan":
         return _plan_report(opts, sizes, plans)
     graph = schedule_graph(captured, plans[0])
