@@ -2,7 +2,7 @@
 
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
-                  [--memory-budget 40GiB] [--shard-size S | --tp-size T] [--input SPEC ...] [-v]
+                  [--memory-budget 40GiB] [--shard-size S | --tp-size T [--sequence-parallel]] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
 
@@ -15,7 +15,8 @@ before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-
 ``--shard-size S`` adds, per world size, HSDP with shards over S ranks (one node) beside ZeRO-3 over
 every rank, each with its traffic split into intra-node and inter-node bytes for nodes of S ranks.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
-what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens.
+what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
+with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
 ``--memory B`` (bytes summed over the job's ranks) answers whether a training process fits: its peak per
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping; none with ``--streaming``, the
@@ -73,6 +74,7 @@ from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
+from .passes.sequence_parallel import chain_from_capture, plan_sequence_parallel
 from .passes.tensor_parallel import plan_tensor_parallel
 from .passes.util import describe
 from . import process_baseline
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp-size", type=int, default=None, metavar="T",
                       help="plan tensor parallelism over T adjacent ranks (tp_size=T): ZeRO shards over N/T "
                            "ranks; the TP traffic needs --input for its token count")
+    plan.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp-size: plan sequence_parallel=True (norms and residuals on sequence parts; "
+                           "the traffic as all-gathers and reduce-scatters along the sequence)")
     plan.add_argument("--memory", default=None, metavar="SIZE",
                       help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank "
                            "and whether it fits (one --world-size)")
@@ -465,6 +470,10 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     if bad:
         raise CLIError(f"--tp-size {t} must divide every --world-size (data-parallel size x TP size); {bad} do not")
     tp = plan_tensor_parallel(model, t, discovery)  # type: ignore[arg-type]
+    if opts.sequence_parallel:
+        tp.sequence = plan_sequence_parallel(model, tp, discovery)  # type: ignore[arg-type]
+        if captured.method == "export":  # type: ignore[attr-defined]
+            tp.sequence = chain_from_capture(tp.sequence, captured.graph)  # type: ignore[attr-defined]
     ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
     tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
     activations = captured.activations  # type: ignore[attr-defined]
@@ -476,7 +485,9 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan.fused_loss = fused
         plans.append(plan)
     section = [line for line in str(plans[0]).splitlines() if line.startswith(("tensor parallel", "  split",
-                                                                                "  heads", "  replicated"))]
+                                                                                "  heads", "  replicated",
+                                                                                "  sequence parallel", "    sp ",
+                                                                                "    not sequence parallel"))]
     return "\n".join([_plan_report(opts, sizes, plans), *section]
                      + ([] if tokens else ["note: TP traffic needs --input (token ids) for its token count"])
                      + (["note: activations are estimated unsplit (an upper bound under TP)"] if activations else []))

@@ -287,6 +287,21 @@ def test_dropout_on_a_part_is_one_processs_dropout_on_that_part_bit_for_bit(t: i
         assert torch.equal(got, want[:, rank * part:(rank + 1) * part])
 
 
+def test_cli_plan_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    from bmt_wrap.cli import main
+
+    args = ["plan", "tests/models.py:llama", "--world-size", "4", "--tp-size", "2", "--input", "input_ids=int64[2,8]"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--sequence-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel" not in plain
+    # chained from the export of --input's call, as the first forward chains a wrapped model's blocks
+    assert "  sequence parallel: on (sequence dim 1): 4 column, 1 enter, 1 leave, 4 row, 2 unit, 2 unit_whole" in out
+    assert "    sp leave model.layers.1" in out and "blocks chained from the first forward's exported graph" in out
+    assert "of which TP activations" in out  # its bytes: test_counted_tp_bytes_equal_the_plans
+
+
 def _no_sync_body() -> dict:
     from parity import whole
 
