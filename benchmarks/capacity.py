@@ -18,8 +18,8 @@ bmt_wrapper's largest run is compared with one process training the same model o
 (the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
 ``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
 baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_mmap`` is the wrapper in
-processes started with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed tensors leave the process: the plan's
-assumption, docs/design.md "Capacity"); ``bmt_wrapper_budget`` runs so too, since it spends the plan's count
+processes started with the plan's allocator setting, ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors leave
+the process: the plan's assumption, docs/design.md "Capacity"); ``bmt_wrapper_budget`` runs so too, since it spends the plan's count
 up to the limit. ``bmt_wrapper_disk`` is that, trained by
 ``bmt.optim.AdamDiskOptimizer`` (Adam's moments in a file per rank under ``$BMT_OPTIMIZER_DIR`` or the temp
 dir, which must be a disk, not tmpfs), predicted by ``bmt-wrap plan --memory B --optimizer-state disk``; its
@@ -52,14 +52,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bmt_wrap.base.host_allocator import EXACT_SETTING
+
 HERE = Path(__file__).resolve().parent
 D_MODEL, SEQ, VOCAB = 1024, 128, 8192
 DEFAULT_SYSTEMS = ["ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero3", "bmt_wrapper", "bmt_wrapper_budget",
                    "bmt_wrapper_mmap", "bmt_wrapper_disk", "bmt_wrapper_offload"]
 OFFLOAD = "bmt_wrapper_offload"
-# Systems whose processes get MALLOC_MMAP_THRESHOLD_: glibc maps every allocation of 1 MiB or more and unmaps
-# it when freed, so the process holds what its tensors hold (docs/design.md "Capacity": the plan's assumption).
-MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+# Systems whose processes get the plan's allocator setting (bmt_wrap.base.host_allocator: glibc maps every
+# allocation of 64 KiB or more and unmaps it when freed), so the process holds what its tensors hold
+# (docs/design.md "Capacity"). Under 1 MiB, the offloaded GPT's heap kept ~1 MiB of freed blocks per layer
+# (16.6 MiB more free heap at 24 layers than at 8; 0.5 MiB under 64 KiB).
+MMAP_ENV = dict([EXACT_SETTING.split("=")])
 # bmt_wrapper_budget too: it spends the plan's count of bytes up to the limit, so it needs the setting the
 # count is exact for (under glibc's default heap it went over B from 9 layers up at 4 GiB).
 MMAP_SYSTEMS = ("bmt_wrapper_budget", "bmt_wrapper_mmap", "bmt_wrapper_disk", OFFLOAD)

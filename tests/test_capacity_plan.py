@@ -253,10 +253,14 @@ def test_offload_counts_only_the_shards_in_flight() -> None:
 
     _, est = _plan(8)
     plan, off = _offload_plan(8)
-    largest = max(sum(b.shard_numel(2) * torch.empty(0, dtype=getattr(torch, b.dtype)).element_size()
-                      for b in g.buffers) for g in plan.groups)
+    shard = {g.name: sum(b.shard_numel(2) * torch.empty(0, dtype=getattr(torch, b.dtype)).element_size()
+                         for b in g.buffers) for g in plan.groups}
+    block = max(shard[g.name] for g in plan.blocks())
+    root = max(shard[g.name] for g in plan.groups if g.is_root)
+    depth = plan.prefetch_depth
     assert plan.offload == "disk"
-    assert off.params == min(est.params, (plan.prefetch_depth + 2) * largest) < est.params
+    # the blocks' shards the gathers and the read-ahead hold, or the root's with one block fewer
+    assert off.params == min(est.params, max((depth + 2) * block, root + (depth + 1) * block)) < est.params
     assert off.grads < est.grads and off.no_sync_grads == 0
     # every shard read for forward's and backward's gathers and the optimizer, which reads the gradients too
     assert off.disk_read == 3 * est.params + est.grads and off.disk_written == est.params + est.grads
@@ -266,6 +270,36 @@ def test_offload_counts_only_the_shards_in_flight() -> None:
     assert again.offload == "disk" and again.estimates == plan.estimates
     # the per-layer cost left is the gathered blocks' and activations': the more layers, the larger the gap
     assert _offload_plan(32)[1].params == off.params
+
+
+def test_offload_counts_the_first_block_backward_beside_every_kept_activation() -> None:
+    """Offloaded gradient shards go to the file as they arrive, so the blocks' backward peaks at its start:
+    the first block's backward beside every activation the forward kept (measured on the capacity GPT: the
+    peak grew with the layers by their checkpointed inputs; the count without this phase did not grow)."""
+    import models as M
+
+    phases = {}
+    for n_layers in (4, 12):
+        for offload in (None, "disk"):
+            model = M.ToyGPT(n_layers=n_layers, tie=True)
+            inputs = ((M.token_ids(),), {})
+            discovery = discover_blocks(model)
+            plan = build_plan(model, discovery, world_size=2, capture=capture(model, discovery, inputs),
+                              offload=offload)
+            est = plan.estimates["2"]
+            phases[n_layers, offload] = training_phases(plan, est)
+            if offload is None:
+                assert "blocks' backward start" not in phases[n_layers, offload]
+                continue
+            assert est.activations and est.activations_recompute, "the profile measured them"
+            # what backward's start holds (every kept activation) and the first block's backward
+            assert phases[n_layers, offload]["blocks' backward start"] == (
+                phases[n_layers, offload]["backward start"] + est.grads + est.grads_in_flight
+                + est.activations_recompute)
+    kept_more = (phases[12, "disk"]["backward start"] - phases[4, "disk"]["backward start"])
+    assert kept_more > 0
+    assert (phases[12, "disk"]["blocks' backward start"] - phases[4, "disk"]["blocks' backward start"]
+            == kept_more), "only the kept activations grow with the layers"
 
 
 def test_plan_cli_offload_disk(capsys: pytest.CaptureFixture[str]) -> None:
