@@ -280,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--baseline", default=None, metavar="SIZE",
                       help="with --memory: a rank's resident memory before building the model (default: "
                            "this process's, measured after it built and traced the smallest model once, so the "
-                           "model library and the first forward's trace count as they do on a rank)")
+                           "model library and the first forward's trace count as they do on a rank; with "
+                           "--grow of layers and --input, after training it one step, and its 2- and 4-layer "
+                           "forms too, for the memory beside the tensors each layer adds). Given, nothing is "
+                           "trained or measured")
     plan.add_argument("--json", action="store_true", help="with --memory: print the answer as JSON")
     plan.add_argument("--optimizer-state", choices=["memory", "disk"], default=None,
                       help="with --memory: where Adam's state lives; disk: bmt.optim.AdamDiskOptimizer's "
