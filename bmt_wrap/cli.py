@@ -465,13 +465,16 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
 
 def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
                inputs: Call | None, budget: int | None, mp: MixedPrecision | None, fused: FusedLossPlan) -> str:
-    """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic."""
-    t = opts.tp_size
-    if opts.shard_size is not None:
-        raise CLIError("--tp-size and --shard-size cannot be estimated together yet; give one of them")
+    """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic; with
+    ``--shard-size S`` also the 3-D mesh (N/(S T) replicas x S x T), traffic split by mesh axis and by node."""
+    t, s = opts.tp_size, opts.shard_size
     bad = [n for n in sizes if t < 1 or n % t]
     if bad:
         raise CLIError(f"--tp-size {t} must divide every --world-size (data-parallel size x TP size); {bad} do not")
+    bad = [n for n in sizes if s is not None and (s < 1 or n % (s * t))]
+    if bad:
+        raise CLIError(f"--shard-size {s} x --tp-size {t} must divide every --world-size (replicas x shard size x "
+                       f"TP size); {bad} do not")
     tp = plan_tensor_parallel(model, t, discovery)  # type: ignore[arg-type]
     if opts.sequence_parallel:
         tp.sequence = plan_sequence_parallel(model, tp, discovery)  # type: ignore[arg-type]
@@ -480,13 +483,21 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
     tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
     activations = captured.activations  # type: ignore[attr-defined]
-    plans = []
+    plans, columns = [], []
     for n in sizes:
-        plan = build_plan(model, discovery, world_size=n // t, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
-                          memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
-        plan.estimates = {str(n // t): estimate_tp(plan, n // t, tokens, activations)}
-        plan.fused_loss = fused
-        plans.append(plan)
+        # TP x DP over every rank, then (--shard-size) the 3-D mesh: HSDP replicas of shard x TP ranks, a
+        # node holding one shard group's ranks and their TP peers; each column's traffic split by axis.
+        for shard in ([n // t] if s is None else [n // t, s]):
+            plan = build_plan(model, discovery, world_size=shard,  # type: ignore[arg-type]
+                              prefetch_depth=opts.prefetch_depth, memory_budget=budget, mixed_precision=mp,
+                              capture=captured, tensor_parallel=tp)
+            est = estimate_tp(plan, shard, tokens, activations) if s is None else \
+                estimate_mesh(plan, n, shard, s * t, activations, tokens)
+            plan.estimates = {str(shard): est}
+            plan.fused_loss = fused
+            plans.append(plan)
+            columns.append(n)
+    sizes = columns
     section = [line for line in str(plans[0]).splitlines() if line.startswith(("tensor parallel", "  split",
                                                                                 "  heads", "  replicated",
                                                                                 "  sequence parallel", "    sp ",

@@ -97,3 +97,23 @@ def test_a_3d_mesh_splits_traffic_by_axis_tp_inside_the_node() -> None:
     with pytest.raises(PlanError, match="tp size 2 must divide"):
         estimate_mesh(plan, 8, 3, 4)
 
+
+def test_cli_tp_size_with_shard_size_adds_the_3d_column(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", f"{MODELS}:llama", "--world-size", "16", "--tp-size", "2", "--shard-size", "4",
+                 "--input", "input_ids=int64[2,8]"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    header = next(line for line in out.splitlines() if line.strip().startswith("per rank"))
+    assert "N=16 TP 2 x DP 8" in header and "N=16 HSDP 2x4 x TP 2" in header
+
+    def row(label: str) -> list[str]:
+        line = next(line for line in out.splitlines() if line.strip().startswith(label))
+        return line[len(line) - len(line.lstrip()) + len(label):].split()
+
+    for label in ("of which across replicas", "of which in a shard group", "of which TP activations",
+                  "of which intra-node", "of which inter-node"):
+        assert len(row(label)) == 4, label  # a value and its unit in each column
+    assert row("of which across replicas")[:2] == ["0", "B"] and row("of which across replicas")[2] != "0"
+    assert row("of which TP activations")[:2] == row("of which TP activations")[2:]
+    assert main(["plan", f"{MODELS}:llama", "--world-size", "12", "--tp-size", "2", "--shard-size", "4"]) == 2
+    assert "--shard-size 4 x --tp-size 2 must divide every --world-size" in capsys.readouterr().err
