@@ -53,7 +53,6 @@ from torch import nn
 
 from .base._compat import pytree
 from .base.dtypes import to_dtype
-from .base.fused_loss_plan import FusedLossPlan
 from .base.host_allocator import EXACT_SETTING, release_free_heap
 from .base.mixed_precision import MixedPrecision
 from .base.plan import (
@@ -427,7 +426,7 @@ def _run(opts: argparse.Namespace) -> str:
         captured = replace(captured, graph=fuse_loss(captured.graph, measured, enabled=True)[0])
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
     if opts.command == "plan" and opts.tp_size is not None:
-        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp, section)
+        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp)
     plans, over = [], []
     for n in sizes:
         try:
@@ -464,7 +463,7 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
 
 
 def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
-               inputs: Call | None, budget: int | None, mp: MixedPrecision | None, fused: FusedLossPlan) -> str:
+               inputs: Call | None, budget: int | None, mp: MixedPrecision | None) -> str:
     """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic; with
     ``--shard-size S`` also the 3-D mesh (N/(S T) replicas x S x T), traffic split by mesh axis and by node."""
     t, s = opts.tp_size, opts.shard_size
@@ -494,7 +493,6 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
             plan.estimates = {str(shard): est}
-            plan.fused_loss = fused
             plans.append(plan)
             columns.append(n)
     sizes = columns

@@ -254,6 +254,20 @@ def _sliced_step_loss(ref: nn.Module, batch: tuple[torch.Tensor, ...], rank: int
     return total
 
 
+def no_sync_two_halves(model: nn.Module, ref: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], dp: int,
+                       n: int) -> None:
+    """Backward this dp rank's half-batches through ``model``, the first under ``no_sync()``, and every dp
+    rank's through ``ref``, averaged over the ``n`` dp ranks: the gradients plain accumulation gives."""
+    ids, tgt = (t.chunk(n)[dp] for t in batch)
+    with model.no_sync():
+        (model(ids[:2], tgt[:2]) / 2).backward()
+    (model(ids[2:], tgt[2:]) / 2).backward()
+    for r in range(n):
+        rids, rtgt = (t.chunk(n)[r] for t in batch)
+        (ref(rids[:2], rtgt[:2]) / 2 / n).backward()
+        (ref(rids[2:], rtgt[2:]) / 2 / n).backward()
+
+
 def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
     """Deterministic token batches (inputs, targets)."""
     g = torch.Generator().manual_seed(seed)

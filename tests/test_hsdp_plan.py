@@ -50,6 +50,12 @@ def test_bad_mesh_sizes_raise_plan_error(world: int, shard: int, nodes: int) -> 
         estimate_mesh(_plan(8), world, shard, nodes)
 
 
+def _row(out: str, label: str) -> list[str]:
+    """The cells after ``label`` on the plan table's row that starts with it."""
+    line = next(line for line in out.splitlines() if line.strip().startswith(label))
+    return line[len(line) - len(line.lstrip()) + len(label):].split()
+
+
 def test_cli_shard_size_adds_an_hsdp_column_and_splits_traffic_by_node(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", f"{MODELS}:llama", "--world-size", "16", "--shard-size", "4", "--dtype", "bf16"])
     out = capsys.readouterr().out
@@ -57,13 +63,10 @@ def test_cli_shard_size_adds_an_hsdp_column_and_splits_traffic_by_node(capsys: p
     header = next(line for line in out.splitlines() if line.strip().startswith("per rank"))
     assert "N=16 ZeRO-3" in header and "N=16 HSDP 4x4" in header
 
-    def row(label: str) -> list[str]:
-        line = next(line for line in out.splitlines() if line.strip().startswith(label))
-        return line[len(line) - len(line.lstrip()) + len(label):].split()
-
-    assert row("of which inter-node")[:2] == row("= communicated / step")[:2], "ZeRO-3: every byte crosses nodes"
-    assert row("of which intra-node")[:2] == ["0", "B"], "ZeRO-3 over every rank: nothing stays in a node"
-    assert row("of which across replicas")[:2] == ["0", "B"]
+    assert _row(out, "of which inter-node")[:2] == _row(out, "= communicated / step")[:2], \
+        "ZeRO-3: every byte crosses nodes"
+    assert _row(out, "of which intra-node")[:2] == ["0", "B"], "ZeRO-3 over every rank: nothing stays in a node"
+    assert _row(out, "of which across replicas")[:2] == ["0", "B"]
 
 
 def test_cli_shard_size_must_divide_the_world_size(capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,14 +109,11 @@ def test_cli_tp_size_with_shard_size_adds_the_3d_column(capsys: pytest.CaptureFi
     header = next(line for line in out.splitlines() if line.strip().startswith("per rank"))
     assert "N=16 TP 2 x DP 8" in header and "N=16 HSDP 2x4 x TP 2" in header
 
-    def row(label: str) -> list[str]:
-        line = next(line for line in out.splitlines() if line.strip().startswith(label))
-        return line[len(line) - len(line.lstrip()) + len(label):].split()
-
     for label in ("of which across replicas", "of which in a shard group", "of which TP activations",
                   "of which intra-node", "of which inter-node"):
-        assert len(row(label)) == 4, label  # a value and its unit in each column
-    assert row("of which across replicas")[:2] == ["0", "B"] and row("of which across replicas")[2] != "0"
-    assert row("of which TP activations")[:2] == row("of which TP activations")[2:]
+        assert len(_row(out, label)) == 4, label  # a value and its unit in each column
+    replicas = _row(out, "of which across replicas")
+    assert replicas[:2] == ["0", "B"] and replicas[2] != "0"
+    assert _row(out, "of which TP activations")[:2] == _row(out, "of which TP activations")[2:]
     assert main(["plan", f"{MODELS}:llama", "--world-size", "12", "--tp-size", "2", "--shard-size", "4"]) == 2
     assert "--shard-size 4 x --tp-size 2 must divide every --world-size" in capsys.readouterr().err

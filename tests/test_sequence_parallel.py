@@ -13,7 +13,7 @@ import torch
 from dist_harness import raised, run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parity import lm_batches, train_side_by_side
+from parity import lm_batches, no_sync_two_halves, train_side_by_side
 from test_tp_plan import TOY_PLAN
 from test_tp_wrap import llama_mha
 
@@ -310,15 +310,8 @@ def _no_sync_body() -> dict:
     model = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2, tp_plan=tp_plan, sequence_parallel=True)
     again = bmt.BMTrainModelWrapper(models.seeded(build), tp_size=2,
                                     plan=bmt.WrapPlan.from_json(model.plan.to_json()))
-    dp, n = bmt.rank() // 2, 2
-    ids, tgt = (t.chunk(n)[dp] for t in batches[0])
-    with model.no_sync():
-        (model(ids[:2], tgt[:2]) / 2).backward()
-    (model(ids[2:], tgt[2:]) / 2).backward()
-    for r in range(n):  # the reference: every dp rank's two micro-batches, averaged over dp
-        rids, rtgt = (t.chunk(n)[r] for t in batches[0])
-        (ref(rids[:2], rtgt[:2]) / 2 / n).backward()
-        (ref(rids[2:], rtgt[2:]) / 2 / n).backward()
+    no_sync_two_halves(model, ref, batches[0], bmt.rank() // 2, 2)
+    ids = batches[0][0].chunk(2)[bmt.rank() // 2]
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(whole(p.grad, p), refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)

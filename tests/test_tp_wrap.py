@@ -11,7 +11,7 @@ import models
 import pytest
 import torch
 from dist_harness import raised, run_distributed
-from parity import lm_batches, train_side_by_side, whole
+from parity import lm_batches, no_sync_two_halves, train_side_by_side, whole
 from test_tp_plan import TOY_PLAN
 
 import bmt_wrap as bmt
@@ -225,15 +225,7 @@ def _no_sync_body() -> dict:
     import copy
 
     model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), tp_size=2, tp_plan=tp_plan)
-    dp, n = bmt.rank() // 2, 2
-    ids, tgt = (t.chunk(n)[dp] for t in batches[0])
-    with model.no_sync():
-        (model(ids[:2], tgt[:2]) / 2).backward()
-    (model(ids[2:], tgt[2:]) / 2).backward()
-    for r in range(n):  # the reference: every dp rank's two micro-batches, averaged over dp
-        rids, rtgt = (t.chunk(n)[r] for t in batches[0])
-        (ref(rids[:2], rtgt[:2]) / 2 / n).backward()
-        (ref(rids[2:], rtgt[2:]) / 2 / n).backward()
+    no_sync_two_halves(model, ref, batches[0], bmt.rank() // 2, 2)
     worst = 0.0
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
