@@ -60,9 +60,45 @@ def as_call(example_inputs: object) -> Call | None:
 
 
 def to_meta(tree: Any) -> Any:
-    """Copy every tensor in a pytree to the meta device (shape, dtype and strides only)."""
-    return pytree.tree_map(lambda t: t if not isinstance(t, torch.Tensor) or t.is_meta
-                    else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), tree)
+    """Copy every tensor in a pytree to the meta device (shape, dtype and strides only).
+
+    A leaf that is an object holding tensors (generate's KV cache, a transformers ``DynamicCache``) is
+    copied with its tensors on meta: a meta run updates it in place, and the caller's must stay as it was
+    for the real call that follows.
+    """
+    return pytree.tree_map(_meta_leaf, tree)
+
+
+_PLAIN_LEAVES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _meta_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return _meta_tensor(leaf)
+    if isinstance(leaf, _PLAIN_LEAVES) or callable(leaf):
+        return leaf
+    memo: dict[int, Any] = {id(t): _meta_tensor(t) for t in _tensors_held(leaf, set())}
+    return copy.deepcopy(leaf, memo)
+
+
+def _tensors_held(obj: Any, seen: set[int]) -> list[torch.Tensor]:
+    """The tensors reachable from ``obj`` through its attributes and containers."""
+    if id(obj) in seen or isinstance(obj, _PLAIN_LEAVES):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return [t for child in children for t in _tensors_held(child, seen)]
 
 
 def _is_meta(model: nn.Module) -> bool:
