@@ -7,8 +7,9 @@ parameters, ``torch.optim.AdamW`` (bf16 state) for every system, batch 1 x ``--s
 - ``checkpoint``: plain with ``torch.utils.checkpoint`` around every decoder layer;
 - ``fsdp2_offload``: ``fully_shard`` per layer and on the root with ``CPUOffloadPolicy(pin_memory=True)``
   (parameters, gradients and the optimizer step on the host);
-- ``bmt_offload_host``: ``bmt.BMTrainModelWrapper(model, offload="host")`` (shards in pinned host memory;
-  while that is not built, its row gives the error the wrapper raises).
+- ``bmt_offload_host``: ``bmt.BMTrainModelWrapper(model, offload="host")`` of the model built on the host
+  (its non-parameter buffers moved to the device): parameter, gradient and AdamW state shards in pinned host
+  memory, each block's shard copied to the device one block ahead of its gather (docs/offload.md).
 
 Each probe is a fresh process (``--probe SYSTEM LAYERS``) training ``--offload-steps`` steps after one warm-up; it
 fits when no step raised ``torch.cuda.OutOfMemoryError``. Per system the search doubles the layer count
@@ -87,6 +88,9 @@ def _build(system: str, args: argparse.Namespace, layers: int) -> torch.nn.Modul
     elif system == "bmt_offload_host":
         import bmt_wrap as bmt
 
+        for module in model.modules():  # rotary tables and the like compute on the device; parameters stay home
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.cuda()
         model = bmt.BMTrainModelWrapper(model, offload="host")
     return model
 

@@ -11,6 +11,7 @@ import torch
 from ..base.dtypes import FLOATING, LOW_PRECISION
 from ..errors import OptimizerError
 from ..kernels import cupy_usable
+from ..runtime.host_store import compute_device
 from ..runtime.offload import is_offloaded, release_pages
 from ..runtime.sharded_tensor import local_view
 from ..save_load.optim_shards import attach_state_hooks, local_state_dict
@@ -18,6 +19,7 @@ from . import torch_adam
 from .adam_math import AdamHyper
 from .cupy_adam import KERNEL_DTYPES, cupy_step
 from .fusion import PlanCache, plan_runs
+from .host_chunks import step_through_device
 from .grad_scaler_guard import check_no_grad_scaler
 
 
@@ -83,7 +85,9 @@ class AdamOptimizer(torch.optim.Optimizer):
 
     def _zeros(self, shape: torch.Size, p: torch.Tensor) -> torch.Tensor:
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        pin = self._offload and torch.cuda.is_available()
+        # Host state of a CUDA job (ours, or beside shards offloaded to host memory): pinned for fast copies.
+        home = compute_device(p)
+        pin = (self._offload and torch.cuda.is_available()) or (home is not None and home.type == "cuda")
         return torch.zeros(shape, dtype=dtype, device=self._state_device(p), pin_memory=pin)
 
     def _layout_runs(self, placed: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[tuple]]]:
@@ -203,13 +207,17 @@ class AdamOptimizer(torch.optim.Optimizer):
         in_place: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
         with_master: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
         write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        through_device: list[tuple[tuple[torch.Tensor, ...], AdamHyper, torch.device]] = []
         for views, hyper in work:
             param, grad, exp_avg, exp_avg_sq, *master = views
             if not param.is_contiguous():  # a lone strided parameter: the fused kernels want dense memory
                 write_back.append((param, param.contiguous()))
                 param = write_back[-1][1]
             grad = grad.contiguous()
-            if param.is_cuda and not self._offload and param.dtype in KERNEL_DTYPES and cupy_usable(param):
+            device = compute_device(param)
+            if device is not None:  # offload="host" on CUDA: the in-memory job's kernel, a chunk at a time
+                through_device.append(((param, grad, exp_avg, exp_avg_sq, *master), hyper, device))
+            elif param.is_cuda and not self._offload and param.dtype in KERNEL_DTYPES and cupy_usable(param):
                 cupy_step(param, grad, master[0] if master else None, exp_avg, exp_avg_sq, hyper, scale)
             elif master:
                 with_master.setdefault((hyper, exp_avg.device), []).append((param, grad, master[0], exp_avg, exp_avg_sq))
@@ -227,8 +235,21 @@ class AdamOptimizer(torch.optim.Optimizer):
         for (hyper, device), batch in with_master.items():
             torch_adam.step_with_master(batch, hyper, scale, self._scratch_on(device, batch))
             release_pages(*(t for item in batch for t in item[:2]))
+        for item, hyper, device in through_device:
+            step_through_device([item], device, scale, lambda t, hyper=hyper: self._update_on_device(t, hyper, scale))
         for param, dense in write_back:
             param.copy_(dense)
+
+    def _update_on_device(self, views: list[torch.Tensor], hyper: AdamHyper, scale: float) -> None:
+        """One chunk of a host-offloaded run, on the device: what ``_apply`` runs there for in-memory shards."""
+        param, grad, exp_avg, exp_avg_sq, *master = views
+        if param.dtype in KERNEL_DTYPES and cupy_usable(param):
+            cupy_step(param, grad, master[0] if master else None, exp_avg, exp_avg_sq, hyper, scale)
+        elif master:
+            batch = [(param, grad, master[0], exp_avg, exp_avg_sq)]
+            torch_adam.step_with_master(batch, hyper, scale, self._scratch_on(param.device, batch))
+        else:
+            torch_adam.step_in_place([param], [grad], [exp_avg], [exp_avg_sq], hyper, scale)
 
     def _scratch_on(self, device: torch.device, batch: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         need = min(torch_adam.SCRATCH_ELEMS, sum(item[0].numel() for item in batch))

@@ -31,9 +31,10 @@ from .group import ShardGroup, StorageMode
 from .local_grads import LocalGrads
 from .model_runtime import ModelRuntime
 from .module_params import Location
-from .offload import ShardHome, agree_offload, check_files, release_all, release_pages
+from .offload import agree_offload, check_files, release_all, release_pages
 from .param import DistributedParameter, mark_replaced
 from .replay import ReplayMemory
+from .shard_store import ShardHome
 from .standalone import shard_standalone
 from .tp_marks import copy_tp_marks, tp_split_dim
 from .tp_reduce import broadcast_under_tp, tp_sum_ranges
@@ -146,7 +147,7 @@ class Engine:
                                    "meta" if meta else device, home)
             if not meta:
                 if sync_from is not None and self.world_size > 1:
-                    full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.shard.device)
+                    full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
                     if self.tp is None:
@@ -185,15 +186,15 @@ class Engine:
         return group
 
     def _reserve_homes(self, spec: ShardGroupSpec, runtime: ModelRuntime | None) -> list[ShardHome | None]:
-        """Each buffer's place in its model's offload file (None when not offloaded); a rank that cannot
-        reserve one (full disk) fails every rank here, before any collective sized by the group."""
-        file = runtime.offload if runtime is not None else None
-        if file is None:
+        """Each buffer's place in its model's offload store (None when not offloaded); a rank that cannot
+        reserve one (full disk, no host memory) fails every rank here, before any collective sized by the group."""
+        store = runtime.offload if runtime is not None else None
+        if store is None:
             return [None] * len(spec.buffers)
         homes: list[ShardHome | None] = []
         problem = None
         try:
-            homes = [ShardHome(file, b.shard_numel(self.layout.shard_size), to_dtype(b.dtype)) for b in spec.buffers]
+            homes = [ShardHome(store, b.shard_numel(self.layout.shard_size), to_dtype(b.dtype)) for b in spec.buffers]
         except OffloadError as exc:
             problem = exc
         agree_offload(self.comm, problem, f"placing {spec.name!r}")
@@ -255,6 +256,7 @@ class Engine:
         if runtime.offload is not None:
             check_files(self.comm, [runtime.offload])  # a truncated file fails here, on every rank
             release_all()  # what checkpoints or user code read since leaves memory
+            runtime.offload.drop_read_ahead()  # copied before the optimizer stepped
         self.phase = Phase.FORWARD
         self._release_strays()
         if lead is not None:
@@ -269,6 +271,8 @@ class Engine:
         self._standalone_cache.clear()
         runtime.prefetcher.end_forward()
         self._release_strays()
+        if runtime.offload is not None:
+            runtime.offload.drop_read_ahead()  # read for a gather the forward did not reach
 
     @contextmanager
     def inside_block(self, recompute: bool = False) -> Iterator[None]:
@@ -412,7 +416,7 @@ class Engine:
                 continue
             local = self.local_grads.take(buf)
             if local is not None:  # the first synchronising backward reduces the window's sum with its own
-                full.add_(local.full)
+                full.add_(local.full.to(full.device))
                 release_pages(local.full)
                 used = [a or b for a, b in zip(used, local.used, strict=True)]
             self.reducer.reduce(buf, full, used, release)
@@ -424,9 +428,17 @@ class Engine:
         if self.reducer.reduced_any:
             for local in self.local_grads.take_syncing():
                 self.reducer.make_room()
-                self.reducer.reduce(local.buffer, local.full, local.used,
-                                    lambda full=local.full: release_pages(full))
+                full, release = self._on_device(local.full, local.buffer)
+                self.reducer.reduce(local.buffer, full, local.used, release)
         self.local_grads.mark_all()
+
+    def _on_device(self, full: torch.Tensor, buf: FlatBuffer) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A ``no_sync`` window's sum where its reduce-scatter runs (offloaded to host memory: a device copy),
+        and how to give that back."""
+        if buf.home is None or not buf.home.store.staged:
+            return full, lambda: release_pages(full)
+        staged = self.pool.acquire(full.numel(), full.dtype, buf.device).copy_(full)
+        return staged, lambda: self.pool.release(staged)
 
     def _full_grad_buffer(self, group: ShardGroup, i: int, dtype: torch.dtype
                           ) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -481,6 +493,9 @@ class Engine:
         if clear_calls:
             for runtime in list(self._runtimes):
                 runtime.prefetcher.end_backward()
+        for runtime in list(self._runtimes):
+            if runtime.offload is not None:
+                runtime.offload.drop_read_ahead()  # the optimizer may step before any is gathered
         for g in self.groups:
             if g.in_use == 0:
                 g.release()

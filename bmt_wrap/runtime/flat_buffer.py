@@ -9,8 +9,8 @@ import torch
 from ..base.dtypes import to_dtype
 from ..base.plan import FlatBufferSpec
 from .comm import Communicator
-from .offload import ShardHome
 from .param import DistributedParameter, ParamGroup
+from .shard_store import ShardHome
 from .sharded_tensor import ShardedTensor
 
 
@@ -35,7 +35,7 @@ class FlatBuffer:
         if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:
             raise ValueError(f"shard of {group_name!r} must be ({self.shard_numel},) {self.dtype}")
         self.shard = shard
-        self.home = home  # where the shard and its gradients live when offloaded (offload.py), else None
+        self.home = home  # where the shard and its gradients live when offloaded (shard_store.py), else None
         # Weak: the parameters' ``.grad`` views keep the gradient shard alive, so
         # ``zero_grad(set_to_none=True)`` frees it as it frees plain torch gradients.
         self._grad_shard: weakref.ref[torch.Tensor] | None = None
@@ -58,14 +58,15 @@ class FlatBuffer:
 
     @property
     def device(self) -> torch.device:
-        """Where the shard lives."""
-        return self.shard.device
+        """Where the buffer is gathered and its gradient computed: the shard's device, or (offloaded) the
+        device its store computes on."""
+        return self.home.store.device if self.home is not None else self.shard.device
 
     @classmethod
     def empty(cls, spec: FlatBufferSpec, group_name: str, rank: int, world_size: int,
               device: torch.device | str, home: ShardHome | None = None) -> FlatBuffer:
-        """A zeroed shard (on ``meta``: no storage at all, to be materialised later; with ``home``: mapped
-        from its offload file)."""
+        """A zeroed shard (on ``meta``: no storage at all, to be materialised later; with ``home``: in its
+        offload store)."""
         numel = spec.shard_numel(world_size)
         if home is not None and torch.device(device).type != "meta":
             shard = home.shard()

@@ -1,7 +1,8 @@
 """Reduce-scatter of gradients during backward, and the end-of-backward callback that finishes them.
 
 Every group's full gradient goes through ``reduce``: an async reduce-scatter (rank average, DDP
-semantics) into the group's gradient shard, overlapping the next block's backward. Under HSDP the
+semantics) into the group's gradient shard, overlapping the next block's backward (a shard offloaded to
+host memory receives it on the device and copies it home when it ends). Under HSDP the
 reduce-scatter runs within the shard group and the shard is then averaged across the replicas (one
 all-reduce of the shard), so every rank holds the world average. When backward
 returns, an autograd callback has waited for all of them, agreed across ranks which parameters got a
@@ -156,7 +157,9 @@ class GradReducer:
         touched = self._touch(buffer)
         touched.used = [a or b for a, b in zip(touched.used, used, strict=True)]
         grad_shard = touched.grad_shard
-        if not touched.accumulate and full_grad.dtype == grad_shard.dtype:
+        # Offloaded to host memory: the reduce-scatter runs on the device, its result is copied home when done.
+        staged = buffer.home is not None and buffer.home.store.staged
+        if not touched.accumulate and full_grad.dtype == grad_shard.dtype and not staged:
             # A fresh shard no .grad views yet: an aborted backward's write into it is never seen.
             out = grad_shard
             done: Callable[[], None] = release
@@ -167,7 +170,7 @@ class GradReducer:
 
             def done() -> None:
                 if accumulate:
-                    grad_shard.add_(out)
+                    grad_shard.add_(out.to(grad_shard.device))
                 else:
                     grad_shard.copy_(out)
                 discard()

@@ -82,7 +82,8 @@ class ShardGroup:
         self._last: list[torch.Tensor | None] = [None] * len(buffers)
         self._spare: list[torch.Tensor | None] = [None] * len(buffers)
         self.in_use = 0  # executors currently running on the gathered parameters
-        self._sends: list[torch.Tensor] = []  # param_dtype copies of the shards, while a gather reads them
+        # What the gathers send (device or param_dtype copies of the shards) while they read it; True: a pool buffer
+        self._sends: list[tuple[torch.Tensor, bool]] = []
         self.standalone = False  # a bare DistributedParameter's own group (a block may adopt it)
         for b in buffers:
             b.group = self
@@ -118,25 +119,27 @@ class ShardGroup:
         self._check_materialised()
         for b in self.buffers:
             if b.home is not None:
-                b.home.file.wait_read(b.shard)
+                b.home.store.wait_read(b.shard)
         # Buffers outlive this call: made under inference_mode they could never serve training again.
         with torch.inference_mode(False):
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
             self._versions = [tensor_version(t) for t in full] if self._dedicated_storage else []
         sends = [self._cast_shard(b) for b in self.buffers]
         self._handles = [self.comm.all_gather_into(f, s, async_op=True, label=self.name)
-                         for f, s in zip(full, sends, strict=True)]
-        self._sends = [s for s, b in zip(sends, self.buffers, strict=True) if s is not b.shard]
+                         for f, (s, _) in zip(full, sends, strict=True)]
+        self._sends = sends
         self._full = full
         self.state = GroupState.GATHERING
 
-    def _cast_shard(self, b: FlatBuffer) -> torch.Tensor:
-        """The shard to send: itself, or (mixed precision) its param_dtype copy, so the gather moves
+    def _cast_shard(self, b: FlatBuffer) -> tuple[torch.Tensor, bool]:
+        """The shard to send, and whether it is a pool buffer: the shard itself, its copy on the device
+        (offloaded to host memory), or (mixed precision) its param_dtype copy, so the gather moves
         param_dtype bytes while the shard stays the fp32 master."""
+        shard = b.home.store.to_device(b.shard) if b.home is not None else b.shard
         if b.gather_dtype == b.dtype:
-            return b.shard
+            return shard, False
         send = self.pool.acquire(b.shard_numel, b.gather_dtype, b.device)
-        return send.copy_(b.shard)
+        return send.copy_(shard), True
 
     def gather_values(self, only: FlatBuffer | None = None) -> list[torch.Tensor]:
         """Full buffers (every one, or ``only`` that one) in the shard dtype, for reading or saving values
@@ -145,7 +148,8 @@ class ShardGroup:
         self._check_materialised()
         buffers = self.buffers if only is None else [only]
         full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in buffers]
-        handles = [self.comm.all_gather_into(f, b.shard, async_op=True, label=f"{self.name} values")
+        handles = [self.comm.all_gather_into(f, b.home.store.to_device(b.shard) if b.home is not None else b.shard,
+                                             async_op=True, label=f"{self.name} values")
                    for f, b in zip(full, buffers, strict=True)]
         for h in handles:
             h.wait()
@@ -153,10 +157,10 @@ class ShardGroup:
         return full
 
     def read_ahead(self) -> None:
-        """Offloaded shards: start reading them now, in the background (this group is gathered next)."""
+        """Offloaded shards: start bringing them in now, in the background (this group is gathered next)."""
         for b in self.buffers:
             if b.home is not None:
-                b.home.file.read_ahead([b.shard])
+                b.home.store.read_ahead([b.shard])
 
     def param_values(self) -> dict[int, torch.Tensor]:
         """Every parameter's full value (shard dtype), keyed by ``id`` of its ``DistributedParameter``: views
@@ -184,8 +188,9 @@ class ShardGroup:
             for h in self._handles:
                 h.wait()
             self._handles = None
-            for send in self._sends:
-                self.pool.release(send)
+            for send, pooled in self._sends:
+                if pooled:
+                    self.pool.release(send)
             self._sends = []
             release_pages(*(b.shard for b in self.buffers))  # offloaded: sent, so out of memory again
             self.state = GroupState.GATHERED

@@ -110,7 +110,7 @@ class LocalGrads:
         """Add ``full`` (this backward's flat gradient) to the buffer's accumulator instead of reducing it."""
         local = self._pending.get(id(buffer))
         if local is None:
-            if buffer.home is not None:  # offloaded: the window's sum accumulates in the file
+            if buffer.home is not None:  # offloaded: the window's sum accumulates in its store (file, host)
                 acc = buffer.home.accumulator(full.numel(), full.dtype).copy_(full)
                 release()
                 release_pages(acc)
@@ -118,7 +118,7 @@ class LocalGrads:
             self._pending[id(buffer)] = LocalGrad(buffer, full, list(used))  # keeps the buffer: no release
             return
         local.reconcile()
-        local.full.add_(full)
+        local.full.add_(full.to(local.full.device))
         release_pages(local.full)
         local.used = [a or b for a, b in zip(local.used, used, strict=True)]
         release()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from ..errors import WrapError
 from .group import ShardGroup
-from .offload import ShardFile
 from .prefetch import Prefetcher
+from .shard_store import ShardStore
 
 
 class ModelRuntime:
@@ -22,7 +22,7 @@ class ModelRuntime:
         self.name = name
         self.groups: list[ShardGroup] = []
         self.prefetcher: Prefetcher[ShardGroup] = Prefetcher(prefetch_depth)
-        self.offload: ShardFile | None = None  # offload="disk": where this model's shards live on this rank
+        self.offload: ShardStore | None = None  # offload="disk"/"host": where this model's shards live on this rank
 
     def set_schedule(self, order: list[ShardGroup], prefetch_depth: int) -> None:
         """Run blocks in ``order`` (the plan's), gathering ``prefetch_depth`` groups ahead."""

@@ -2,7 +2,7 @@
 accumulators live in a file of its own, not in the process's memory.
 
 Each flat buffer's shard (and gradient shard, and accumulator) is a shared mapping of its own page-aligned
-range of the file (``ShardHome``), so every reader — the engine's gathers, optimizers, ``clip_grad_norm_``,
+range of the file (``ShardFile``, the mapping backend of ``shard_store.ShardStore``), so every reader — the engine's gathers, optimizers, ``clip_grad_norm_``,
 checkpoints, user code — sees an ordinary tensor, and the parameter objects never change. What keeps the
 memory out of the process is dropping the pages once they are used (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the file and the kernel's page cache, which belongs to no process, is written
@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..errors import OffloadError
 from .backing_file import BackingFile
 from .comm import Communicator
+from .shard_store import ShardStore
 
 _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
@@ -176,8 +177,8 @@ class ReadStats:
     bytes_read: int = 0
 
 
-class ShardFile(BackingFile):
-    """One model's offloaded tensors on one rank: ranges of one file, each mapped on its own."""
+class ShardFile(BackingFile, ShardStore):
+    """One model's offloaded tensors on one rank (``offload="disk"``): ranges of one file, each mapped on its own."""
 
     def __init__(self, directory: str | os.PathLike[str], rank: int) -> None:
         super().__init__(directory, f"bmt_offload_rank{rank}_", "offloaded shards", OffloadError,
@@ -190,12 +191,17 @@ class ShardFile(BackingFile):
         _files.add(self)
         _install_step_hooks()
 
+    @property
+    def device(self) -> torch.device:
+        """A mapping is host memory: the CPU job computes on it directly."""
+        return torch.device("cpu")
+
     def reserve(self, numel: int, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
         """Reserve a page-aligned range for ``numel`` elements of ``dtype``: ``(offset, numel, dtype)``."""
         nbytes = max(numel * dtype.itemsize, 1)
         return (self.allocate(-(-nbytes // _PAGE) * _PAGE, align=_PAGE), numel, dtype)
 
-    def map(self, region: tuple[int, int, torch.dtype]) -> torch.Tensor:
+    def map(self, region: tuple[int, int, torch.dtype]) -> torch.Tensor:  # type: ignore[override]
         """The tensor over a reserved range (values as last written there; zeros when never written)."""
         self._check_open()
         offset, numel, dtype = region
@@ -243,46 +249,6 @@ class ShardFile(BackingFile):
                 self.stats.waited_s += time.perf_counter() - start
 
 
-class ShardHome:
-    """Where one flat buffer's tensors live in a ``ShardFile``: its shard, its gradient shard and, under
-    ``no_sync``, its full-size gradient accumulator."""
-
-    def __init__(self, file: ShardFile, numel: int, dtype: torch.dtype) -> None:
-        self.file = file
-        self._numel, self._dtype = numel, dtype
-        self._shard = file.reserve(numel, dtype)
-        # Gradient shards: a mapped range each, with the tensor last handed out over it. A range is reused
-        # once nothing holds that tensor (zero_grad(set_to_none=True) freed it), as torch reuses memory.
-        self._grads: list[tuple[torch.Tensor, weakref.ref[torch.Tensor] | None]] = []
-        self._grad_region = file.reserve(numel, dtype)
-        self._accumulator: torch.Tensor | None = None
-
-    def shard(self) -> torch.Tensor:
-        """The shard, mapped (zeros until written)."""
-        return self.file.map(self._shard)
-
-    def grad_shard(self) -> torch.Tensor:
-        """A gradient shard over a range no live gradient uses (old values: the caller overwrites or zeroes)."""
-        for i, (mapped, out) in enumerate(self._grads):
-            if out is None or out() is None:
-                view = mapped[:]
-                self._grads[i] = (mapped, weakref.ref(view))
-                return view
-        # The first range was reserved at wrap time; another is needed only while the user holds an old
-        # gradient across zero_grad(set_to_none=True).
-        region = self._grad_region if not self._grads else self.file.reserve(self._numel, self._dtype)
-        mapped = self.file.map(region)
-        view = mapped[:]
-        self._grads.append((mapped, weakref.ref(view)))
-        return view
-
-    def accumulator(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer's full-size ``no_sync`` accumulator, mapped (reserved at its first use)."""
-        if self._accumulator is None or self._accumulator.numel() != numel or self._accumulator.dtype != dtype:
-            self._accumulator = self.file.map(self.file.reserve(numel, dtype))
-        return self._accumulator
-
-
 def agree_offload(comm: Communicator, problem: BaseException | str | None, what: str) -> None:
     """Raise ``OffloadError`` on every rank of ``comm`` if any rank has a ``problem`` (one all-reduce)."""
     flags = torch.zeros(comm.world_size, dtype=torch.float32)
@@ -300,7 +266,7 @@ def agree_offload(comm: Communicator, problem: BaseException | str | None, what:
                        "says why); every rank stops here so that none waits for them")
 
 
-def check_files(comm: Communicator, files: list[ShardFile]) -> None:
-    """Every rank's offload files still hold what was written to them (before any mapping is read)."""
+def check_files(comm: Communicator, files: list[ShardStore]) -> None:
+    """Every rank's offload stores still hold what was written to them (before any mapping is read)."""
     problem = next((p for p in (f.truncated() for f in files) if p is not None), None)
     agree_offload(comm, problem, "file check")

@@ -17,18 +17,18 @@ from ..base._compat import pytree
 from ..base.dtypes import to_dtype
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
-from ..errors import OffloadError, PlanError, WrapError
+from ..errors import PlanError, WrapError
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator, RankLayout
 from ..runtime.engine import Engine, storage_mode
 from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
-from ..runtime.offload import ShardFile, agree_offload
 from ..runtime.module_params import Location, ParamSite, check_single_device, param_sites
 from ..runtime.standalone import full_value
 from .bound_block import CheckpointBlock, bind_block
 from .compiled import compiled_wrapper, never_traced
+from .offload_option import offload_store
 from .sharded_module import ShardedModuleMixin, install_state_hooks
 
 _ROOT_CLASSES: dict[type, type] = {}
@@ -74,10 +74,11 @@ def is_wrapped(model: nn.Module) -> bool:
 
 def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None, *,
                layout: RankLayout | None = None, tp: Communicator | None = None,
-               offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
+               offload: str | None = None, offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
     """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it;
     ``tp``: the tensor-parallel group whose peers hold different slices of the TP-split parameters;
-    ``offload_dir``: keep each rank's shards in a file there (``offload="disk"``)."""
+    ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
+    (``"host"``)."""
     if is_wrapped(model) or isinstance(model, CheckpointBlock):
         raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
                         "(BMTrainModelWrapper returns the same object, changed in place)")
@@ -94,9 +95,8 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     if layout is not None:
         engine.adopt_layout(layout, tp)
     runtime = engine.new_runtime(type(model).__name__)
-    if offload_dir is not None:
-        runtime.offload = _shard_file(engine, offload_dir)
     device = check_single_device(sites, type(model).__name__)
+    runtime.offload = offload_store(engine.comm, offload, offload_dir, engine.device)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
 
     # Which root parameters each block uses is read off the original module tree, before any group
@@ -127,18 +127,6 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     if engine.world_size > 1:
         install_grad_scaler_guard()  # GradScaler would check inf/nan on this rank's slice only
     return model
-
-
-def _shard_file(engine: Engine, directory: str | os.PathLike[str]) -> ShardFile:
-    """This rank's offload file under ``directory``; a rank that cannot create one fails every rank."""
-    file, problem = None, None
-    try:
-        file = ShardFile(directory, engine.rank)
-    except OffloadError as exc:
-        problem = exc
-    agree_offload(engine.comm, problem, "creating offload files")
-    assert file is not None
-    return file
 
 
 def update_schedule(model: WrappedModule, plan: WrapPlan) -> None:

@@ -117,6 +117,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``no_sync`` accumulators live in a file of its own under ``D`` (a disk, not tmpfs), read one block ahead
     of their gathers and out of memory once used (docs/offload.md); results are bit-equal to the same job
     without offload. Pair it with ``bmt.optim.AdamDiskOptimizer`` to put Adam's state in a file too.
+    ``offload="host"`` (CUDA jobs): the same shards in pinned host memory, copied to the device one block
+    ahead of their gathers; ``AdamOptimizer``'s state stays on the host and it steps chunk by chunk.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -166,7 +168,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             guard_tp_inputs(model)
         apply_plan(model, plan, mixed_precision, layout=layout,
                    tp=tp_layout.tp if tp_layout is not None else None,
-                   offload_dir=offload_dir if offload == "disk" else None)
+                   offload=offload, offload_dir=offload_dir)
         install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first
         attach_verify(model)
