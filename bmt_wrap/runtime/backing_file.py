@@ -6,21 +6,81 @@ and writes through a staging buffer) and the offloaded shards (offload.py, mappe
 with ``posix_fallocate`` when a range is handed out, so a full disk (or a file-size limit) is an error then,
 naming the file, rather than a short write, or a ``SIGBUS`` through a mapping, in the middle of a step. The
 directory is removed by ``close()``, when the object is collected, or at exit.
+
+A process killed before it could remove its directory (``SIGKILL``, the out-of-memory killer) leaves it
+behind, often many GB. Each directory's name carries its process id and host
+(``<prefix>pid<pid>@<host>.<random>``), so the next ``BackingFile`` made in the same place removes those
+whose process is gone: only on the same host, and only when no process of that id runs (a live one, even
+one that merely reuses the id, keeps its directory), with a warning naming each path and its size.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
+import warnings
 import weakref
 
+from ..base.plan import fmt_bytes
 from ..errors import BMTError
+
+# What BackingFile names its directories (``mkdtemp``'s random tail has no dot).
+_OURS = re.compile(r"^bmt_\w+?_pid(?P<pid>\d+)@(?P<host>.+)\.[a-z0-9_]+$")
 
 
 def _remove(fd: int, directory: str) -> None:
     os.close(fd)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def sweep_stale(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """Remove the directories that dead processes of this host left under ``directory``; each one removed,
+    with the bytes it held on disk (also said in a warning)."""
+    host = socket.gethostname()
+    removed: list[tuple[str, int]] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed  # the caller's own creation says why
+    for name in names:
+        match = _OURS.match(name)
+        path = os.path.join(os.fspath(directory), name)
+        if match is None or match["host"] != host or int(match["pid"]) == os.getpid() or not os.path.isdir(path):
+            continue
+        if _pid_alive(int(match["pid"])):
+            continue
+        size = _size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append((path, size))
+    if removed:
+        warnings.warn("removed offload files that killed processes left behind: " + ", ".join(
+            f"{path} ({fmt_bytes(size)})" for path, size in removed), stacklevel=3)
+    return removed
 
 
 class BackingFile:
@@ -31,8 +91,10 @@ class BackingFile:
         self.what = what  # how errors name the file's contents ("optimizer state", "offloaded shards")
         self.error_type = error_type
         self.closed_hint = closed_hint  # what to do after ``close()``, for the error an access then raises
+        sweep_stale(directory)
         try:
-            self.directory = tempfile.mkdtemp(prefix=prefix, dir=os.fspath(directory))
+            tagged = f"{prefix}pid{os.getpid()}@{socket.gethostname()}."
+            self.directory = tempfile.mkdtemp(prefix=tagged, dir=os.fspath(directory))
             self.path = os.path.join(self.directory, name)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
