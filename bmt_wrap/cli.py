@@ -5,6 +5,7 @@
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T [--sequence-parallel]] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -26,7 +27,10 @@ backward). With ``--grow KW`` the factory takes ``KW=k`` and the answer is the l
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
 rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
 parameter and gradient shards leave memory for a file per rank except those in flight, and the estimates
-add the bytes each rank reads from and writes to it per step (with or without ``--memory``).
+add the bytes each rank reads from and writes to it per step (with or without ``--memory``). ``--offload
+host`` plans ``offload="host"`` for a CUDA job: the estimates count the device, which holds the shards in
+flight and one chunk of ``AdamOptimizer``'s state, and add the bytes each rank copies between host and
+device per step (``--memory`` answers for a CPU process, so it does not take it).
 An input the forward does not take, or a memory budget no schedule meets, is an error.
 """
 
@@ -290,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer-chunk", default=None, metavar="SIZE",
                       help=f"with --optimizer-state disk: its staging buffer (chunk_bytes; default "
                            f"{DISK_CHUNK_DEFAULT})")
-    plan.add_argument("--offload", choices=["disk"], default=None,
-                      help="plan offload='disk': parameter and gradient shards in a file per rank, only those "
-                           "in flight in memory")
+    plan.add_argument("--offload", choices=["disk", "host"], default=None,
+                      help="plan offload='disk' (parameter and gradient shards in a file per rank) or 'host' "
+                           "(a CUDA job's in host memory): only those in flight in (device) memory")
     return parser
 
 
@@ -400,6 +404,10 @@ def _run(opts: argparse.Namespace) -> str:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
             raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
                            "plan without --memory for their per-rank estimates)")
+        if opts.offload == "host":
+            raise CLIError("--memory answers for a CPU process's resident memory, and --offload host plans a CUDA "
+                           "job: drop --memory to read its device memory per rank from the estimates (or plan "
+                           "a CPU job with --offload disk)")
         return _capacity(opts)
     if opts.command == "plan" and (opts.grow or opts.streaming or opts.baseline or opts.json
                                    or opts.optimizer_state or opts.optimizer_chunk):

@@ -302,6 +302,67 @@ def test_offload_counts_the_first_block_backward_beside_every_kept_activation() 
             == kept_more), "only the kept activations grow with the layers"
 
 
+def _meta_plan(offload: str | None, d: int, n_layers: int = 4, world_size: int = 2):
+    from toy import ToyGPT
+
+    with torch.device("meta"):
+        model = ToyGPT(d=d, n_layers=n_layers)
+    discovery = discover_blocks(model)
+    plan = build_plan(model, discovery, world_size=world_size, capture=capture(model, discovery, None),
+                      offload=offload)
+    return plan, plan.estimates[str(world_size)]
+
+
+@pytest.mark.parametrize("d", [16, 1024])
+def test_host_offload_counts_the_device_like_disk(d: int) -> None:
+    """offload="host" counts the device: the shards and gradient shards in flight as offload="disk" counts
+    memory, one chunk of each of AdamOptimizer's state tensors (the rest is on the host), and the bytes copied
+    each way per step instead of file traffic."""
+    from bmt_wrap.base.plan import HOST_STEP_CHUNK_ELEMS, WrapPlan
+
+    _, plain = _meta_plan(None, d)
+    _, disk = _meta_plan("disk", d)
+    plan, host = _meta_plan("host", d)
+    assert plan.offload == "host"
+    assert (host.params, host.grads, host.no_sync_grads) == (disk.params, disk.grads, 0)
+    # fp32 shards: Adam's two moments, a chunk of each on the device; a small model's whole state is less
+    assert host.optimizer == min(plain.optimizer, HOST_STEP_CHUNK_ELEMS * 8)
+    if d == 1024:
+        assert host.optimizer < plain.optimizer, "a large model's state is more than one chunk"
+    assert host.host_to_device == disk.disk_read + plain.optimizer
+    assert host.device_to_host == disk.disk_written + plain.optimizer
+    assert host.disk_read is None and disk.host_to_device is None
+    assert replace(host, optimizer=disk.optimizer, host_to_device=None, device_to_host=None,
+                   disk_read=disk.disk_read, disk_written=disk.disk_written) == disk, "nothing else differs"
+    assert WrapPlan.from_json(plan.to_json()).estimates == plan.estimates
+
+
+def test_host_offload_counts_the_first_block_backward() -> None:
+    import models as M
+
+    model = M.ToyGPT(n_layers=4, tie=True)
+    discovery = discover_blocks(model)
+    captured = capture(model, discovery, ((M.token_ids(),), {}))
+    phases = {}
+    for offload in ("disk", "host"):
+        plan = build_plan(model, discovery, world_size=2, capture=captured, offload=offload)
+        est = plan.estimates["2"]
+        phases[offload] = training_phases(plan, est)
+        assert phases[offload]["blocks' backward start"] == (
+            phases[offload]["backward start"] + est.grads + est.grads_in_flight + est.activations_recompute)
+    # the same phases, less what the device holds of the optimizer (the toy's whole state: one chunk)
+    assert phases["host"] == phases["disk"]
+
+
+def test_plan_cli_offload_host(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "4", "--offload", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "host -> device / step" in out and "device -> host / step" in out
+    assert "offload file" not in out
+    assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--offload", "host", "--memory", "8GiB"]) == 2
+    assert "--memory answers for a CPU process" in capsys.readouterr().err
+
+
 def test_plan_cli_offload_disk(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "4", "--offload", "disk"]) == 0
     out = capsys.readouterr().out

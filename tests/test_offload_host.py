@@ -42,6 +42,8 @@ def _parity_body(model_kind: str, optim: str, micro: int, clip: bool) -> dict:
     off = _wrap_on_host(model_kind)
     store = off._bmt_runtime.offload
     assert isinstance(store, HostStore)
+    est = next(iter(off.plan.estimates.values()))
+    assert off.plan.offload == "host" and est.host_to_device is not None, "model.plan counts the device"
     homes = [b.home for g in off._bmt_runtime.groups for b in g.buffers]
     assert homes and all(h is not None and h.store is store for h in homes), "every buffer's shard in the store"
     a = disk._train(plain, disk._optimizer(optim, plain, "/unused"), model_kind, batches, clip)

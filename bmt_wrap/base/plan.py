@@ -22,6 +22,9 @@ PLAN_VERSION = 1
 ROOT = "root"  # name of the group holding parameters outside every block
 #: Full-gradient buffers reduce-scattering at once: one overlaps the next block's whole backward.
 GRADS_IN_FLIGHT = 1
+#: Elements of each tensor ``AdamOptimizer`` brings to the device at once to step shards offloaded to host
+#: memory (``offload="host"``, optim/host_chunks.py): 16 MiB of fp32.
+HOST_STEP_CHUNK_ELEMS = 1 << 22
 #: Bytes per parameter of the per-step all-reduce that agrees which parameters got a gradient.
 USED_MASK_BYTES = 4
 #: Notes the schedule writes start with this, so re-scheduling replaces them instead of piling up.
@@ -223,10 +226,13 @@ class MemoryEstimate:
     # Tensor parallelism (passes.estimate_tp): ZeRO shards over world_size / tp_size data-parallel ranks
     tp_size: int | None = None
     comm_tp: int | None = None  # TP all-reduces and all-gathers of activations (included in comm_all_reduce/gather)
-    # offload="disk" (passes.estimate.shards_on_disk): params and grads above are the shards in flight; the
+    # offload="disk" (passes.estimate.shards_off_device): params and grads above are the shards in flight; the
     # rest is in each rank's file, read and written every step
     disk_read: int | None = None
     disk_written: int | None = None
+    # offload="host" (the same count): the rest is in host memory, copied to and from the device every step
+    host_to_device: int | None = None
+    device_to_host: int | None = None
 
     @property
     def total(self) -> int:
@@ -258,7 +264,8 @@ class WrapPlan:
     memory_budget: int | None = None  # bytes per rank the schedule was fitted to (None: options as given)
     tensor_parallel: TensorParallelPlan | None = None  # modules split across TP ranks (None: no TP)
     fused_loss: FusedLossPlan | None = None  # the vocabulary projection and its cross-entropy (None: not looked for)
-    offload: str | None = None  # "disk": shards and gradient shards in a file per rank (estimates count so)
+    # "disk": shards and gradient shards in a file per rank; "host": in host memory (estimates count so)
+    offload: str | None = None
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -417,6 +424,12 @@ _DISK_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
 ]
 
 
+_HOST_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
+    ("host -> device / step", lambda e: e.host_to_device),
+    ("device -> host / step", lambda e: e.device_to_host),
+]
+
+
 _NODE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("  of which across replicas", lambda e: e.comm_replicas),
     ("  of which in a shard group", lambda e: e.comm_shard),
@@ -446,9 +459,11 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     if any(e.comm_inter_node is not None for e in estimates):
         rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
                  for label, get in _NODE_ROWS]
-    if any(e.disk_read is not None for e in estimates):
-        rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
-                 for label, get in _DISK_ROWS]
+    for present, extra in ((any(e.disk_read is not None for e in estimates), _DISK_ROWS),
+                           (any(e.host_to_device is not None for e in estimates), _HOST_ROWS)):
+        if present:
+            rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
+                     for label, get in extra]
     if any(e.tp_size is not None for e in estimates):
         # TP moves activations: without a batch shape (--input) its bytes are unknown, not zero.
         rows.append(("  of which TP activations", *(fmt_bytes(e.comm_tp) if e.tp_size else "-" for e in estimates)))

@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-#: Elements per chunk of each tensor (16 MiB of fp32), as the host scratch of torch_adam.py.
-CHUNK_ELEMS = 1 << 22
+from ..base.plan import HOST_STEP_CHUNK_ELEMS
+
+#: Elements per chunk of each tensor (the plan counts this much of the optimizer state on the device).
+CHUNK_ELEMS = HOST_STEP_CHUNK_ELEMS
 
 
 def step_through_device(items: Sequence[tuple[torch.Tensor, ...]], device: torch.device, scale: float,

@@ -60,8 +60,9 @@ def _head_grad_bytes(plan: WrapPlan, world_size: int) -> int:
 
 def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
     """The root's gradient shard (as ``estimate`` counts it), which its reduce-scatter makes last in backward;
-    none apart when the shards live on disk (``shards_on_disk`` keeps only those in flight)."""
-    if est.disk_read is not None:
+    none apart when the shards live off the device (on disk or the host: ``shards_off_device`` keeps only
+    those in flight)."""
+    if est.disk_read is not None or est.host_to_device is not None:
         return 0
     n = est.world_size if est.shard_size is None else est.shard_size
     return sum(b.shard_numel(n) * itemsize(b.dtype) for g in plan.groups if g.is_root
@@ -85,8 +86,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
       the root's full gradient, one use's gradient and their sum for a tied weight, and the reduce-scatter's
       receipt beside every gradient shard. The recompute and the cache are gone.
-    - ``blocks' backward start`` (``offload="disk"`` only): every kept activation beside the first block's
-      backward (``_first_block_backward``).
+    - ``blocks' backward start`` (``offload="disk"`` or ``"host"`` only): every kept activation beside the
+      first block's backward (``_first_block_backward``).
 
     The forward's peak is below the first two (no gradient yet, no pair's peak but the fused op's, which is
     the first), the optimizer step's below the last two (no recompute, no root gradient). Without an
@@ -101,7 +102,7 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
               "blocks' backward end": held + head + est.grads - _root_grad_shards(plan, est)
               + est.grads_in_flight + est.activations_recompute + est.activations_objects,
               "root's gradient": held + full + _largest_root_use(plan) + est.grads + full * (n - 1) // n}
-    if plan.offload == "disk":
+    if plan.offload in ("disk", "host"):
         phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(est)
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
         phases = {"vocabulary head and loss": held + kept + plan.fused_loss.peak_bytes, **phases}
@@ -109,8 +110,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
 
 
 def _first_block_backward(est: MemoryEstimate) -> int:
-    """With ``offload="disk"``: the first block's backward beside every kept activation. Its gradient shards
-    go to the file as their reduce-scatters end, so none pile up and the blocks' backward peaks at its start
+    """With ``offload="disk"`` (or ``"host"``): the first block's backward beside every kept activation. Its
+    gradient shards go to the file (the host) as their reduce-scatters end, so none pile up and the blocks' backward peaks at its start
     (measured, 2 ranks, GPT of width 1024: the peak grew by 0.66 MiB a layer from 8 to 24 layers, its
     checkpointed inputs 0.5 MiB and each layer's objects the rest; the blocks' backward end did not grow)."""
     return est.grads + est.grads_in_flight + est.activations_recompute

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import replace
 
 from ..base.dtypes import LOW_PRECISION, itemsize, to_dtype
-from ..base.plan import GRADS_IN_FLIGHT, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
+from ..base.plan import GRADS_IN_FLIGHT, HOST_STEP_CHUNK_ELEMS, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
 from ..errors import PlanError
 from .activations import ActivationProfile
 
@@ -83,17 +83,20 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
     # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)
-    return shards_on_disk(plan, est) if plan.offload == "disk" else est
+    return shards_off_device(plan, est) if plan.offload in ("disk", "host") else est
 
 
-def shards_on_disk(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
-    """``est`` with the shards in a file (``offload="disk"``, runtime/offload.py), and the bytes each rank
-    reads and writes per step. Memory keeps only the shards in flight: the blocks' whose gathers the prefetch
-    depth started plus the one read ahead (or being gathered), beside the root group's while it is gathered,
-    and the gradient shards whose reduce-scatters run; the optimizer holds one buffer's shard and gradient at a
-    time (within those). ``no_sync`` sums go to the file too. Each step reads every shard for the forward's
+def shards_off_device(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
+    """``est`` with the shards in a file (``offload="disk"``, runtime/offload.py) or in host memory
+    (``offload="host"``, runtime/host_store.py: ``est`` then counts the device), and the bytes each rank moves
+    per step. Memory keeps only the shards in flight: the blocks' whose gathers the prefetch depth started
+    plus the one read ahead (or being gathered), beside the root group's while it is gathered, and the
+    gradient shards whose reduce-scatters run; the optimizer holds one buffer's shard and gradient at a time
+    (within those). ``no_sync`` sums go off the device too. Each step reads every shard for the forward's
     gathers, again for backward's, and shards and gradient shards for the optimizer; the reduce-scatters write
-    the gradient shards, the optimizer the shards."""
+    the gradient shards, the optimizer the shards. Under ``"host"`` the optimizer's state is on the host as
+    well: ``AdamOptimizer`` brings one chunk of each tensor to the device at a time, and its state crosses
+    both ways every step."""
     n = est.world_size if est.shard_size is None else est.shard_size
     shard = {g.name: sum(b.shard_numel(n) * itemsize(b.dtype) for b in g.buffers) for g in plan.groups}
     grad = [sum(b.shard_numel(n) * itemsize(b.dtype) for b in g.buffers if b.requires_grad) for g in plan.groups]
@@ -103,9 +106,15 @@ def shards_on_disk(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
     # blocks' backward peak; counting the root's largest shard three times said 97.
     in_flight = max((plan.prefetch_depth + 2) * block, root + (plan.prefetch_depth + 1) * block)
     largest = max(shard.values(), default=0)
-    return replace(est, params=min(est.params, in_flight),
-                   grads=min(est.grads, max(GRADS_IN_FLIGHT * max(grad, default=0), largest)), no_sync_grads=0,
-                   disk_read=3 * est.params + est.grads, disk_written=est.params + est.grads)
+    off = replace(est, params=min(est.params, in_flight),
+                  grads=min(est.grads, max(GRADS_IN_FLIGHT * max(grad, default=0), largest)), no_sync_grads=0)
+    read, written = 3 * est.params + est.grads, est.params + est.grads
+    if plan.offload == "disk":
+        return replace(off, disk_read=read, disk_written=written)
+    per_elem = max((optimizer_bytes_per_elem(b.dtype) for g in plan.groups for b in g.buffers if b.requires_grad),
+                   default=0)
+    return replace(off, optimizer=min(est.optimizer, HOST_STEP_CHUNK_ELEMS * per_elem),
+                   host_to_device=read + est.optimizer, device_to_host=written + est.optimizer)
 
 
 def estimate_tp(plan: WrapPlan, dp_size: int, tokens: int | None,

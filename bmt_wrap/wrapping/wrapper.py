@@ -135,7 +135,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
-                   "memory_budget": memory_budget, "offload": offload if offload == "disk" else None}
+                   "memory_budget": memory_budget, "offload": offload}
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
         tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
