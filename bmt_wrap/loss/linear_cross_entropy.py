@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..base._compat import set_version_counters, tensor_version
 from ..base.fused_loss_plan import chunk_rows
 from ..errors import BMTError
 from ..runtime.comm import Communicator
@@ -132,10 +133,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = []
+        # A loss's own backward brings exactly 1, by which scaling changes no bit: skip its pass over the
+        # head's gradient (read on the CPU only, where it costs no device sync).
+        unit = grad.device.type == "cpu" and bool(grad == 1)
         # In place: these gradients belong to this call alone (a second backward through it raises,
-        # as autograd does for any saved tensor changed in place).
+        # as autograd does for any saved tensor changed in place; unscaled ones are marked changed).
         for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
-            grads.append(g.mul_(grad.to(g.dtype)).to(dtype) if g is not None else None)
+            if g is not None and unit:
+                set_version_counters([g], [tensor_version(g) + 1])
+            elif g is not None:
+                g.mul_(grad.to(g.dtype))
+            grads.append(g.to(dtype) if g is not None else None)
         return (*grads, None, None, None, None, None, None, None)
 
 
