@@ -10,10 +10,14 @@ stays within ``--limit`` (the unfused job above the limit still runs, for its st
 transformers' ``LlamaForCausalLM`` (untied head, default config but for the sizes), wraps it with or
 without ``fused_loss=True``, and trains ``--steps`` steps (the first not timed) of one sequence per rank,
 called as users call it (``model(input_ids=x, labels=x)``, default ``use_cache``), with
-``torch.optim.AdamW(fused=True)``. The unfused and fused jobs alternate, ``--rounds`` times per sequence,
-so the machine's load falls on both alike; step times are the medians over every round's timed steps.
-Reported: the ranks' summed peak RSS (``ru_maxrss``, the largest over rounds), whether it fits, the median
-step times and their ratio, ``bmt-wrap plan --memory``'s peak per rank (run in a fresh process as a user
+``torch.optim.AdamW(fused=True)``. A round is one unfused and one fused job back to back (the first of the
+pair alternating between rounds), ``--rounds`` rounds per sequence, so a change in the machine's load
+falls on both jobs of a round alike; each round gives the ratio of its fused to its unfused median step
+time, and the table reports the median of those ratios beside every round's (the verdict on a machine
+shared with other work), the step times' medians over every round's timed steps, the CPU seconds the
+ranks spent per step (``time.process_time``: what the load changes least) and the machine's load average
+before and after each job. Reported too: the ranks' summed peak RSS (``ru_maxrss``, the largest over
+rounds), whether it fits, ``bmt-wrap plan --memory``'s peak per rank (run in a fresh process as a user
 runs it) against the largest rank's measured peak, the logits' share of the measured peak per rank (the
 vocabulary-wide tensors the pair holds at once: unfused, the plan's ``unfused_bytes``, logits and the
 fp32 log-probabilities' and logits' gradients; fused, one chunk of fp32 logits), and the fused job's loss
@@ -62,22 +66,23 @@ def worker(mode: str, seq: int, steps: int, hidden: int, layers: int, out: Path)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(bmt.rank())
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for step in range(steps):
         ids = torch.randint(0, VOCAB, (1, seq), generator=g)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         if step:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         losses.append(float(loss))
     section = model.plan.fused_loss
     fused = bool(section and section.fused)
     logits = min(seq, chunk_rows(VOCAB)) * VOCAB * 4 if fused else (section.unfused_bytes if section else None)
     out.write_text(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "times": times,
-                               "loss": losses[0], "fused": fused, "logits_bytes": logits}))
+                               "cpu": cpu, "loss": losses[0], "fused": fused, "logits_bytes": logits}))
 
 
 def job(mode: str, seq: int, args: argparse.Namespace) -> dict:
@@ -90,8 +95,10 @@ def job(mode: str, seq: int, args: argparse.Namespace) -> dict:
                 str(args.layers), str(out)]
 
     print(f"  {mode} seq {seq} ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
     r = run_ranks(argv, args.world_size, parse_size(args.kill_limit), args.timeout, ENV)
     r["fits"] = r["ok"] and sum(r["rank_peaks"]) <= parse_size(args.limit)
+    r["load"] = (load, os.getloadavg()[0])
     return r
 
 
@@ -108,13 +115,22 @@ def plan_peak(mode: str, seq: int, args: argparse.Namespace) -> int | None:
     return int(json.loads(out.stdout)["peak_per_rank"])
 
 
+def _round_median(r: dict) -> float | None:
+    """One job's median step time over its ranks' timed steps (None: it did not finish)."""
+    return statistics.median(t for x in r["results"] for t in x["times"]) if r["ok"] else None
+
+
 def merged(runs: list[dict]) -> dict:
-    """One mode's rounds at one sequence: the largest peaks, every timed step, the first round's results."""
+    """One mode's rounds at one sequence: the largest peaks, every timed step, each round's median, the
+    first round's results."""
     ok = [r for r in runs if r["ok"]]
     return {"ok": bool(ok), "fits": all(r["fits"] for r in runs) and bool(ok),
             "peak_sum": max((sum(r["rank_peaks"]) for r in ok), default=None),
             "peak_rank": max((max(r["rank_peaks"]) for r in ok), default=None),
             "times": [t for r in ok for x in r["results"] for t in x["times"]],
+            "cpu": [t for r in ok for x in r["results"] for t in x["cpu"]],
+            "rounds": [_round_median(r) for r in runs],
+            "load": [v for r in runs for v in r["load"]],
             "first": ok[0]["results"][0] if ok else None}
 
 
@@ -126,8 +142,13 @@ def _secs(t: float | None) -> str:
     return "-" if t is None else f"{t:.2f}"
 
 
-def _median(r: dict) -> float | None:
-    return statistics.median(r["times"]) if r["times"] else None
+def _median(r: dict, key: str = "times") -> float | None:
+    return statistics.median(r[key]) if r[key] else None
+
+
+def _round_ratios(plain: dict, fused: dict) -> list[float]:
+    """Each round's fused median step time over its unfused one (rounds where both jobs finished)."""
+    return [f / p for p, f in zip(plain["rounds"], fused["rounds"], strict=True) if p and f]
 
 
 def _share(r: dict) -> float | None:
@@ -143,24 +164,33 @@ def _vs_plan(r: dict, plan: int | None) -> str:
 
 def table(rows: list[tuple[int, dict, dict, int | None, int | None]], args: argparse.Namespace) -> str:
     """The Markdown table and the command that made it."""
+    loads = [v for _, plain, fused, *_ in rows for v in plain["load"] + fused["load"]]
     head = (f"{args.world_size} ranks, Llama {args.layers} x {args.hidden}, vocabulary {VOCAB:,}, untied head, fp32, "
             f"one sequence per rank, labels given, default use_cache; {args.rounds} rounds of {args.steps} steps "
-            f"per mode and sequence, alternating unfused/fused jobs, the first step of each not timed; "
+            f"per mode and sequence, a round being an unfused and a fused job back to back (which first "
+            f"alternating), the first step of each not timed; machine load average (1 min) before and after the "
+            f"jobs {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs; "
             f"MALLOC_MMAP_THRESHOLD_={ENV['MALLOC_MMAP_THRESHOLD_']}; fits: summed peak within {args.limit} "
-            f"(jobs killed above {args.kill_limit}); RSS in MiB\n\n"
+            f"(jobs killed above {args.kill_limit}); RSS in MiB; step times are medians over every timed step, "
+            "the ratio is the median of the rounds' ratios (fused median step over unfused, per round)\n\n"
             "| seq | unfused peak (sum) | fused peak (sum) | fits: unfused / fused | unfused step s | fused step s "
-            "| ratio | logits' share of the peak: unfused / fused (ratio) | plan / measured per rank: unfused "
+            "| ratio per round | ratio (median) | CPU s per step: unfused / fused (ratio) "
+            "| logits' share of the peak: unfused / fused (ratio) | plan / measured per rank: unfused "
             "| plan / measured per rank: fused | first loss, fused - unfused |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for seq, plain, fused, plan_plain, plan_fused in rows:
         sp, sf = _median(plain), _median(fused)
+        cp, cf = _median(plain, "cpu"), _median(fused, "cpu")
+        ratios = _round_ratios(plain, fused)
         hp, hf = _share(plain), _share(fused)
         loss = (f"{fused['first']['loss'] - plain['first']['loss']:.1e}" if fused["first"] and plain["first"]
                 else "-")
         cells = [str(seq), _mib(plain["peak_sum"]), _mib(fused["peak_sum"]),
                  f"{'yes' if plain['fits'] else 'no'} / {'yes' if fused['fits'] else 'no'}",
-                 _secs(sp), _secs(sf), f"{sf / sp:.2f}" if sp and sf else "-",
+                 _secs(sp), _secs(sf), ", ".join(f"{x:.2f}" for x in ratios) or "-",
+                 f"{statistics.median(ratios):.2f}" if ratios else "-",
+                 f"{_secs(cp)} / {_secs(cf)} ({cf / cp:.2f})" if cp and cf else "-",
                  f"{hp:.1%} / {hf:.1%} ({hf / hp:.3f})" if hp and hf else "-",
                  _vs_plan(plain, plan_plain), _vs_plan(fused, plan_fused), loss]
         lines.append("| " + " | ".join(cells) + " |")
@@ -190,17 +220,20 @@ def main() -> None:
     p.add_argument("--limit", default="8GiB")
     p.add_argument("--kill-limit", default="10GiB")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--no-plan", action="store_true", help="skip bmt-wrap plan's column")
+    p.add_argument("--no-plan", action="store_true", help="skip bmt-wrap plan's column (skipped too at other "
+                   "--hidden/--layers than 256/2, the sizes the plan reads)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "fused_loss.md")
     args = p.parse_args()
     start = time.monotonic()
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
         runs: dict[str, list[dict]] = {"unfused": [], "fused": []}
-        for _ in range(args.rounds):
-            for mode in runs:
+        for i in range(args.rounds):
+            for mode in ("unfused", "fused") if i % 2 == 0 else ("fused", "unfused"):
                 runs[mode].append(job(mode, seq, args))
-        plans = (None, None) if args.no_plan else (plan_peak("unfused", seq, args), plan_peak("fused", seq, args))
+        # The plan reads llama() at its default sizes: other sizes would be compared with another model.
+        skip_plan = args.no_plan or (args.hidden, args.layers) != (256, 2)
+        plans = (None, None) if skip_plan else (plan_peak("unfused", seq, args), plan_peak("fused", seq, args))
         rows.append((seq, merged(runs["unfused"]), merged(runs["fused"]), *plans))
     text = table(rows, args)
     print(text, flush=True)
