@@ -68,6 +68,11 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _linear_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(h, w, b)`` for 2-D ``h``, written into ``out``: the same kernel (mm, or addmm with a bias)."""
+    return torch.mm(h, w.t(), out=out) if b is None else torch.addmm(b, h, w.t(), out=out)
+
+
 def _add_weight_grad(acc: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``acc + dz^T @ h`` in the fp32 accumulator ``acc``, made by the first chunk (no zero fill to add to)."""
     if acc is None:
@@ -112,11 +117,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w: torch.Tensor | None = None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # Every chunk's logits go into one buffer: a fresh one per chunk cost its pages' first touch each
+        # time (a quarter of the projection's time on the CPU), and held two chunks while the next was made.
+        logits = hidden.new_empty((min(rows, hidden.shape[0]), w.shape[0]), dtype=dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, hidden.shape[0], rows):
                 h = hidden[a:a + rows].to(dtype)
-                chunk_loss, dz = _chunk_grads(F.linear(h, w, b), target[a:a + rows], epilogue, ignore_index,
-                                              smoothing, row_scale[a:a + rows], comm)
+                z = _linear_into(logits[:h.shape[0]], h, w, b)
+                chunk_loss, dz = _chunk_grads(z, target[a:a + rows], epilogue, ignore_index, smoothing,
+                                              row_scale[a:a + rows], comm)
                 total += chunk_loss
                 if grad_h is not None:
                     grad_h[a:a + rows] = dz @ w
@@ -124,6 +133,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w = _add_weight_grad(grad_w, dz, h)
                 if grad_b is not None:
                     grad_b += dz.sum(0, dtype=torch.float32)
+                del z, dz  # an epilogue's chunk-sized tensors go before the next chunk's are made
         if want_w and grad_w is None:  # no rows
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
