@@ -90,7 +90,10 @@ def test_a_3d_mesh_splits_traffic_by_axis_tp_inside_the_node() -> None:
     assert (mesh.world_size, mesh.shard_size, mesh.tp_size) == (8, 2, 2)
     assert mesh.comm_shard == zero.comm_all_gather + zero.comm_reduce_scatter > 0
     assert mesh.comm_tp == alone.comm_tp > 0
-    grad_shards = sum(b.shard_numel(2) * 4 for g in plan.groups for b in g.buffers if b.requires_grad)
+    # whole parameters' buffers are sharded over shard x tp (4 ranks), the split ones over the shard pair
+    grad_shards = sum(b.shard_numel(4 if b.over_tp else 2) * 4 for g in plan.groups for b in g.buffers
+                      if b.requires_grad)
+    assert any(b.over_tp for g in plan.groups for b in g.buffers)
     assert mesh.comm_replicas == 2 * grad_shards // 2
     mask = mesh.comm_total - mesh.comm_shard - mesh.comm_tp - mesh.comm_replicas
     assert 0 < mask < 1000  # one byte per trainable parameter tensor, over the job

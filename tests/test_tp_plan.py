@@ -219,11 +219,14 @@ def test_plan_section_round_trips_and_shows() -> None:
     discovery = passes.discover_blocks(model)
     tp = passes.plan_tensor_parallel(model, 2, discovery, TOY_PLAN)
     plan = passes.build_plan(model, discovery, world_size=2, tensor_parallel=tp)
-    assert [s.shape for _, s in plan.group("layers.0").slots()][:2] == [[32], [32]]  # ln1 whole
+    # ln1 whole, in the buffer sharded over shard x tp ranks (#38 item 5); split parameters in the other
+    whole = [b for b in plan.group("layers.0").buffers if b.over_tp]
+    assert len(whole) == 1 and [s.shape for s in whole[0].slots][:2] == [[32], [32]]
+    assert all(s.fqn.startswith("layers.0.ln") or s.fqn.endswith((".o.bias", ".fc2.bias")) for s in whole[0].slots)
     q = next(s for _, s in plan.group("layers.0").slots() if s.fqn == "layers.0.attn.q.weight")
     assert q.shape == [16, 32]
     again = WrapPlan.from_json(plan.to_json())
-    assert again.tensor_parallel == tp
+    assert again.tensor_parallel == tp and again.groups == plan.groups
     text = str(plan)
     assert "tensor parallel: tp_size=2, plan from user" in text
     assert "heads layers.0.attn.heads: 4 -> 2" in text

@@ -317,3 +317,27 @@ def test_splitting_gpt2s_fused_qkv_is_a_named_error_on_every_rank_at_wrap_time()
     results = run_distributed(_fused_qkv_body, 2)
     assert all(kind == "TensorParallelPlanError" and "transformer.h.0.attn.c_attn" in message
                for kind, message in results), results
+
+
+def _whole_layout_body(name: str) -> dict:
+    build, _, _, tp_plan = _setup(name)
+    model = bmt.BMTrainModelWrapper(build(), tp_size=2, tp_plan=tp_plan)
+    whole = {n: (p.to_local().numel(), p.numel()) for n, p in model.named_parameters()
+             if getattr(p, "_tp_split_dim", None) is None}
+    buffers = [(b.shard.numel(), b.spec.padded_numel(WORLD), True)
+               for g in model._bmt_runtime.groups for b in g.buffers if getattr(b.spec, "over_tp", False)]
+    return {"whole": whole, "buffers": buffers}
+
+
+@pytest.mark.parametrize("name", ["toy", "llama", "gpt2"])
+def test_whole_parameters_are_sharded_over_every_rank(name: str) -> None:
+    # #38 item 5: at tp2 x dp2 a parameter TP does not split is sharded over all 4 ranks (1/4 each), not over
+    # the dp pair with each TP peer holding the same half; its buffers' shards are a quarter of the buffer.
+    results = run_distributed(_whole_layout_body, WORLD, name)
+    names = results[0]["whole"]
+    assert names, "no whole parameters"
+    for n, (_, numel) in names.items():
+        assert sum(r["whole"][n][0] for r in results) == numel, n  # every element once, on one rank
+    for r in results:
+        assert r["buffers"] and all(shard == padded // WORLD for shard, padded, _ in r["buffers"])
+        assert sum(v[0] for v in r["whole"].values()) <= sum(shard for shard, _, _ in r["buffers"])

@@ -67,6 +67,13 @@ class FlatBufferSpec:
     slots: list[ParamSlot]
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    # Under tensor parallelism: parameters every TP peer holds whole, sharded over the shard group x the TP
+    # group (each rank 1/(shard x T) of them) instead of over the shard group alone (#38 item 5).
+    over_tp: bool = False
+
+    def ranks(self, shard_size: int, tp_size: int) -> int:
+        """Ranks this buffer is split over when the shard group has ``shard_size`` and TP ``tp_size``."""
+        return shard_size * tp_size if self.over_tp else shard_size
 
     @property
     def gather_dtype(self) -> str:
@@ -174,20 +181,21 @@ class ParamInfo:
     aliases: list[str] = field(default_factory=list)
     param_dtype: str | None = None  # see FlatBufferSpec
     reduce_dtype: str | None = None
+    over_tp: bool = False  # see FlatBufferSpec
 
 
 def layout_buffers(params: list[ParamInfo]) -> list[FlatBufferSpec]:
     """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept."""
-    buffers: dict[tuple[str, bool, str | None, str | None], FlatBufferSpec] = {}
+    buffers: dict[tuple[str, bool, str | None, str | None, bool], FlatBufferSpec] = {}
     for p in params:
-        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype)
+        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype, p.over_tp)
         buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
-                                                     param_dtype=key[2], reduce_dtype=key[3]))
+                                                     param_dtype=key[2], reduce_dtype=key[3], over_tp=key[4]))
         align = align_elems(key[0])
         offset = -(-buf.numel // align) * align
         buf.slots.append(ParamSlot(fqn=p.fqn, shape=list(p.shape), offset=offset, aliases=list(p.aliases)))
     # Trainable buffers first, so a group's gradient buffers line up with its first flat buffers.
-    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype))
+    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype, b.over_tp))
 
 
 @dataclass
@@ -311,7 +319,8 @@ class WrapPlan:
                 name=g["name"], checkpoint=g["checkpoint"], zero_level=g["zero_level"],
                 buffers=[FlatBufferSpec(dtype=b["dtype"], requires_grad=b["requires_grad"],
                                         slots=[ParamSlot(**s) for s in b["slots"]],
-                                        param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"))
+                                        param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"),
+                                        over_tp=b.get("over_tp", False))
                          for b in g["buffers"]])
                 for g in raw["groups"]]
             estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}

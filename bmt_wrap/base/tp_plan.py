@@ -150,6 +150,10 @@ class TensorParallelPlan:
         return {f"{e.module}.{n}" if e.module else n: e.local_shape(n, self.tp_size)
                 for e in self.entries for n in e.full_shapes}
 
+    def split_names(self) -> set[str]:
+        """Fully-qualified names of the parameters split along a dimension (the rest are held whole)."""
+        return {f"{e.module}.{n}" if e.module else n for e in self.entries for n in e.split_dims}
+
     def traffic(self, tokens: int, itemsize: int, recomputed: set[str],
                 calls: dict[str, int] | None = None) -> dict[str, int]:
         """Bytes per rank per training step over the TP group, by op, as the counting communicator counts

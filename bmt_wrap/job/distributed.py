@@ -401,7 +401,14 @@ def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelL
             else SingleProcessCommunicator(state.timeout)
         replicate = state.comm.subgroup_counted(across, mesh.get_group("replicate"), "replicate") \
             if replicas > 1 else None
-        layout = TensorParallelLayout(tp, RankLayout(shard, replicate))
+        # The ranks of this replica (shard x tp), which parameters every TP peer holds whole are sharded
+        # over (#38 item 5); counted with the shard group's traffic, the ZeRO axis. Every rank creates
+        # every replica's group, in replica order (torch's new_group is a collective over the world).
+        per_replica = shard_size * tp_size
+        groups = [dist.new_group(list(range(i * per_replica, (i + 1) * per_replica))) for i in range(replicas)]
+        mine = tuple(range(first, first + per_replica))
+        whole = state.comm.subgroup_counted(mine, groups[state.rank // per_replica], shard_scope)
+        layout = TensorParallelLayout(tp, RankLayout(shard, replicate), whole)
     state.tp_layouts[key] = layout
     return layout
 
@@ -422,7 +429,7 @@ def _use_tensor_parallel(tp_size: int, replicas: int = 1) -> None:
                         "init_distributed once, at start-up, before building any model, and wrap every model "
                         "with the same mesh=")
     state.tp_size, state.tp_replicas = tp_size, replicas
-    engine.adopt_layout(layout.dp, layout.tp)
+    engine.adopt_layout(layout.dp, layout.tp, layout.whole)
 
 
 def use_tensor_parallel(tp_size: int, replicas: int = 1) -> TensorParallelLayout:

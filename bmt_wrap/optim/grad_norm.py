@@ -57,13 +57,21 @@ class GradRanges:
             grad = None if p.grad is None else local_view(p.grad)
             if grad is not None and grad.numel() > 0:
                 kind = parts.replicated if is_replicated(p) else \
-                    parts.tp_whole if tp and tp_split_dim(p) is None else parts.sharded
+                    parts.tp_whole if tp and held_by_tp_peers(p) else parts.sharded
                 kind.append(grad)
         return GradParts(self._cover(parts.sharded), self._cover(parts.replicated), self._cover(parts.tp_whole))
 
     def _cover(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         items = [(g,) for g in grads]
         return [run.views(items)[0] for run in self._plans.plan(items, [0] * len(items))]
+
+
+def held_by_tp_peers(p: torch.Tensor) -> bool:
+    """True for a whole parameter whose shard every TP peer holds (sharded over the dp group only); False
+    for a TP slice and for a whole parameter sharded over shard x tp ranks (``FlatBufferSpec.over_tp``)."""
+    layout = getattr(p, "_layout", None)
+    buffer = getattr(layout, "buffer", None) if layout is not None else None
+    return tp_split_dim(p) is None and not (buffer is not None and buffer.spec.over_tp)
 
 
 def _world() -> tuple[int, torch.device | None]:

@@ -61,7 +61,7 @@ def sharded_muon_step(optimizer: torch.optim.Muon) -> None:
             buf.lerp_(grad, 1 - group["momentum"])
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
             updates.append(_local(update).to(torch.bfloat16))  # what torch's Newton-Schulz starts with
-        ortho = _orthogonalize(optimizer, gi, group, params, updates)
+        ortho = _orthogonalize_by_ranks(optimizer, gi, group, params, updates)
         lr, wd = group["lr"], group["weight_decay"]
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
         for p, o in zip(params, ortho, strict=True):
@@ -74,11 +74,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, ShardedTensor) else t.reshape(-1)
 
 
-def _orthogonalize(optimizer: torch.optim.Muon, gi: int, group: dict, params: list[torch.Tensor],
+def _ranks_of(p: torch.Tensor) -> Communicator | None:
+    return p.flat_buffer.comm if isinstance(p, ShardedTensor) and hasattr(p, "flat_buffer") else None
+
+
+def _orthogonalize_by_ranks(optimizer: torch.optim.Muon, gi: int, group: dict, params: list[torch.Tensor],
+                            updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_orthogonalize`` per set of ranks the matrices are sharded over (under TP: the shard group for
+    split matrices, shard x tp for whole ones), in first-seen order, the same on every rank."""
+    parts: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        parts.setdefault(id(_ranks_of(p)), []).append(i)
+    if len(parts) <= 1:
+        return _orthogonalize(optimizer, gi, group, params, updates)
+    out: list[torch.Tensor | None] = [None] * len(params)
+    for k, idx in enumerate(parts.values()):
+        for i, o in zip(idx, _orthogonalize(optimizer, (gi, k), group, [params[i] for i in idx],
+                                            [updates[i] for i in idx]), strict=True):
+            out[i] = o
+    return out  # type: ignore[return-value]
+
+
+def _orthogonalize(optimizer: torch.optim.Muon, gi: Any, group: dict, params: list[torch.Tensor],
                    updates: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each matrix's orthogonalised update on this rank's range (1-D bf16), via the owners."""
     ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-    comm = next((p.shard_group.comm for p in params if isinstance(p, ShardedTensor)), None)
+    comm = next((c for c in map(_ranks_of, params) if c is not None), None)
     if comm is None or comm.world_size == 1:  # every matrix is whole here
         return [muon_orthogonalize(u.view(p.shape), *ns).reshape(-1)
                 for p, u in zip(params, updates, strict=True)]
@@ -132,7 +153,7 @@ def _exchange(comm: Communicator, full: torch.Tensor, segment: int, label: str) 
     return out
 
 
-def _plan_for(optimizer: torch.optim.Muon, gi: int, params: list[torch.Tensor], comm: Communicator,
+def _plan_for(optimizer: torch.optim.Muon, gi: Any, params: list[torch.Tensor], comm: Communicator,
               ns_steps: int) -> MuonPlan:
     """The group's plan, made again only when the set of parameters with gradients changes."""
     plans = optimizer.__dict__.setdefault(_PLAN_ATTR, {})

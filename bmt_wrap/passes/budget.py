@@ -22,7 +22,7 @@ from ..base.plan import ShardGroupSpec, WrapPlan, fmt_bytes
 from ..errors import MemoryBudgetError
 from .activations import ActivationProfile
 from .capacity import training_peak
-from .estimate import estimate, held_gathered
+from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 #: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
 #: flight absorbs uneven block times. Deeper only holds more memory: collectives run one at a time.
@@ -84,9 +84,9 @@ def choices(plan: WrapPlan, activations: ActivationProfile, world_size: int) -> 
             continue  # not scheduled (an edited plan): it runs as root code
         if g.checkpoint:
             found.append(Choice(ACTIVATIONS, g.name, flops[g.name], saved[g.name]))
-        gathers = calls[g.name] * g.padded_bytes(world_size) * (world_size - 1) // world_size
+        gathers = calls[g.name] * gathered_traffic(g, world_size, tp_of(plan))
         if g.zero_level == 3 and gathers > 0:  # one rank gathers nothing: keeping would buy nothing
-            found.append(Choice(PARAMETERS, g.name, gathers, held_gathered(g, world_size)))
+            found.append(Choice(PARAMETERS, g.name, gathers, held_gathered(g, world_size, tp_of(plan))))
     return sorted(found, key=lambda c: (KIND_ORDER.index(c.kind), -c.per_byte, -last[c.block]))
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from ..base.dtypes import itemsize
 from ..base.plan import MemoryEstimate, WrapPlan
 from ..errors import PlanError
+from .estimate import tp_of
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,16 @@ class ProcessPeak:
 
 
 def _root_grad_bytes(plan: WrapPlan, world_size: int) -> int:
-    return sum(b.full_grad_bytes(world_size) for g in plan.groups if g.is_root for b in g.buffers if b.requires_grad)
+    t = tp_of(plan)
+    return sum(b.full_grad_bytes(b.ranks(world_size, t)) for g in plan.groups if g.is_root
+               for b in g.buffers if b.requires_grad)
+
+
+def _shard_ranks(est: MemoryEstimate) -> int:
+    """The shard group's size ``est`` was made for (under TP without a mesh, its world over T)."""
+    if est.shard_size is not None:
+        return est.shard_size
+    return est.world_size // (est.tp_size or 1)
 
 
 def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
@@ -64,8 +74,8 @@ def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
     those in flight)."""
     if est.disk_read is not None or est.host_to_device is not None:
         return 0
-    n = est.world_size if est.shard_size is None else est.shard_size
-    return sum(b.shard_numel(n) * itemsize(b.dtype) for g in plan.groups if g.is_root
+    n, t = _shard_ranks(est), tp_of(plan)
+    return sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for g in plan.groups if g.is_root
                for b in g.buffers if b.requires_grad)
 
 
@@ -93,7 +103,7 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     the first), the optimizer step's below the last two (no recompute, no root gradient). Without an
     activation profile the activations count at backward start.
     """
-    n = est.world_size if est.shard_size is None else est.shard_size
+    n = _shard_ranks(est)
     full = _root_grad_bytes(plan, n)
     head = _head_grad_bytes(plan, n)
     held = est.params + est.optimizer + est.gathered

@@ -25,15 +25,25 @@ def optimizer_bytes_per_elem(dtype: str) -> int:
     return 2 * itemsize(dtype)
 
 
-def _grad_bytes(group: ShardGroupSpec, world_size: int) -> int:
-    return sum(b.full_grad_bytes(world_size) for b in group.buffers if b.requires_grad)
+def tp_of(plan: WrapPlan) -> int:
+    """The plan's tensor-parallel size (1 without TP): buffers marked ``over_tp`` split over N x T ranks."""
+    return plan.tensor_parallel.tp_size if plan.tensor_parallel is not None else 1
 
 
-def held_gathered(group: ShardGroupSpec, world_size: int) -> int:
+def _grad_bytes(group: ShardGroupSpec, world_size: int, tp_size: int = 1) -> int:
+    return sum(b.full_grad_bytes(b.ranks(world_size, tp_size)) for b in group.buffers if b.requires_grad)
+
+
+def _padded_bytes(group: ShardGroupSpec, world_size: int, tp_size: int = 1) -> int:
+    return sum(b.gathered_bytes(b.ranks(world_size, tp_size)) for b in group.buffers)
+
+
+def held_gathered(group: ShardGroupSpec, world_size: int, tp_size: int = 1) -> int:
     """Memory a gathered group holds: its full buffers, plus the pooled param_dtype copy of the shard
     that a casting gather sends (mixed precision)."""
-    return group.padded_bytes(world_size) + sum(b.shard_numel(world_size) * itemsize(b.gather_dtype)
-                                                for b in group.buffers if b.gather_dtype != b.dtype)
+    return _padded_bytes(group, world_size, tp_size) + sum(
+        b.shard_numel(b.ranks(world_size, tp_size)) * itemsize(b.gather_dtype)
+        for b in group.buffers if b.gather_dtype != b.dtype)
 
 
 def _scale(nbytes: int, world_size: int) -> int:
@@ -41,13 +51,24 @@ def _scale(nbytes: int, world_size: int) -> int:
     return nbytes * (world_size - 1) // world_size
 
 
+def gathered_traffic(group: ShardGroupSpec, world_size: int, tp_size: int = 1) -> int:
+    """Bytes a rank sends to gather ``group`` once, each buffer over the ranks it is split over."""
+    return sum(_scale(b.gathered_bytes(m), m) for b in group.buffers for m in [b.ranks(world_size, tp_size)])
+
+
+def _reduced_traffic(group: ShardGroupSpec, world_size: int, tp_size: int) -> int:
+    """Bytes a rank sends to reduce-scatter ``group``'s gradients once."""
+    return sum(_scale(b.full_grad_bytes(m), m) for b in group.buffers if b.requires_grad
+               for m in [b.ranks(world_size, tp_size)])
+
+
 def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | None = None) -> MemoryEstimate:
     """Bytes per rank and communicated bytes per training step for ``plan`` on ``world_size`` ranks."""
-    n = world_size
+    n, t = world_size, tp_of(plan)
     est = MemoryEstimate(world_size=n)
     for group in plan.groups:
         for b in group.buffers:
-            shard = b.shard_numel(n)
+            shard = b.shard_numel(b.ranks(n, t))
             est.params += shard * itemsize(b.dtype)
             if b.requires_grad:
                 est.grads += shard * itemsize(b.dtype)
@@ -55,17 +76,17 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
 
     blocks = plan.blocks()
     root = [g for g in plan.groups if g.is_root]
-    root_bytes = sum(g.padded_bytes(n) for g in root)
+
     # zero_level=2 blocks stay gathered from forward to backward; zero-3 blocks cycle through pooled
     # buffers. The pool keeps exact sizes (runtime/buffer_pool.py), so each distinct block size holds the
     # most buffers of it ever in use at once: in backward the block recomputing, the ``depth`` gathered
     # ahead, and the one before, whose storage waits for its gradients (measured: 2, 3, 4 buffers at
     # depth 0, 1, 2; T5's three block sizes hold three sets).
-    sizes = {held_gathered(g, n) for g in blocks if g.zero_level == 3}
-    est.gathered = (sum(held_gathered(g, n) for g in root) + (plan.prefetch_depth + 2) * sum(sizes)
-                    + sum(held_gathered(g, n) for g in blocks if g.zero_level == 2))
-    est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n) for g in blocks), default=0)
-    est.no_sync_grads = sum(_grad_bytes(g, n) for g in plan.groups)  # runtime/local_grads.py
+    sizes = {held_gathered(g, n, t) for g in blocks if g.zero_level == 3}
+    est.gathered = (sum(held_gathered(g, n, t) for g in root) + (plan.prefetch_depth + 2) * sum(sizes)
+                    + sum(held_gathered(g, n, t) for g in blocks if g.zero_level == 2))
+    est.grads_in_flight = GRADS_IN_FLIGHT * max((_grad_bytes(g, n, t) for g in blocks), default=0)
+    est.no_sync_grads = sum(_grad_bytes(g, n, t) for g in plan.groups)  # runtime/local_grads.py
     if activations is not None:
         root_saved, kept, recompute, objects = activations.parts({g.name for g in blocks if g.checkpoint})
         est.activations = root_saved + kept + recompute + objects
@@ -74,12 +95,12 @@ def estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | N
 
     # A zero-3 block is gathered for forward and again for backward; zero_level=2 kept it in between.
     calls = Counter(plan.order or [g.name for g in blocks])
-    gathered_per_step = root_bytes + sum(
-        calls[g.name] * g.padded_bytes(n) * (2 if g.zero_level == 3 else 1) for g in blocks)
-    est.comm_all_gather = _scale(gathered_per_step, n)
-    est.comm_reduce_scatter = _scale(sum(_grad_bytes(g, n) for g in plan.groups), n)
-    est.zero3_bound = _scale(sum(2 * b.gathered_bytes(n) + b.full_grad_bytes(n)
-                                 for g in plan.groups for b in g.buffers), n)
+    # Each buffer's traffic over the ranks it is split over (under TP, whole parameters' over N x T).
+    est.comm_all_gather = sum(gathered_traffic(g, n, t) for g in root) + sum(
+        calls[g.name] * gathered_traffic(g, n, t) * (2 if g.zero_level == 3 else 1) for g in blocks)
+    est.comm_reduce_scatter = sum(_reduced_traffic(g, n, t) for g in plan.groups)
+    est.zero3_bound = sum(_scale(2 * b.gathered_bytes(m) + b.full_grad_bytes(m), m)
+                          for g in plan.groups for b in g.buffers for m in [b.ranks(n, t)])
     # The engine's end-of-backward all-reduce of which parameters got a gradient (one value each).
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.comm_all_reduce = round(2 * trainable * USED_MASK_BYTES * (n - 1) / n)
@@ -98,8 +119,10 @@ def shards_off_device(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
     well: ``AdamOptimizer`` brings one chunk of each tensor to the device at a time, and its state crosses
     both ways every step."""
     n = est.world_size if est.shard_size is None else est.shard_size
-    shard = {g.name: sum(b.shard_numel(n) * itemsize(b.dtype) for b in g.buffers) for g in plan.groups}
-    grad = [sum(b.shard_numel(n) * itemsize(b.dtype) for b in g.buffers if b.requires_grad) for g in plan.groups]
+    t = tp_of(plan)
+    shard = {g.name: sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for b in g.buffers) for g in plan.groups}
+    grad = [sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for b in g.buffers if b.requires_grad)
+            for g in plan.groups]
     block = max((shard[g.name] for g in plan.blocks()), default=0)
     root = max((shard[g.name] for g in plan.groups if g.is_root), default=0)
     # Measured (2 ranks, GPT of width 1024, depth 1): three block shards' pages (72 MiB) mapped at the
@@ -154,7 +177,7 @@ def partial_grad_traffic(plan: WrapPlan, dp_size: int, dp_rank: int = 0) -> int:
     partial, total = set(sp.partial), 0
     for group in plan.groups:
         for buf in group.buffers:
-            if not buf.requires_grad:
+            if not buf.requires_grad or buf.over_tp:  # sharded over shard x tp: scaled by T, not all-reduced
                 continue
             elems = sum(b - a for s in buf.slots if s.fqn in partial
                         for a, b in [buf.local_range(s, dp_rank, dp_size)])
@@ -188,7 +211,7 @@ def estimate_mesh(plan: WrapPlan, world_size: int, shard_size: int, ranks_per_no
     zero = estimate(plan, shard_size, activations)
     est = estimate_tp(plan, shard_size, tokens, activations, shard_rank) if t > 1 else zero
     replicas = world_size // (shard_size * t)
-    grad_shards = sum(b.shard_numel(shard_size) * itemsize(b.grad_dtype)
+    grad_shards = sum(b.shard_numel(b.ranks(shard_size, t)) * itemsize(b.grad_dtype)
                       for g in plan.groups for b in g.buffers if b.requires_grad)
     trainable = sum(len(b.slots) for g in plan.groups for b in g.buffers if b.requires_grad)
     est.world_size, est.shard_size = world_size, shard_size

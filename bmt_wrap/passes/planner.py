@@ -26,15 +26,16 @@ from .util import self_checkpointing_modules
 
 
 def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
-                     mixed_precision: MixedPrecision | None = None, local_shapes: dict[str, list[int]] | None = None
-                     ) -> tuple[list[ShardGroupSpec], list[str]]:
+                     mixed_precision: MixedPrecision | None = None, local_shapes: dict[str, list[int]] | None = None,
+                     split: set[str] | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
     """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
 
     A parameter reachable from more than one block, or from a block and the root, goes to the root
     group: each parameter has exactly one home. Tied names become aliases of the first name.
     ``dtype`` replaces floating parameters' own dtype (a model to be cast before wrapping);
     ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers. ``local_shapes``
-    (tensor parallelism) gives a split parameter's shape on one TP rank, by any of its names.
+    (tensor parallelism) gives a split parameter's shape on one TP rank, by any of its names; ``split``
+    (TP) names the parameters split along a dimension: the others are sharded over shard x TP ranks.
     """
     names: dict[int, list[str]] = defaultdict(list)
     tensors: dict[int, nn.Parameter] = {}
@@ -57,8 +58,9 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
             raise PlanError(f"parameter {fqns[0]!r} has dtype {own}, which bmt_wrap cannot shard; "
                             "cast it to a floating dtype before wrapping") from None
         shape = next((local_shapes[n] for n in fqns if n in local_shapes), None) if local_shapes else None
+        # Under TP a parameter no TP plan splits is held whole by every TP peer: shard it over them too.
         members[home].append(ParamInfo(fqns[0], list(shape or p.shape), shard, p.requires_grad, fqns[1:], gather,
-                                       reduce))
+                                       reduce, over_tp=split is not None and not split.intersection(fqns)))
     notes = []
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
@@ -128,7 +130,8 @@ def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, check
     """
     _check_options(world_size, zero_level, prefetch_depth)
     local = tensor_parallel.local_shapes() if tensor_parallel is not None else None
-    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local)
+    split = tensor_parallel.split_names() if tensor_parallel is not None and tensor_parallel.tp_size > 1 else None
+    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local, split)
     own = self_checkpointing_modules(model)
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
                     self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel)

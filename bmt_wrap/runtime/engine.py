@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import to_dtype
-from ..base.plan import ShardGroupSpec
+from ..base.plan import FlatBufferSpec, ShardGroupSpec
 from ..errors import OffloadError, UnsupportedError
 from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
@@ -37,7 +37,7 @@ from .replay import ReplayMemory
 from .shard_store import ShardHome
 from .standalone import shard_standalone
 from .tp_marks import copy_tp_marks, tp_split_dim
-from .tp_reduce import broadcast_under_tp, tp_sum_ranges
+from .tp_reduce import broadcast_under_tp, tp_scale_ranges, tp_sum_ranges
 
 
 def storage_mode(spec: ShardGroupSpec) -> StorageMode:
@@ -72,6 +72,7 @@ class Engine:
         # Which ranks new groups shard over and replicate across; one per process (see adopt_layout).
         self.layout = RankLayout(comm)
         self.tp: Communicator | None = None  # the tensor-parallel group, when tp_size > 1 (see adopt_layout)
+        self.whole: Communicator | None = None  # under TP: the shard x tp ranks (see adopt_layout)
         self.device = device
         self.pool = BufferPool()
         self.reducer = GradReducer(comm, self.pool, device)
@@ -100,12 +101,15 @@ class Engine:
         self._runtimes.add(runtime)
         return runtime
 
-    def adopt_layout(self, layout: RankLayout, tp: Communicator | None = None) -> None:
+    def adopt_layout(self, layout: RankLayout, tp: Communicator | None = None,
+                     whole: Communicator | None = None) -> None:
         """Build new groups over ``layout``; refused while groups of another layout live (the optimizer's
         norm and overflow reductions assume one layout for every parameter). ``tp``: the tensor-parallel
-        group whose ranks hold different slices of TP-split parameters (``layout`` is then its dp group)."""
+        group whose ranks hold different slices of TP-split parameters (``layout`` is then its dp group);
+        ``whole``: the shard x tp ranks that buffers of parameters every TP peer holds whole are sharded over."""
         if layout == self.layout:  # the same communicators
             self.tp = tp if tp is not None and tp.world_size > 1 else None
+            self.whole = whole if self.tp is not None else None
             return
         if self.groups:
             raise UnsupportedError(
@@ -114,6 +118,7 @@ class Engine:
                 "every model of the process with the same mesh= (or none), or drop the others first.")
         self.layout = layout
         self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.whole = whole if self.tp is not None else None
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -143,14 +148,16 @@ class Engine:
                   for per_buffer, tensors in zip(locations, sources, strict=True)]
         for bspec, tensors, originals, home in zip(spec.buffers, sources, marked, homes, strict=True):
             meta = any(t is not None and t.is_meta for t in tensors)
-            buf = FlatBuffer.empty(bspec, spec.name, layout.shard_rank, layout.shard_size,
-                                   "meta" if meta else device, home)
+            over = self._buffer_comm(bspec)
+            buf = FlatBuffer.empty(bspec, spec.name, over.rank, over.world_size, "meta" if meta else device, home)
+            if over is not layout.shard:
+                buf.own_comm = over
             if not meta:
                 if sync_from is not None and self.world_size > 1:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
-                    if self.tp is None:
+                    if self.tp is None or bspec.over_tp:
                         # Over the whole job, not the shard group: every replica must start from rank 0's values.
                         self.comm.broadcast(full, sync_from, label=f"{spec.name} parameters")
                     else:
@@ -178,12 +185,19 @@ class Engine:
                     copy_tp_marks(old, new)
                     if self.tp is not None and tp_split_dim(new) is not None:
                         new.shard_layout.tp = self.tp  # its norms (and its gradient's) combine over TP too
-            if self.tp is not None:
+            if self.tp is not None and buf.spec.over_tp:
+                buf.tp_scale = tp_scale_ranges(buf, self.tp.world_size, sum_unmarked)
+            elif self.tp is not None:
                 buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
         runtime = runtime or self.explicit
         runtime.groups.append(group)
         self._runtime_of[group] = weakref.ref(runtime)
         return group
+
+    def _buffer_comm(self, spec: FlatBufferSpec) -> Communicator:
+        """The ranks a new buffer is sharded over: the shard group, or under TP the shard x tp ranks for a
+        buffer of parameters every TP peer holds whole."""
+        return self.whole if spec.over_tp and self.whole is not None else self.layout.shard
 
     def _reserve_homes(self, spec: ShardGroupSpec, runtime: ModelRuntime | None) -> list[ShardHome | None]:
         """Each buffer's place in its model's offload store (None when not offloaded); a rank that cannot
@@ -194,7 +208,8 @@ class Engine:
         homes: list[ShardHome | None] = []
         problem = None
         try:
-            homes = [ShardHome(store, b.shard_numel(self.layout.shard_size), to_dtype(b.dtype)) for b in spec.buffers]
+            homes = [ShardHome(store, b.shard_numel(self._buffer_comm(b).world_size), to_dtype(b.dtype))
+                     for b in spec.buffers]
         except OffloadError as exc:
             problem = exc
         agree_offload(self.comm, problem, f"placing {spec.name!r}")
@@ -393,10 +408,14 @@ class Engine:
         prefetcher = self._runtime(call.group).prefetcher
         self._acquire(call.group, prefetcher.backward_call(call.call_index), prefetcher.ahead)
 
-    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
-        """Flatten per-slot gradients of each trainable buffer and start their reduce-scatter."""
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]],
+                           only: int | None = None) -> None:
+        """Flatten per-slot gradients of each trainable buffer (or of buffer ``only``) and start their
+        reduce-scatter."""
         self._enter_backward()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
+            if only is not None and i != only:
+                continue  # another buffer's own backward reduces it
             if not buf.spec.requires_grad or not any(p.requires_grad for p in buf.params):
                 continue  # frozen, before or after wrapping (alike on every rank): nothing to reduce
             # A parameter frozen after wrapping still got a gradient through its leaf: drop it, so its

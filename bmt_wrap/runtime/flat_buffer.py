@@ -42,14 +42,18 @@ class FlatBuffer:
         self.group: ParamGroup  # set by the owning ``group.ShardGroup``, the layer above
         # Under tensor parallelism: the TP group and the shard ranges whose gradients it sums (tp_reduce.py).
         self.tp_sum: tuple[Communicator, list[tuple[int, int]]] | None = None
+        # A buffer sharded over shard x tp ranks (``spec.over_tp``): those ranks, else None (the group's),
+        # and T with the shard ranges of sequence-part gradients, which the average over T peers divided by T.
+        self.own_comm: Communicator | None = None
+        self.tp_scale: tuple[int, list[tuple[int, int]]] | None = None
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad)
                        for i, (a, b) in enumerate(self.local_ranges)]
 
     @property
     def comm(self) -> Communicator:
-        """The communicator of the owning group."""
-        return self.group.comm
+        """The ranks this buffer is sharded over: the owning group's, or its own (``own_comm``)."""
+        return self.own_comm if self.own_comm is not None else self.group.comm
 
     @property
     def replicas(self) -> Communicator | None:

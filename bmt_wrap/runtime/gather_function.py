@@ -18,8 +18,9 @@ from .group import ShardGroup
 class GradSink(Protocol):
     """Where a gathered group's gradients go (the engine's reducer, engine.py, the layer above)."""
 
-    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
-        """Start reducing the group's parameter gradients."""
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]],
+                           only: int | None = None) -> None:
+        """Start reducing the group's parameter gradients (of buffer ``only``, or of every buffer)."""
 
 
 class GatherFunction(torch.autograd.Function):
@@ -36,7 +37,9 @@ class GatherFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         grads_per_buffer: list[list[torch.Tensor | None]] = [[None] * len(b.params) for b in ctx.group.buffers]
         grads_per_buffer[ctx.index] = list(grads)
-        ctx.engine.reduce_group_grads(ctx.group, grads_per_buffer)
+        # One Function per buffer: reduce this one only (each other trainable buffer's Function reduces
+        # its own; reducing them here too sent every other buffer's zeros once more per buffer).
+        ctx.engine.reduce_group_grads(ctx.group, grads_per_buffer, only=ctx.index)
         return (None, None, None, *([None] * len(grads)))
 
 

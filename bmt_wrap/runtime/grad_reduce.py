@@ -30,7 +30,7 @@ from .comm import Communicator, Handle
 from .flat_buffer import FlatBuffer
 from .offload import release_pages
 from .sharded_tensor import local_view
-from .tp_reduce import ThenSumOverTP
+from .tp_reduce import ThenScale, ThenSumOverTP
 
 # One reduce-scatter in flight overlaps the next block's whole recompute and backward, which is enough to
 # hide it; gloo runs them one at a time anyway, and each one more in flight holds a block of memory.
@@ -184,6 +184,8 @@ class GradReducer:
             handle = _then_average(handle, buffer.comm, buffer.replicas, out, buffer.group_name)
         if buffer.tp_sum is not None:
             handle = ThenSumOverTP(handle, *buffer.tp_sum, out, buffer.group_name)
+        if buffer.tp_scale is not None:
+            handle = ThenScale(handle, *buffer.tp_scale, out)
         self._pending.append(_Pending(handle, _then_release(done, grad_shard), discard))
 
     @property

@@ -125,8 +125,8 @@ class ShardGroup:
             full = [self._alloc(i, b) for i, b in enumerate(self.buffers)]
             self._versions = [tensor_version(t) for t in full] if self._dedicated_storage else []
         sends = [self._cast_shard(b) for b in self.buffers]
-        self._handles = [self.comm.all_gather_into(f, s, async_op=True, label=self.name)
-                         for f, (s, _) in zip(full, sends, strict=True)]
+        self._handles = [b.comm.all_gather_into(f, s, async_op=True, label=self.name)
+                         for f, (s, _), b in zip(full, sends, self.buffers, strict=True)]
         self._sends = sends
         self._full = full
         self.state = GroupState.GATHERING
@@ -148,7 +148,7 @@ class ShardGroup:
         self._check_materialised()
         buffers = self.buffers if only is None else [only]
         full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in buffers]
-        handles = [self.comm.all_gather_into(f, b.home.store.to_device(b.shard) if b.home is not None else b.shard,
+        handles = [b.comm.all_gather_into(f, b.home.store.to_device(b.shard) if b.home is not None else b.shard,
                                              async_op=True, label=f"{self.name} values")
                    for f, b in zip(full, buffers, strict=True)]
         for h in handles:

@@ -412,9 +412,15 @@ def _unscale_and_check(func: Any, args: tuple, kwargs: dict) -> None:
     every rank skips the same steps."""
     _foreach(func, args, kwargs)
     grads, found_inf = args[0], args[1]
-    ref = _first_sharded(list(grads))
-    if ref is not None:
-        ref._layout.all_reduce(found_inf.view(1), "max", "inf/nan flag")
+    # Over every group of ranks the gradients are sharded over (under TP: the shard group, and shard x tp
+    # for whole parameters), in first-seen order, the same on every rank.
+    comms: dict[int, Communicator] = {}
+    for g in grads:
+        if isinstance(g, ShardedTensor):
+            comms.setdefault(id(g._layout.buffer.comm), g._layout.buffer.comm)
+    for comm in comms.values():
+        if comm.world_size > 1:
+            comm.all_reduce(found_inf.view(1), "max", label="inf/nan flag")
 
 
 def _note_offloaded(args: tuple) -> None:
@@ -475,6 +481,24 @@ def _finish_norms(parts: torch.Tensor, p: float) -> torch.Tensor:
     return parts if math.isinf(p) or p == 0 else parts ** (1.0 / p)
 
 
+def _reduce_parts(parts: torch.Tensor, tensors: list, op: str) -> None:
+    """Combine the norm parts of sharded ``tensors`` over the ranks each is sharded over, in place: one
+    all-reduce per group of ranks (under TP, whole parameters are sharded over shard x tp ranks, split
+    ones over the shard group), in first-seen order, the same on every rank."""
+    by_comm: dict[int, tuple[Communicator, list[int]]] = {}
+    for i, t in enumerate(tensors):
+        comm = t._layout.buffer.comm
+        by_comm.setdefault(id(comm), (comm, []))[1].append(i)
+    if len(by_comm) == 1:
+        tensors[0]._layout.all_reduce(parts, op, "norms")
+        return
+    for comm, idx in by_comm.values():
+        if comm.world_size > 1:
+            sub = parts.reshape(-1)[idx].clone()
+            comm.all_reduce(sub, op, label=f"norms of {len(idx)} sharded tensor(s)")
+            parts.reshape(-1)[idx] = sub
+
+
 def _combine_tp_parts(parts: torch.Tensor, tensors: list, p: float) -> None:
     """Combine the norm parts of TP-split tensors (already combined over the shard group) over their TP
     group, in place: each TP rank holds one slice, so the whole tensor's norm needs every slice. One
@@ -516,7 +540,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         parts = torch.stack(foreach_norm(fast[0], p, dtype)).double()
         if not (math.isinf(p) or p == 0):
             parts = parts ** p
-        tensors[0]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        _reduce_parts(parts, tensors, "max" if math.isinf(p) else "sum")
         _combine_tp_parts(parts, tensors, p)
         return list(_finish_norms(parts, p).to(dtype or tensors[0].dtype).unbind())
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
@@ -528,7 +552,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if sharded:
         # One all-reduce for the whole list: the norm of every sharded tensor at once.
         parts = torch.stack([_powers(tensors[i]._local, p, dtype) for i in sharded])
-        tensors[sharded[0]]._layout.all_reduce(parts, "max" if math.isinf(p) else "sum", "norms")
+        _reduce_parts(parts, [tensors[i] for i in sharded], "max" if math.isinf(p) else "sum")
         _combine_tp_parts(parts, [tensors[i] for i in sharded], p)
         for i, v in zip(sharded, _finish_norms(parts, p), strict=True):
             out[i] = v.to(dtype or tensors[i].dtype)

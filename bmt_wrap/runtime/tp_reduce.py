@@ -58,6 +58,38 @@ def tp_sum_ranges(buf: FlatBuffer, tp: Communicator, sum_unmarked: bool
     return (tp, ranges) if ranges else None
 
 
+def tp_scale_ranges(buf: FlatBuffer, tp_size: int, sum_unmarked: bool) -> tuple[int, list[tuple[int, int]]] | None:
+    """For a buffer sharded over shard x tp ranks: ``tp_size`` and this rank's gradient-shard ranges of
+    parameters each TP peer runs on its own part (summed over TP, not averaged), merged; None if none.
+
+    The reduce-scatter averages over dp x T ranks. A parameter with the same gradient on every TP peer
+    gets the dp average from that, as before; one whose TP peers each hold a part of its gradient gets
+    the sum of the parts over T, i.e. the dp average of the TP sums, once multiplied by T (exact for T a
+    power of two, as the division by T was)."""
+    ranges: list[tuple[int, int]] = []
+    for p, (a, b) in zip(buf.params, buf.local_ranges, strict=True):
+        if a == b or not (sequence_part(p) or (not tp_identical(p) and sum_unmarked)):
+            continue
+        if ranges and ranges[-1][1] == a:
+            ranges[-1] = (ranges[-1][0], b)
+        else:
+            ranges.append((a, b))
+    return (tp_size, ranges) if ranges else None
+
+
+class ThenScale(Handle):
+    """A reduce-scatter into ``shard``, then some of its ranges multiplied by ``factor`` in place."""
+
+    def __init__(self, first: Handle, factor: int, ranges: list[tuple[int, int]], shard: torch.Tensor) -> None:
+        self._first, self._factor, self._ranges, self._shard = first, factor, ranges, shard
+
+    def wait(self) -> None:
+        """Finish the reduce-scatter, then scale the ranges."""
+        self._first.wait()
+        for a, b in self._ranges:
+            self._shard[a:b].mul_(self._factor)
+
+
 class ThenSumOverTP(Handle):
     """A dp reduce-scatter into ``shard``, then the sum of some of its ranges over the TP group (posted
     when the reduce-scatter is waited for, so no backend reads the shard before it is written)."""

@@ -44,6 +44,11 @@ class Entry:
         """The flat buffer of a sharded entry."""
         return self.param.flat_buffer if self.param is not None else None
 
+    @property
+    def over_tp(self) -> bool:
+        """A parameter every TP peer holds whole, sharded over shard x tp ranks (each its own range)."""
+        return self.param is not None and self.param.flat_buffer.spec.over_tp
+
     def specs(self) -> list[TensorSpec]:
         """One file tensor per name: aliases are written as plain torch writes them, each in full."""
         return [TensorSpec(n, self.dtype, self.shape) for n in self.names]

@@ -150,13 +150,22 @@ def gather_full(items: list[tuple[DistributedParameter, torch.Tensor]]) -> list[
     """Whole tensors from every rank's slices (``(parameter, slice)`` pairs in the same order on every rank):
     one all-gather per dtype; a collective."""
     state = current_state()
-    # Slices partition each tensor over its shard group (the whole job, or one row under HSDP).
-    comm = items[0][0].shard_group.comm if items and state is not None else None
-    world = 1 if comm is None else comm.world_size
     out: list[torch.Tensor | None] = [None] * len(items)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (_, v) in enumerate(items):
-        by_dtype.setdefault(v.dtype, []).append(i)
+    # Slices partition each tensor over its buffer's ranks (the whole job, one row under HSDP, under TP the
+    # dp group or, for parameters every TP peer holds whole, shard x tp): one all-gather per (ranks, dtype),
+    # in first-seen order, the same on every rank.
+    by_comm: dict[int, tuple[Any, dict[torch.dtype, list[int]]]] = {}
+    for i, (p, v) in enumerate(items):
+        comm = p.flat_buffer.comm if state is not None else None
+        by_comm.setdefault(id(comm), (comm, {}))[1].setdefault(v.dtype, []).append(i)
+    for comm, by_dtype in by_comm.values():
+        _gather_full(items, comm, by_dtype, state, out)
+    return [t for t in out if t is not None]
+
+
+def _gather_full(items: list[tuple[DistributedParameter, torch.Tensor]], comm: Any,
+                 by_dtype: dict[torch.dtype, list[int]], state: Any, out: list[torch.Tensor | None]) -> None:
+    world = 1 if comm is None else comm.world_size
     for dtype in sorted(by_dtype, key=str):
         idx = by_dtype[dtype]
         ranges = [[items[i][0].source_range(r) for r in range(world)] for i in idx]
@@ -177,4 +186,3 @@ def gather_full(items: list[tuple[DistributedParameter, torch.Tensor]]) -> list[
                 full[a:b] = gathered[cursor[r]:cursor[r] + b - a]
                 cursor[r] += b - a
             out[i] = full.view(p.full_shape)
-    return [t for t in out if t is not None]

@@ -73,11 +73,11 @@ def _file_names(rank: int, world: int, save_id: str) -> tuple[str, str]:
 def _writers(e: Entry, world: int, placement: list[tuple[int, int]] | None,
              tp_ranks: list[int]) -> list[bool]:
     """Which ranks write ``e``: rank 0 a replicated tensor; else the first replica's ranks (under HSDP the
-    others hold the same shards), and of a tensor TP does not split, the TP rank 0 of each (its TP peers
-    hold the same range)."""
+    others hold the same shards), and of a tensor TP does not split, the TP rank 0 of each when its TP
+    peers hold the same range (every rank when it is sharded over shard x tp ranks)."""
     if e.param is None:
         return [r == 0 for r in range(world)]
-    return [(placement is None or placement[r][1] == 0) and (e.tp_split or tp_ranks[r] == 0)
+    return [(placement is None or placement[r][1] == 0) and (e.tp_split or e.over_tp or tp_ranks[r] == 0)
             for r in range(world)]
 
 
@@ -86,8 +86,11 @@ def _ranges(e: Entry, writers: list[bool], placement: list[tuple[int, int]] | No
     that rank does not write it."""
     if e.param is None:
         return [[0, e.numel] if w else [0, 0] for w in writers]
-    return [list(e.param.source_range(r if placement is None else placement[r][0])) if w else [0, 0]
-            for r, w in enumerate(writers)]
+    # A buffer over shard x tp ranks: a rank's index in it is its place in its replica (replicas are
+    # runs of consecutive ranks); else its shard rank.
+    per_replica = len(writers) // (1 + max((p[1] for p in placement), default=0)) if placement else len(writers)
+    return [list(e.param.source_range(r % per_replica if e.over_tp else r if placement is None else placement[r][0]))
+            if w else [0, 0] for r, w in enumerate(writers)]
 
 
 def _param_names(entries: list[Entry]) -> dict[int, str]:

@@ -74,9 +74,11 @@ def is_wrapped(model: nn.Module) -> bool:
 
 def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None, *,
                layout: RankLayout | None = None, tp: Communicator | None = None,
-               offload: str | None = None, offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
+               whole: Communicator | None = None, offload: str | None = None,
+               offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
     """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it;
     ``tp``: the tensor-parallel group whose peers hold different slices of the TP-split parameters;
+    ``whole``: the shard x tp ranks the plan's ``over_tp`` buffers are sharded over;
     ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
     (``"host"``)."""
     if is_wrapped(model) or isinstance(model, CheckpointBlock):
@@ -93,7 +95,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     by_name = {n: s for s in sites for n in s.names}
     engine = get_engine()
     if layout is not None:
-        engine.adopt_layout(layout, tp)
+        engine.adopt_layout(layout, tp, whole)
     runtime = engine.new_runtime(type(model).__name__)
     device = check_single_device(sites, type(model).__name__)
     runtime.offload = offload_store(engine.comm, offload, offload_dir, engine.device)

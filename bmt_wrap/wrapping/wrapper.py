@@ -168,6 +168,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             guard_tp_inputs(model)
         apply_plan(model, plan, mixed_precision, layout=layout,
                    tp=tp_layout.tp if tp_layout is not None else None,
+                   whole=tp_layout.whole if tp_layout is not None else None,
                    offload=offload, offload_dir=offload_dir)
         install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first

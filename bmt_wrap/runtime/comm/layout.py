@@ -55,6 +55,9 @@ class TensorParallelLayout:
 
     tp: Communicator
     dp: RankLayout
+    # The ranks of this rank's replica (dp shard group x tp group): what parameters every TP peer holds
+    # whole are sharded over (None with T = 1, where that is ``dp.shard``).
+    whole: Communicator | None = None
 
     @property
     def tp_size(self) -> int:
