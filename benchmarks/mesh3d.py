@@ -127,7 +127,8 @@ def main() -> None:
              "", "| system | axis | group size | counted / step | plan / step | counted vs plan |",
              "|---|---|---|---|---|---|"]
     crossing = {"replicate", "dp", "world"}  # groups that span nodes of S x T ranks
-    sizes = {"replicate": replicas, "shard": s, "dp": n // t, "tp": t, "world": n}
+    # Whole parameters' buffers are sharded over the shard (dp) group x TP: those axes run at two sizes.
+    sizes = {"replicate": replicas, "shard": f"{s} and {s * t}", "dp": f"{n // t} and {n}", "tp": t, "world": n}
     where = {"replicate": "inter-node", "shard": "intra-node", "dp": "spans nodes", "tp": "intra-node",
              "world": "spans nodes"}
     for k in systems:
