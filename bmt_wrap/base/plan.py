@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -183,12 +183,19 @@ class ParamInfo:
     reduce_dtype: str | None = None
     over_tp: bool = False  # see FlatBufferSpec
 
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        return math.prod(self.shape)
 
-def layout_buffers(params: list[ParamInfo]) -> list[FlatBufferSpec]:
-    """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept."""
-    buffers: dict[tuple[str, bool, str | None, str | None, bool], FlatBufferSpec] = {}
+
+def layout_buffers(params: list[ParamInfo], alone: Collection[str] = ()) -> list[FlatBufferSpec]:
+    """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept;
+    a parameter named in ``alone`` gets a buffer of its own (its gradient is reduced as soon as it exists)."""
+    buffers: dict[tuple[str, bool, str | None, str | None, bool, str], FlatBufferSpec] = {}
     for p in params:
-        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype, p.over_tp)
+        key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype, p.over_tp,
+               p.fqn if p.fqn in alone else "")
         buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
                                                      param_dtype=key[2], reduce_dtype=key[3], over_tp=key[4]))
         align = align_elems(key[0])

@@ -65,8 +65,24 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
                      f"the root group: {', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''}")
-    groups = [ShardGroupSpec(name=g, buffers=layout_buffers(infos)) for g, infos in members.items()]
+    # The root's large untied matrices (a vocabulary head) get buffers of their own, so each one's gradient is
+    # reduce-scattered and freed when its own backward ends instead of when the blocks' does (issue #35).
+    alone = reduced_alone(members[ROOT]) if discovery.blocks else set()
+    groups = [ShardGroupSpec(name=g, buffers=layout_buffers(infos, alone if g == ROOT else ()))
+              for g, infos in members.items()]
     return groups, notes
+
+
+#: A root parameter holding at least 1/ALONE_SHARE of the root's trainable elements gets its own buffer.
+ALONE_SHARE = 8
+
+
+def reduced_alone(root: list[ParamInfo]) -> set[str]:
+    """Root parameters laid out alone: trainable, untied (a tied embedding's gradient comes last anyway),
+    a matrix or more, and at least 1/``ALONE_SHARE`` of the root's trainable elements."""
+    total = sum(p.numel for p in root if p.requires_grad)
+    return {p.fqn for p in root if p.requires_grad and not p.aliases and len(p.shape) >= 2
+            and p.numel * ALONE_SHARE >= total > 0}
 
 
 def _self_checkpointing_notes(names: list[str], checkpoint: bool) -> list[str]:

@@ -43,6 +43,34 @@ class GatherFunction(torch.autograd.Function):
         return (None, None, None, *([None] * len(grads)))
 
 
+class LateGatherFunction(torch.autograd.Function):
+    """One gathered root parameter again, differentiable from where its module is called rather than from the
+    root's forward start: autograd runs a node in reverse order of creation, so the root's own node reduces
+    last, after every block; this one reduces its buffer as soon as its module's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: GradSink, group: ShardGroup, index: int,  # type: ignore[override]
+                gathered: torch.Tensor, *shards: torch.Tensor) -> torch.Tensor:
+        ctx.engine, ctx.group, ctx.index, ctx.n = engine, group, index, len(shards)
+        ctx.set_materialize_grads(False)
+        return gathered.detach()  # the same storage, now an output of this node
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:
+        grads_per_buffer: list[list[torch.Tensor | None]] = [[None] * len(b.params) for b in ctx.group.buffers]
+        grads_per_buffer[ctx.index] = [grad]
+        ctx.engine.reduce_group_grads(ctx.group, grads_per_buffer, only=ctx.index)
+        return (None, None, None, None, *([None] * ctx.n))
+
+
+def regathered(engine: GradSink, group: ShardGroup, index: int, installed: torch.Tensor) -> torch.Tensor | None:
+    """``installed`` (buffer ``index``'s single parameter, as the root's gather installed it) behind a node of
+    its own made now; None when it is no such tensor (already regathered, no grad, or not the root's)."""
+    if not torch.is_grad_enabled() or not isinstance(installed.grad_fn, GatherFunction._backward_cls):
+        return None
+    return LateGatherFunction.apply(engine, group, index, installed.detach(), *group.buffers[index].params)
+
+
 def gathered_tensors(engine: GradSink, group: ShardGroup) -> list[list[torch.Tensor]]:
     """Per buffer, per slot: full tensors to install, differentiable w.r.t. the shards when grad is on."""
     views = group.slot_views()

@@ -22,6 +22,7 @@ from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator, RankLayout
 from ..runtime.engine import Engine, storage_mode
+from ..runtime.gather_function import regathered
 from ..runtime.group import ShardGroup
 from ..runtime.model_runtime import ModelRuntime
 from ..runtime.module_params import Location, ParamSite, check_single_device, param_sites
@@ -224,7 +225,24 @@ def _build_root(engine: Engine, runtime: ModelRuntime, spec: Any, by_name: dict[
         for slot_locs in locs:
             for m, _ in slot_locs:
                 install_state_hooks(m)
+    trainable = [i for i, b in enumerate(spec.buffers) if b.requires_grad]
+    for i in trainable if len(trainable) > 1 else []:
+        if len(locations[i]) == 1 and len(locations[i][0]) == 1:
+            module, attr = locations[i][0][0]
+            module.register_forward_pre_hook(never_traced(_regather_hook(engine, group, i, attr)))
     return group
+
+
+def _regather_hook(engine: Engine, group: ShardGroup, index: int, attr: str) -> Any:
+    """A forward pre-hook on the module of a root buffer's single parameter (a vocabulary head laid out alone):
+    its gathered tensor gets an autograd node of its own at the module's call, so its gradient is
+    reduce-scattered as soon as the module's backward ends, not after the blocks' (runtime/gather_function.py)."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        installed = module._parameters.get(attr)
+        late = regathered(engine, group, index, installed) if installed is not None else None
+        if late is not None:
+            module._parameters[attr] = late  # the root's post-hook puts the shard back after the forward
+    return hook
 
 
 def _root_class(cls: type) -> type:
