@@ -59,13 +59,19 @@ def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
     return 2 * full + full * (world_size - 1) // world_size
 
 
-def _head_grad_bytes(plan: WrapPlan, world_size: int) -> int:
-    """The root gradient that exists while the blocks' backward runs: the vocabulary head's (for a tied
-    head, the shared weight's), the root's first use in backward. Without a head found, the root's whole."""
+def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
+    """The root gradient that exists while the blocks' backward starts: the vocabulary head's (for a tied
+    head, the shared weight's), the root's first use in backward; without a head found, the root's whole.
+    Then the part of it reduce-scattered and freed when the head's backward ends, before the blocks': the
+    head's whole buffer when the head is alone in it and untied (planner.reduced_alone), else 0."""
     weight = plan.fused_loss.weight if plan.fused_loss is not None else None
-    slots = [slot.numel * itemsize(b.grad_dtype) for g in plan.groups if g.is_root for b in g.buffers
+    found = [(slot.numel * itemsize(b.grad_dtype), b) for g in plan.groups if g.is_root for b in g.buffers
              if b.requires_grad for slot in b.slots if weight in (slot.fqn, *slot.aliases)]
-    return slots[0] if weight is not None and slots else _root_grad_bytes(plan, world_size)
+    if weight is None or not found:
+        return _root_grad_bytes(plan, world_size), 0
+    head, buf = found[0]
+    alone = len(buf.slots) == 1 and not buf.slots[0].aliases
+    return head, buf.full_grad_bytes(buf.ranks(world_size, tp_of(plan))) if alone else 0
 
 
 def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
@@ -89,13 +95,14 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
       the head's gradient). No root gradient exists yet.
     - ``backward start``: every activation the forward kept, and the head's gradient (the root's first use
       in backward).
-    - ``blocks' backward end``: the head's gradient, every block's gradient shard, the gradients in
+    - ``blocks' backward end``: the head's gradient (none when it was reduced before the blocks: an untied
+      head alone in its buffer, ``_head_grad_bytes``), every block's gradient shard, the gradients in
       flight and one recompute's saved tensors. The activations are gone by then: each block's went with
       its backward; but a KV cache the blocks were passed stays until the first block's recompute is done
       (the calls keep their arguments for it).
     - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
-      the root's full gradient, one use's gradient and their sum for a tied weight, and the reduce-scatter's
-      receipt beside every gradient shard. The recompute and the cache are gone.
+      the root's full gradient (less the head's buffer, reduced before the blocks), one use's gradient and
+      their sum for a tied weight, and the reduce-scatter's receipt beside every gradient shard. The recompute and the cache are gone.
     - ``blocks' backward start`` (``offload="disk"`` or ``"host"`` only): every kept activation beside the
       first block's backward (``_first_block_backward``).
 
@@ -104,12 +111,12 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     activation profile the activations count at backward start.
     """
     n = _shard_ranks(est)
-    full = _root_grad_bytes(plan, n)
-    head = _head_grad_bytes(plan, n)
+    head, early = _head_grad_bytes(plan, n)
+    full = _root_grad_bytes(plan, n) - early
     held = est.params + est.optimizer + est.gathered
     kept = (est.activations or 0) - est.activations_recompute
     phases = {"backward start": held + head + kept,
-              "blocks' backward end": held + head + est.grads - _root_grad_shards(plan, est)
+              "blocks' backward end": held + (0 if early else head) + est.grads - _root_grad_shards(plan, est)
               + est.grads_in_flight + est.activations_recompute + est.activations_objects,
               "root's gradient": held + full + _largest_root_use(plan) + est.grads + full * (n - 1) // n}
     if plan.offload in ("disk", "host"):
