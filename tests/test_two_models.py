@@ -82,17 +82,27 @@ def test_two_wrapped_models_keep_their_own_schedules(world_size: int) -> None:
             assert any(op == "all_gather" for op, _, _ in result["alone"]["a"][1]), "the trace sees gathers"
 
 
-def _what_a_dropped_model_leaves() -> dict[str, int]:
+def _what_a_dropped_model_leaves(family: str = "toy") -> dict[str, int]:
     """How many of a trained, then dropped, model's parameters and gradients are still alive, and how many
-    bytes of the storages they used."""
+    bytes of the storages they used. ``family``: the toy GPT by hand-written plan, or a transformers Llama
+    through the one-liner (its untied head in a root buffer of its own, with a hook of its own), alone or at
+    ``tp_size=2`` (sequence parallelism's hooks)."""
     import gc
     import weakref
 
+    import models
+
     reset_engine()
     rank, n = bmt.rank(), bmt.world_size()
-    idx, tgt = lm_batches(1, 8, seed=1)[0]
-    model = _wrap(_build("a"))
-    model(idx.chunk(n)[rank], tgt.chunk(n)[rank]).backward()  # .grad set and left there, as after a step
+    if family == "toy":
+        idx, tgt = lm_batches(1, 8, seed=1)[0]
+        model = _wrap(_build("a"))
+        model(idx.chunk(n)[rank], tgt.chunk(n)[rank]).backward()  # .grad set and left there, as after a step
+    else:
+        model = bmt.BMTrainModelWrapper(models.llama(), **({"tp_size": 2} if family == "llama_tp2" else {}))
+        seed = 0 if family == "llama_tp2" else rank  # TP peers take the same batch
+        ids = torch.randint(0, models.VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+        model(input_ids=ids, labels=ids).loss.backward()
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     refs = [weakref.ref(t) for t in tensors]
     storages = {t._local.untyped_storage().data_ptr() for t in tensors}  # the flat shards and gradients
@@ -104,12 +114,14 @@ def _what_a_dropped_model_leaves() -> dict[str, int]:
             "storage_bytes": sum(live.get(ptr, 0) for ptr in storages)}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_dropped_model_frees_its_shards(world_size: int) -> None:
+@pytest.mark.parametrize(("family", "world_size"),
+                         [("toy", 1), ("toy", 2), ("llama", 1), ("llama", 2), ("llama_tp2", 2)])
+def test_a_dropped_model_frees_its_shards(family: str, world_size: int) -> None:
     """A sweep or an evaluation copy wraps models one after another: a model that is gone must take its
     shards and gradients with it. Two references once kept them for the process's life: the engine's map
     from group to runtime (a value holding its own key), and each ``.grad``'s layout (torch holds ``.grad``
-    in C++, so the cycle through it was invisible to the garbage collector)."""
-    for out in run_distributed(_what_a_dropped_model_leaves, world_size):
+    in C++, so the cycle through it was invisible to the garbage collector); and once, the process-wide table of
+    hooks marked for dynamo, which kept each model's closures (its head's regather hook, sequence parallelism's)."""
+    for out in run_distributed(_what_a_dropped_model_leaves, world_size, family):
         assert out["tracked"] > 0
         assert out["alive"] == 0 and out["storage_bytes"] == 0, out

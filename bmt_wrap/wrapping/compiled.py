@@ -33,9 +33,14 @@ _NEVER_TRACED: dict[Callable[..., Any], Callable[..., Any]] = {}
 def never_traced(fn: F) -> F:
     """``fn`` marked so dynamo never traces it (``torch.compiler.disable``): a compiled caller breaks its graph
     around the call, which runs eagerly. One marked function per ``fn``, made at wrap time, not import
-    time: marking imports dynamo, which takes over a second and is loaded anyway once anything compiles."""
+    time: marking imports dynamo, which takes over a second and is loaded anyway once anything compiles.
+    Only a closure-free function is remembered (a hook is found again by identity): a closure holds its model,
+    and remembering one per wrapped model kept every model's shards alive for the process's life."""
+    reason = "bmt_wrap's engine runs eagerly (docs/compile.md)"
+    if getattr(fn, "__closure__", None) is not None or not hasattr(fn, "__code__"):
+        return torch.compiler.disable(fn, reason=reason)  # type: ignore[return-value]
     if fn not in _NEVER_TRACED:
-        _NEVER_TRACED[fn] = torch.compiler.disable(fn, reason="bmt_wrap's engine runs eagerly (docs/compile.md)")
+        _NEVER_TRACED[fn] = torch.compiler.disable(fn, reason=reason)
     return _NEVER_TRACED[fn]  # type: ignore[return-value]
 
 
