@@ -67,7 +67,12 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
                      f"the root group: {', '.join(shared[:3])}{' ...' if len(shared) > 3 else ''}")
     # The root's large untied matrices (a vocabulary head) get buffers of their own, so each one's gradient is
     # reduce-scattered and freed when its own backward ends instead of when the blocks' does (issue #35).
-    alone = reduced_alone(members[ROOT]) if discovery.blocks else set()
+    # Only one registered after the first block (a head): one used before the blocks (an embedding) has its
+    # gradient last anyway, and a buffer of its own would cost a collective per step for nothing.
+    order = list(names.values())
+    first_block = next((i for i, fqns in enumerate(order) if any(discovery.owner(n) for n in fqns)), len(order))
+    after_blocks = {fqns[0] for fqns in order[first_block:]}
+    alone = reduced_alone(members[ROOT], after_blocks) if discovery.blocks else set()
     groups = [ShardGroupSpec(name=g, buffers=layout_buffers(infos, alone if g == ROOT else ()))
               for g, infos in members.items()]
     return groups, notes
@@ -77,12 +82,13 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
 ALONE_SHARE = 8
 
 
-def reduced_alone(root: list[ParamInfo]) -> set[str]:
-    """Root parameters laid out alone: trainable, untied (a tied embedding's gradient comes last anyway),
-    a matrix or more, and at least 1/``ALONE_SHARE`` of the root's trainable elements."""
+def reduced_alone(root: list[ParamInfo], after_blocks: set[str]) -> set[str]:
+    """Root parameters laid out alone: registered after the first block (``after_blocks``: a head, used after
+    them), trainable, untied (a tied embedding's gradient comes last anyway), a matrix or more, and at least
+    1/``ALONE_SHARE`` of the root's trainable elements."""
     total = sum(p.numel for p in root if p.requires_grad)
     return {p.fqn for p in root if p.requires_grad and not p.aliases and len(p.shape) >= 2
-            and p.numel * ALONE_SHARE >= total > 0}
+            and p.fqn in after_blocks and p.numel * ALONE_SHARE >= total > 0}
 
 
 def _self_checkpointing_notes(names: list[str], checkpoint: bool) -> list[str]:
