@@ -352,7 +352,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         if on_disk:
             est, io[k] = optimizer_on_disk(est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
-                         beside=baseline.per_layer * (k - 1) if k is not None else 0)
+                         beside=baseline.per_layer * (k - 1) if k is not None else 0,
+                         wrapping_baseline=baseline.before_training)
         params = sum(g.param_numel() for g in plan.groups)
         disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
@@ -365,10 +366,15 @@ def _capacity(opts: argparse.Namespace) -> str:
         at = max(phases, key=phases.__getitem__)
         pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
         beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
-        return p, (f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = process baseline "
-                         f"{fmt_bytes(p.baseline)} + {beside}max(wrapping {fmt_bytes(p.wrapping)}, training "
-                         f"{fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward, at "
-                         f"its peak: {at})" + disk + pair), phases
+        training = f"training {fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward"
+        if p.wrapping_baseline is None:
+            split = (f"process baseline {fmt_bytes(p.baseline)} + {beside}max(wrapping {fmt_bytes(p.wrapping)}, "
+                     f"{training}, at its peak: {at})")
+        else:  # wrapping comes before the first step, which leaves the rest of the baseline for good
+            split = (f"{beside}max(wrapping {fmt_bytes(p.wrapping)} + the process before its first step "
+                     f"{fmt_bytes(p.wrapping_baseline)}, {training}, at its peak: {at}, + the process baseline "
+                     f"{fmt_bytes(p.baseline)})")
+        return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
     if opts.grow:
         try:
@@ -381,6 +387,7 @@ def _capacity(opts: argparse.Namespace) -> str:
         chosen, detail, phases = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
               "value": k, "peak_per_rank": chosen.total, "baseline": chosen.baseline,
+              "baseline_before_training": chosen.wrapping_baseline,
               "beside_per_layer": baseline.per_layer, "beside": chosen.beside, "wrapping": chosen.wrapping,
               "fits": chosen.total <= limit // n,
               "training_phases": phases,

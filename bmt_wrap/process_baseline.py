@@ -30,6 +30,7 @@ class ProcessBaseline:
 
     resident: int
     per_layer: int = 0
+    before_training: int | None = None  # the process before its first step (what wrapping sits on)
 
 
 def resident_bytes() -> int:
@@ -99,16 +100,37 @@ def grows_by_layers(keyword: str) -> bool:
     return "layer" in keyword.lower()
 
 
+def settled_resident_bytes() -> int:
+    """This process's resident bytes once freed objects and heap have left, as they leave a job run under
+    EXACT_SETTING (this process may not run under it)."""
+    gc.collect()
+    release_free_heap()
+    return resident_bytes()
+
+
+def before_first_step(build: Callable[[int], nn.Module]) -> int | None:
+    """The process as a rank is while it wraps, before its first step: the model's library imported (a
+    meta-device ``build(1)`` imports what the factory imports lazily), nothing run. None when the factory
+    cannot build on the meta device."""
+    try:
+        with torch.device("meta"):
+            build(1)
+    except Exception:  # noqa: BLE001  any factory: its own errors surface when the step below builds it
+        return None
+    return settled_resident_bytes()
+
+
 def measure(build: Callable[[int], nn.Module], inputs: Call, optimizer_state: str | None, offload: str | None,
             per_layer: bool) -> ProcessBaseline:
-    """The baseline after one step of ``build(1)``; with ``per_layer``, the bytes beside the tensors each
-    layer adds, from steps of ``build(2)`` and ``build(4)`` after it. Those two, not 1 and 3: a layer's
-    first step leaves heap the later reuse, and a one-layer model's blocks are often its sublayers."""
+    """The process before its first step, then the baseline after one step of ``build(1)``; with
+    ``per_layer``, the bytes beside the tensors each layer adds, from steps of ``build(2)`` and ``build(4)``
+    after it. Those two, not 1 and 3: a layer's first step leaves heap the later reuse, and a one-layer
+    model's blocks are often its sublayers."""
+    before = before_first_step(build)
     train_one_step(lambda: build(1), inputs, optimizer_state, offload)
-    gc.collect()
-    release_free_heap()  # the job runs under EXACT_SETTING, where freed tensors leave; this process may not
-    resident = resident_bytes()
+    resident = settled_resident_bytes()
+    before = min(before, resident) if before is not None else None
     if not per_layer:
-        return ProcessBaseline(resident)
+        return ProcessBaseline(resident, before_training=before)
     two, four = (train_one_step(lambda k=k: build(k), inputs, optimizer_state, offload) for k in (2, 4))
-    return ProcessBaseline(resident, max(0, (four - two) // 2))
+    return ProcessBaseline(resident, max(0, (four - two) // 2), before)

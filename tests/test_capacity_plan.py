@@ -1,5 +1,5 @@
-"""``bmt-wrap plan --memory``: a training process's peak per rank (baseline + max(wrapping, training + the
-root group's backward)) and the largest ``--grow`` value under a limit. Measured peaks against these
+"""``bmt-wrap plan --memory``: a training process's peak per rank (max(the process before its first step +
+wrapping, baseline + training by phase)) and the largest ``--grow`` value under a limit. Measured peaks against these
 predictions are the capacity benchmark's (benchmarks/capacity.py), not a unit test's."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from bmt_wrap.passes import build_plan, capture, discover_blocks
 from bmt_wrap.passes.capacity import (
     largest_fitting,
     optimizer_on_disk,
+    ProcessPeak,
     process_peak,
     root_backward_bytes,
     training_phases,
@@ -82,6 +83,23 @@ def test_process_peak_adds_the_root_backward_and_the_full_copy_before_wrapping()
     assert built.total == 103 * MIB + max(built.wrapping, built.training)
     streamed = process_peak(plan, est, baseline=100 * MIB, built_full=False)
     assert streamed.wrapping == 0 and streamed.total == 100 * MIB + built.training
+
+
+def test_wrapping_sits_on_the_process_before_its_first_step() -> None:
+    """Wrapping runs before the first step, which leaves tens of MiB for good (kernels paged in, the
+    autograd engine, the optimizer's module): its peak sits on the process as it was before, training's on
+    the baseline (a 2-rank Qwen2 on disk at 30 layers: the plan's peak was wrapping's, counted on the
+    baseline's 405 MiB where the process held 376 before its first step)."""
+    plan, est = _plan(4)
+    lower = process_peak(plan, est, baseline=100 * MIB, beside=3 * MIB, wrapping_baseline=70 * MIB)
+    assert lower.wrapping_baseline == 70 * MIB
+    assert lower.total == 3 * MIB + max(70 * MIB + lower.wrapping, 100 * MIB + lower.training)
+    # Wrapping's peak (a large model built whole) moves with the process before the first step ...
+    wrapping_peak = ProcessPeak(baseline=100 * MIB, wrapping=80 * MIB, training=40 * MIB, beside=3 * MIB)
+    assert wrapping_peak.total == 183 * MIB
+    assert replace(wrapping_peak, wrapping_baseline=70 * MIB).total == 153 * MIB
+    # ... down to training's, which stays on the whole baseline however low the process starts.
+    assert replace(wrapping_peak, wrapping_baseline=0).total == 143 * MIB
 
 
 def test_the_heads_gradient_is_held_only_until_the_blocks_backward() -> None:

@@ -59,5 +59,12 @@ def test_plan_memory_grow_counts_what_each_layer_adds_beside_its_tensors(tmp_pat
     assert given["beside_per_layer"] == 0  # a --baseline is taken as given: nothing is measured
     k = measured["layers"]
     assert measured["beside"] == measured["beside_per_layer"] * (k - 1) and given["beside"] == 0
-    assert measured["peak_per_rank"] == measured["baseline"] + measured["beside"] + max(
-        measured["wrapping"], *measured["training_phases"].values())
+    # Wrapping runs before the first step, on the process with its libraries imported and nothing run;
+    # training on the baseline, which adds what a first step leaves for good.
+    before = measured["baseline_before_training"]
+    assert 0 < before < measured["baseline"], measured
+    assert given["baseline_before_training"] is None  # a --baseline stands for both
+    assert measured["peak_per_rank"] == measured["beside"] + max(
+        before + measured["wrapping"], measured["baseline"] + max(measured["training_phases"].values()))
+    assert given["peak_per_rank"] == given["baseline"] + max(given["wrapping"],
+                                                             *given["training_phases"].values())

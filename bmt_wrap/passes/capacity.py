@@ -25,18 +25,23 @@ from .estimate import tp_of
 
 @dataclass(frozen=True)
 class ProcessPeak:
-    """Bytes per rank: the process baseline and what the layers add beside their tensors, then the larger
-    of wrapping's and training's peaks above them."""
+    """Bytes per rank: what the layers add beside their tensors, then the larger of wrapping's peak above the
+    process as it is before its first step and training's above the process baseline."""
 
     baseline: int
     wrapping: int  # the full copy built before wrapping, the shard made from it, the pooled buffers
     training: int  # the largest of training's phases (training_phases)
     beside: int = 0  # beside the tensors the layers add above the baseline's (measured per layer)
+    # The process before its first step (libraries imported, nothing run): what wrapping sits on. A first
+    # step leaves tens of MiB for good (kernels paged in, the autograd engine, the optimizer's module), which
+    # the baseline holds and wrapping, done before it, does not. None: the baseline.
+    wrapping_baseline: int | None = None
 
     @property
     def total(self) -> int:
         """The process's peak resident bytes."""
-        return self.baseline + self.beside + max(self.wrapping, self.training)
+        before = self.baseline if self.wrapping_baseline is None else self.wrapping_baseline
+        return self.beside + max(before + self.wrapping, self.baseline + self.training)
 
 
 def _root_grad_bytes(plan: WrapPlan, world_size: int) -> int:
@@ -150,14 +155,14 @@ def _largest_root_use(plan: WrapPlan) -> int:
 
 
 def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full: bool = True,
-                 beside: int = 0) -> ProcessPeak:
+                 beside: int = 0, wrapping_baseline: int | None = None) -> ProcessPeak:
     """Peak bytes per rank of a process training ``plan`` at ``est``'s world size. ``built_full``: the model
     was built with real weights before wrapping (False when built on the meta device and loaded);
-    ``beside``: the resident bytes beside the tensors the model's layers add above the baseline's
-    (``bmt_wrap.process_baseline``)."""
+    ``beside``: the resident bytes beside the tensors the model's layers add above the baseline's;
+    ``wrapping_baseline``: the process before its first step, under wrapping (``bmt_wrap.process_baseline``)."""
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
-    return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside)
+    return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline)
 
 
 def optimizer_on_disk(est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:
