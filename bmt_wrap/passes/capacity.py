@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..base.dtypes import itemsize
-from ..base.plan import MemoryEstimate, WrapPlan
+from ..base.plan import FlatBufferSpec, MemoryEstimate, WrapPlan
 from ..errors import PlanError
 from .estimate import tp_of
 
@@ -64,30 +64,45 @@ def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
     return 2 * full + full * (world_size - 1) // world_size
 
 
-def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
-    """The root gradient that exists while the blocks' backward starts: the vocabulary head's (for a tied
-    head, the shared weight's), the root's first use in backward; without a head found, the root's whole.
-    Then the part of it reduce-scattered and freed when the head's backward ends, before the blocks': the
-    head's whole buffer when the head is alone in it and untied (planner.reduced_alone), else 0."""
+def _head_slot(plan: WrapPlan) -> tuple[int, FlatBufferSpec] | None:
+    """The vocabulary head's gradient bytes (for a tied head, the shared weight's) and its root buffer; None
+    without a head found."""
     weight = plan.fused_loss.weight if plan.fused_loss is not None else None
-    found = [(slot.numel * itemsize(b.grad_dtype), b) for g in plan.groups if g.is_root for b in g.buffers
-             if b.requires_grad for slot in b.slots if weight in (slot.fqn, *slot.aliases)]
-    if weight is None or not found:
+    return next(((slot.numel * itemsize(b.grad_dtype), b) for g in plan.groups if g.is_root for b in g.buffers
+                 if b.requires_grad for slot in b.slots if weight is not None and weight in (slot.fqn, *slot.aliases)),
+                None)
+
+
+def _early_buffer(plan: WrapPlan) -> FlatBufferSpec | None:
+    """The root buffer reduce-scattered when the head's backward ends, before the blocks': the head's, when
+    the head is alone in it and untied (planner.reduced_alone)."""
+    found = _head_slot(plan)
+    if found is None:
+        return None
+    buf = found[1]
+    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases else None
+
+
+def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
+    """The root gradient that exists while the blocks' backward starts: the vocabulary head's, the root's
+    first use in backward; without a head found, the root's whole. Then the part of it reduce-scattered and
+    freed when the head's backward ends (``_early_buffer``'s whole gradient), else 0."""
+    found, early = _head_slot(plan), _early_buffer(plan)
+    if found is None:
         return _root_grad_bytes(plan, world_size), 0
-    head, buf = found[0]
-    alone = len(buf.slots) == 1 and not buf.slots[0].aliases
-    return head, buf.full_grad_bytes(buf.ranks(world_size, tp_of(plan))) if alone else 0
+    return found[0], early.full_grad_bytes(early.ranks(world_size, tp_of(plan))) if early is not None else 0
 
 
 def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
-    """The root's gradient shard (as ``estimate`` counts it), which its reduce-scatter makes last in backward;
-    none apart when the shards live off the device (on disk or the host: ``shards_off_device`` keeps only
-    those in flight)."""
+    """The root's gradient shard (as ``estimate`` counts it) that its reduce-scatter makes last in backward,
+    after the blocks': all of it but the early head's (``_early_buffer``), which exists from before the
+    blocks' backward; none apart when the shards live off the device (on disk or the host:
+    ``shards_off_device`` keeps only those in flight)."""
     if est.disk_read is not None or est.host_to_device is not None:
         return 0
-    n, t = _shard_ranks(est), tp_of(plan)
+    n, t, early = _shard_ranks(est), tp_of(plan), _early_buffer(plan)
     return sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for g in plan.groups if g.is_root
-               for b in g.buffers if b.requires_grad)
+               for b in g.buffers if b.requires_grad and b is not early)
 
 
 def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
