@@ -14,7 +14,9 @@ checksums were written (its metadata has none) loads on sizes and headers alone.
 Loading reshards by name: each rank reads, for each tensor, the overlap of its own piece with every
 saved rank's piece (``reshard.py``), so a checkpoint saved at any tensor- and data-parallel layout loads
 at any other, and ``consolidated_state_dict`` reads one into a plain ``state_dict`` in one process. Under
-TP, a tensor TP does not split is written by the TP rank 0 of each data-parallel rank only. The format
+TP, a tensor TP does not split is written by every rank holding a range of it (the one-liner shards it
+over shard x TP), or, where it stays whole on each TP peer (the explicit API), by the TP rank 0 of each
+data-parallel rank only. The format
 is ours rather than ``torch.distributed.checkpoint``'s because a rank's slice is an arbitrary element
 range of a flattened parameter (aligned flat buffers), which neither DTensor placements nor DCP's
 row-chunk planner express; safetensors files keep each read a slice.
