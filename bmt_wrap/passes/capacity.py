@@ -121,8 +121,16 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
       its backward; but a KV cache the blocks were passed stays until the first block's recompute is done
       (the calls keep their arguments for it).
     - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
-      the root's full gradient (less the head's buffer, reduced before the blocks), one use's gradient and
-      their sum for a tied weight, and the reduce-scatter's receipt beside every gradient shard. The recompute and the cache are gone.
+      the root's full gradient (less the head's buffer, reduced before the blocks) and, for a tied weight,
+      one use's gradient and their sum, beside every gradient shard but the root's still to come
+      (``_root_grad_shards``). Its reduce-scatter starts from a copy of that gradient in the gathered
+      storage (``engine._full_grad_buffer``) and writes the shard as the other ranks' pieces arrive, on the
+      communicator's thread: the gradient autograd made goes as soon as the root's backward node returns,
+      before the pieces arrive, so the shard's pages are written after it is gone (its receipt is the
+      shard itself at 2 ranks, one scratch piece beside it at more, ``comm/gloo.py``: less than the
+      gradient it follows). Counting the shard and a receipt beside the gradient put the plan 125 MiB a
+      rank over the fused Llama's root (2 ranks, vocabulary 128,256, width 256). The recompute and the
+      cache are gone.
     - ``blocks' backward start`` (``offload="disk"`` or ``"host"`` only): every kept activation beside the
       first block's backward (``_first_block_backward``).
 
@@ -138,7 +146,7 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     phases = {"backward start": held + head + kept,
               "blocks' backward end": held + (0 if early else head) + est.grads - _root_grad_shards(plan, est)
               + est.grads_in_flight + est.activations_recompute + est.activations_objects,
-              "root's gradient": held + full + _largest_root_use(plan) + est.grads + full * (n - 1) // n}
+              "root's gradient": held + full + _largest_root_use(plan) + est.grads - _root_grad_shards(plan, est)}
     if plan.offload in ("disk", "host"):
         phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(est)
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
