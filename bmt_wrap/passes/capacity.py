@@ -146,7 +146,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     phases = {"backward start": held + head + kept,
               "blocks' backward end": held + (0 if early else head) + est.grads - _root_grad_shards(plan, est)
               + est.grads_in_flight + est.activations_recompute + est.activations_objects,
-              "root's gradient": held + full + _largest_root_use(plan) + est.grads - _root_grad_shards(plan, est)}
+              "root's gradient": held + full + _largest_root_use(plan) + est.grads
+              - _root_grad_shards(plan, est)}
     if plan.offload in ("disk", "host"):
         phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(est)
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
