@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.tp_marks import tp_full_shape, tp_slice, tp_split_dim
+from ..runtime.tp_marks import tp_blocks, tp_full_shape, tp_slice, tp_split_dim, tp_split_parts
 from ..runtime.tp_ops import gather_tp_slices
 from .distributed import tensor_parallel
 
@@ -20,13 +20,17 @@ def whole_shape(p: torch.Tensor) -> torch.Size:
 
 
 def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (``p``'s value on this TP rank) joined with its TP peers' along the split dimension;
-    a collective over the TP group for a TP-split ``p`` (every TP peer must call it), else ``local``."""
+    """``local`` (``p``'s value on this TP rank) joined with its TP peers' along the split dimension (a
+    strided split: within each block); a collective over the TP group for a TP-split ``p`` (every TP peer
+    must call it), else ``local``."""
     dim = tp_split_dim(p)
     layout = tensor_parallel()
     if dim is None or layout.tp_size == 1:
         return local
-    return gather_tp_slices(local.contiguous(), layout.tp, dim)
+    parts = tp_split_parts(p)
+    if parts == 1:
+        return gather_tp_slices(local.contiguous(), layout.tp, dim)
+    return gather_tp_slices(tp_blocks(local.contiguous(), dim, parts), layout.tp, dim + 1).flatten(dim, dim + 1)
 
 
 def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -35,4 +39,4 @@ def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     layout = tensor_parallel()
     if dim is None or layout.tp_size == 1:
         return whole
-    return tp_slice(whole, dim, layout.tp_rank, layout.tp_size)
+    return tp_slice(whole, dim, layout.tp_rank, layout.tp_size, tp_split_parts(p))

@@ -17,7 +17,7 @@ from ..job.distributed import tensor_parallel
 from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
-from ..runtime.tp_marks import tp_split_dim
+from ..runtime.tp_marks import tp_split_dim, tp_split_parts
 from .formats import TensorSpec
 from .reshard import Piece, whole
 
@@ -76,7 +76,7 @@ class Entry:
         if not self.tp_split:
             return Piece(start, end)
         tp = tensor_parallel()
-        return Piece(start, end, tp_split_dim(self.param), tp.tp_rank, tp.tp_size)
+        return Piece(start, end, tp_split_dim(self.param), tp.tp_rank, tp.tp_size, tp_split_parts(self.param))
 
     @torch.no_grad()
     def set_local(self, flat: torch.Tensor) -> None:

@@ -72,9 +72,12 @@ class LocalShard(torch.Tensor):
 
     @classmethod
     def of(cls, local: torch.Tensor, full_shape: tuple[int, ...] | torch.Size, start: int,
-           region: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> LocalShard:
+           region: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+           boxes: list[Box] | None = None) -> LocalShard:
         """A ``LocalShard`` viewing ``local`` (flattened; no copy) as elements from ``start`` on of the
-        flattened ``region`` (offsets, sizes) of the full tensor (default: all of it)."""
+        flattened ``region`` (offsets, sizes) of the full tensor (default: all of it). ``boxes``: where the
+        region is no box of the full tensor (a strided TP split: ``reshard.Piece.boxes``), its boxes, each
+        with its first element counted in ``local``."""
         flat = local.detach().reshape(-1)
         full = torch.Size(full_shape)
         origin, sizes = region if region is not None else ((0,) * len(full), tuple(full))
@@ -88,10 +91,12 @@ class LocalShard(torch.Tensor):
         if full.numel() == 0:
             # Someone must declare an empty tensor, or DCP would not know it exists: rank 0's boxes do.
             shard._boxes = [((0,) * len(full), tuple(full), 0)] if start == 0 and _is_rank0() else []
+        elif boxes is not None:
+            shard._boxes = [(tuple(o), tuple(b), first + start) for o, b, first in boxes]
         else:
-            boxes = flat_range_boxes(tuple(sizes), start, start + flat.numel())
+            found = flat_range_boxes(tuple(sizes), start, start + flat.numel())
             shard._boxes = [(tuple(o + a for o, a in zip(offsets, origin, strict=True)), box, first)
-                            for offsets, box, first in boxes]
+                            for offsets, box, first in found]
         return shard
 
     def local(self) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
 from ..job.distributed import current_state, tensor_parallel
 from ..job.tp_values import whole_value
-from ..runtime.tp_marks import tp_full_shape, tp_split_dim
+from ..runtime.tp_marks import tp_full_shape, tp_split_dim, tp_split_parts
 from ..runtime.param import DistributedParameter
 from ..runtime.sharded_tensor import ShardedTensor, local_view
 from .local_shard import LocalShard
@@ -121,8 +121,8 @@ def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
         return LocalShard.of(local, p.full_shape, start)
     tp = tensor_parallel()
     full = tuple(tp_full_shape(p))
-    piece = Piece(start, start + local.numel(), dim, tp.tp_rank, tp.tp_size)
-    return LocalShard.of(local, full, start, piece.region(full))
+    piece = Piece(start, start + local.numel(), dim, tp.tp_rank, tp.tp_size, tp_split_parts(p))
+    return LocalShard.of(local, full, start, piece.region(full), piece.boxes(full) if piece.tp_parts > 1 else None)
 
 
 def local_value(p: DistributedParameter, key: str, v: Any) -> Any:

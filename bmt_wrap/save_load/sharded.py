@@ -54,7 +54,8 @@ Plan = list[tuple[int, list[Any]]]  # (saved rank, the boxes shared with it) for
 
 METADATA = "metadata.json"
 FORMAT = "bmt_wrap.sharded"
-VERSION = 2  # 2: tensor-parallel pieces (tp_size, per file tp_rank, per tensor tp_dim); 1 loads as tp_size 1
+VERSION = 2  # 2: tensor-parallel pieces (tp_size, per file tp_rank, per tensor tp_dim and tp_parts, absent
+# meaning 1); 1 loads as tp_size 1
 READABLE = (1, VERSION)
 
 
@@ -159,7 +160,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                                        tp_rank=tp_ranks[r], **dict(zip(_FILE_CHECKS, row, strict=True)))
                                   for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
-                                   "tp_dim": e.piece().tp_dim,
+                                   "tp_dim": e.piece().tp_dim, "tp_parts": e.piece().tp_parts,
                                    "ranges": _ranges(e, writers[e.name], placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
                     }
@@ -279,7 +280,8 @@ class CheckpointReader:
     def saved_piece(self, saved: dict[str, Any], rank: int) -> Piece:
         """Where saved rank ``rank``'s part of tensor ``saved`` (its metadata entry) sits in the whole."""
         start, end = saved["ranges"][rank]
-        return Piece(start, end, saved.get("tp_dim"), self.files[rank].get("tp_rank", 0), self.tp_size)
+        return Piece(start, end, saved.get("tp_dim"), self.files[rank].get("tp_rank", 0), self.tp_size,
+                     saved.get("tp_parts", 1))
 
     def pieces(self, name: str, saved: dict[str, Any], mine: Piece) -> Plan:
         """(saved rank, shared boxes) covering ``mine`` of tensor ``saved``; checks the files hold them."""
