@@ -42,7 +42,10 @@ def whole(t: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
     comm = tensor_parallel().tp
     out = torch.empty(comm.world_size * full.numel(), dtype=full.dtype)
     comm.all_gather_into(out, full.contiguous().flatten(), label="test: whole TP tensor")
-    return torch.cat(list(out.view(comm.world_size, *full.shape)), dim=param._tp_split_dim)
+    slices, dim = list(out.view(comm.world_size, *full.shape)), param._tp_split_dim
+    # A strided split (a fused q/k/v) holds each rank's share of every block: joined block by block.
+    blocks = [s.chunk(getattr(param, "_tp_split_parts", 1), dim=dim) for s in slices]
+    return torch.cat([b[j] for j in range(len(blocks[0])) for b in blocks], dim=dim)
 
 
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import models
 import pytest
 import torch
@@ -9,6 +12,7 @@ from torch import nn
 
 from bmt_wrap import passes
 from bmt_wrap.base.plan import WrapPlan
+from bmt_wrap.base.tp_plan import TensorParallelPlan, tp_text
 from bmt_wrap.errors import TensorParallelPlanError
 
 TOY_PLAN = {"embed": "embedding_rowwise", "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
@@ -177,7 +181,8 @@ def test_gpt2_conv1d_mlp_is_split_like_a_linear_pair_with_its_weight_transposed(
     tp = _tp(model, 2)
     assert tp.source == "derived"
     entries = {e.module: e for e in tp.entries}
-    assert set(entries) == {f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")}
+    assert set(entries) == {f"transformer.h.{i}.{n}" for i in range(2)
+                            for n in ("mlp.c_fc", "mlp.c_proj", "attn.c_attn", "attn.c_proj")}
     fc, proj = entries["transformer.h.0.mlp.c_fc"], entries["transformer.h.0.mlp.c_proj"]
     assert (fc.style, fc.kind, fc.split_dims, fc.in_features, fc.out_features) == (
         "colwise", "conv1d", {"weight": 1, "bias": 0}, 32, 128)
@@ -186,14 +191,12 @@ def test_gpt2_conv1d_mlp_is_split_like_a_linear_pair_with_its_weight_transposed(
     shapes = tp.local_shapes()
     assert [shapes[f"transformer.h.0.mlp.{n}"] for n in ("c_fc.weight", "c_fc.bias", "c_proj.weight",
                                                          "c_proj.bias")] == [[32, 64], [64], [64, 32], [32]]
-    # The fused q/k/v is split by nothing that proves its head layout: kept whole, with the reason.
-    reasons = {r.module: r.reason for r in tp.replicated}
-    assert "fused q/k/v" in reasons["transformer.h.0.attn.c_attn"] and "transformer.h.0.attn.c_proj" in reasons
+    assert fc.parts == 1 and tp.replicated == []
     # A user plan splits Conv1D wherever it would split a Linear.
     user = _tp(models.gpt2(), 2, {"transformer.h.*.mlp.c_fc": "colwise",
                                   "transformer.h.*.mlp.c_proj": "rowwise"})
     assert sorted((e.module, e.style, e.split_dims) for e in user.entries) == sorted(
-        (e.module, e.style, e.split_dims) for e in tp.entries)
+        (e.module, e.style, e.split_dims) for e in tp.entries if ".mlp." in e.module)
 
 
 class TwiceCalledMLP(nn.Module):
@@ -268,25 +271,70 @@ def test_cli_plan_tp_size(capsys: pytest.CaptureFixture[str]) -> None:
 GPT2_ATTN_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
 
 
-def test_a_user_plan_splitting_gpt2s_fused_qkv_is_named_error() -> None:
-    # GPT2Attention cuts c_attn's output into q, k, v with .split(split_size): split by columns, a TP rank
-    # got whole q and part of k, and the forward raised a raw "ValueError: not enough values to unpack".
+def _gpt2_attention_entries(tp) -> dict:
+    return {e.module: e for e in tp.entries if ".attn." in e.module}
+
+
+def test_gpt2_attention_is_split_like_megatrons_fused_qkv() -> None:
+    # No tp plan in GPT-2's config, and fx cannot trace GPT2Attention: its forward is known
+    # (passes.FUSED_ATTENTIONS). c_attn's outputs are q, k, v of split_size each: a strided column split
+    # (each rank its heads' slice of each block), c_proj by rows (its input is the heads, concatenated),
+    # and the split size and head count GPT2Attention reshapes with become this rank's.
+    tp = _tp(models.gpt2(), 2)
+    attn = _gpt2_attention_entries(tp)
+    qkv, proj = attn["transformer.h.0.attn.c_attn"], attn["transformer.h.0.attn.c_proj"]
+    assert (qkv.style, qkv.kind, qkv.split_dims, qkv.parts, qkv.out_features) == (
+        "colwise", "conv1d", {"weight": 1, "bias": 0}, 3, 96)
+    assert (proj.style, proj.split_dims, proj.parts) == ("rowwise", {"weight": 0}, 1)
+    shapes = tp.local_shapes()
+    assert shapes["transformer.h.1.attn.c_attn.weight"] == [32, 48] and shapes["transformer.h.1.attn.c_attn.bias"] == [48]
+    assert shapes["transformer.h.1.attn.c_proj.weight"] == [16, 32] and shapes["transformer.h.1.attn.c_proj.bias"] == [32]
+    assert {(h.module, h.attribute, h.full, h.local) for h in tp.heads} == {
+        (f"transformer.h.{i}.attn", a, 32 if a == "split_size" else 4, 16 if a == "split_size" else 2)
+        for i in range(2) for a in ("split_size", "num_heads")}
+    again = TensorParallelPlan.from_dict(json.loads(json.dumps(dataclasses.asdict(tp))))
+    assert again == tp  # parts survive the plan's JSON
+    assert "split transformer.h.0.attn.c_attn: colwise (strided: each of 3 fused blocks cut)" in "\n".join(tp_text(tp))
+
+
+GPT2_ATTN_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
+
+
+def test_a_user_plan_splitting_gpt2s_fused_qkv_splits_it_strided() -> None:
+    # Before: refused with "a column split would give each TP rank whole parts instead of a slice of each".
+    tp = _tp(models.gpt2(), 2, GPT2_ATTN_PLAN)
+    assert tp.source == "user"
+    assert {(m, e.parts) for m, e in _gpt2_attention_entries(tp).items()} == {
+        (f"transformer.h.{i}.attn.{n}", 3 if n == "c_attn" else 1) for i in range(2) for n in ("c_attn", "c_proj")}
+    assert sorted(h.attribute for h in tp.heads) == ["num_heads", "num_heads", "split_size", "split_size"]
+
+
+def test_a_fused_qkv_split_beside_a_whole_output_projection_is_named_error() -> None:
     model = models.gpt2()
     with pytest.raises(TensorParallelPlanError) as info:
-        _tp(model, 2, GPT2_ATTN_PLAN)
+        _tp(model, 2, {"transformer.h.*.attn.c_attn": "colwise"})
     message = str(info.value)
-    assert "'transformer.h.0.attn.c_attn'" in message and "split_size=32" in message
-    assert "fused q/k/v" in message and "out of tp_plan=" in message and "'transformer.h.0.attn.c_proj'" in message
+    assert "transformer.h.0.attn.c_attn (a fused q/k/v" in message and "'transformer.h.0.attn.c_proj'" in message
+    assert "split it rowwise too" in message
     assert type(model.transformer.h[0].attn.c_attn.weight) is nn.Parameter  # raised before any change
 
 
-def test_a_models_own_plan_splitting_a_fused_qkv_keeps_it_whole_with_the_reason() -> None:
+@pytest.mark.parametrize("plan", [None, GPT2_ATTN_PLAN])
+def test_gpt2_heads_not_divisible_by_tp_size_is_named_error(plan: dict | None) -> None:
+    # 4 heads of width 8 over 8 ranks: 32 features divide, the heads do not (each rank computes whole heads).
+    with pytest.raises(TensorParallelPlanError, match="transformer.h.0.attn.num_heads = 4") as info:
+        _tp(models.gpt2(), 8, plan)
+    assert "tp_size=8" in str(info.value)
+
+
+def test_a_models_own_plan_splitting_a_fused_qkv_splits_it_strided() -> None:
     model = models.gpt2()
     model._tp_plan = {**GPT2_ATTN_PLAN, "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
     tp = _tp(model, 2)
-    assert tp.source == "transformers"
-    assert sorted(e.module for e in tp.entries) == [f"transformer.h.{i}.mlp.{n}" for i in range(2)
-                                                    for n in ("c_fc", "c_proj")]
-    reasons = {r.module: r.reason for r in tp.replicated}
-    assert "split_size=32" in reasons["transformer.h.1.attn.c_attn"]
-    assert "cannot be split" in reasons["transformer.h.1.attn.c_proj"]  # its partner's layout assumed the split
+    assert tp.source == "transformers" and tp.replicated == []
+    assert sorted((e.module, e.parts) for e in tp.entries) == sorted(
+        (f"transformer.h.{i}.{n}", 3 if n == "attn.c_attn" else 1) for i in range(2)
+        for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert len(tp.heads) == 4
+
+

@@ -86,19 +86,26 @@ def test_tp2_matches_plain_pytorch_adamw(name: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt2_conv1d_split_matches_plain_pytorch_adamw(world: int) -> None:
     # tp2 alone (2 ranks) and tp2 x dp2 (4): GPT-2's MLP Conv1Ds split column -> row with the weight
-    # transposed, attention whole; losses, whole gradients at every step and parameters after AdamW
-    # (train_side_by_side asserts them on every rank).
+    # transposed, and its attention as Megatron splits a fused q/k/v: c_attn strided (each rank its heads'
+    # slice of q, of k and of v), c_proj by rows, split_size and num_heads halved; losses, whole gradients
+    # at every step and parameters after AdamW (train_side_by_side asserts them on every rank, joining a
+    # strided slice block by block: tests/parity.py).
     results = run_distributed(_parity_body, world, "gpt2", 2, "adamw", world)
     assert all(r["losses"] == results[0]["losses"] for r in results) and len(results[0]["losses"]) == 3
     for r in results:
         assert "split transformer.h.0.mlp.c_fc: colwise" in r["plan"]
         assert "split transformer.h.1.mlp.c_proj: rowwise" in r["plan"]
-        assert "replicated transformer.h.0.attn.c_attn" in r["plan"]
+        assert "split transformer.h.0.attn.c_attn: colwise (strided: each of 3 fused blocks cut)" in r["plan"]
+        assert "split transformer.h.1.attn.c_proj: rowwise" in r["plan"]
+        assert "heads transformer.h.0.attn.split_size: 32 -> 16" in r["plan"]
+        assert "heads transformer.h.0.attn.num_heads: 4 -> 2" in r["plan"]
         assert r["split"]["transformer.h.0.mlp.c_fc.weight"] == ([32, 64], 1)
         assert r["split"]["transformer.h.0.mlp.c_fc.bias"] == ([64], 0)
         assert r["split"]["transformer.h.0.mlp.c_proj.weight"] == ([64, 32], 0)
         assert r["split"]["transformer.h.0.mlp.c_proj.bias"] == ([32], None)
-        assert r["split"]["transformer.h.0.attn.c_attn.weight"] == ([32, 96], None)
+        assert r["split"]["transformer.h.0.attn.c_attn.weight"] == ([32, 48], 1)
+        assert r["split"]["transformer.h.0.attn.c_attn.bias"] == ([48], 0)
+        assert r["split"]["transformer.h.0.attn.c_proj.weight"] == ([16, 32], 0)
 
 
 def _split_body() -> dict:

@@ -51,6 +51,10 @@ class TPEntry:
     in_features: int  # per token: the Linear's input width, or 1 for an embedding (one index)
     out_features: int  # per token: the full output width
     block: str | None = None  # the discovered block holding the module (recomputed with it), else None
+    # A fused projection (GPT-2's c_attn: q, k, v along its outputs): the split dimension holds ``parts``
+    # equal blocks, each cut over the TP group, so a rank holds its heads' slice of each (Megatron's strided
+    # split; ``runtime/tp_marks.tp_slice``). 1: one contiguous cut.
+    parts: int = 1
 
     def local_shape(self, name: str, tp_size: int) -> list[int]:
         """The shape of parameter ``name`` on one TP rank."""
@@ -79,7 +83,8 @@ class TPEntry:
 
 @dataclass
 class HeadRewrite:
-    """An integer attribute (a head count the module's forward reshapes with) set to its TP-local value."""
+    """An integer attribute (a head count the module's forward reshapes with, or the width it cuts a fused
+    projection's output by: GPT-2's ``split_size``) set to its TP-local value."""
 
     module: str
     attribute: str
@@ -211,7 +216,8 @@ def tp_text(tp: TensorParallelPlan) -> list[str]:
     lines = [f"tensor parallel: tp_size={tp.tp_size}, plan from {tp.source}, {len(tp.entries)} module(s) "
              f"split ({numel:,} parameters), {len(tp.heads)} head count(s) rewritten, "
              f"{len(tp.replicated)} left replicated"]
-    lines += [f"  split {e.module}: {e.style}" for e in tp.entries]
+    lines += [f"  split {e.module}: {e.style}" + (f" (strided: each of {e.parts} fused blocks cut)" if e.parts > 1
+                                                  else "") for e in tp.entries]
     lines += [f"  heads {h.module}.{h.attribute}: {h.full} -> {h.local}" for h in tp.heads]
     lines += [f"  replicated {r.module}: {r.reason}" for r in tp.replicated]
     lines += [f"  note: {n}" for n in tp.notes]

@@ -2,8 +2,12 @@
 
 The plan comes from, in order: ``tp_plan=`` (a dict in transformers' vocabulary, module-name patterns with
 ``*`` for one name component), the transformers model's own plan (``model._tp_plan``: the LM head's and
-``config.base_model_tp_plan``), or column -> row pairs derived from each block's fx graph. A Linear here is an
-``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's: the same map with its weight stored transposed).
+``config.base_model_tp_plan``), or column -> row pairs derived from each block's fx graph (with the known
+attentions of ``FUSED_ATTENTIONS``, which fx cannot trace). A Linear here is an ``nn.Linear`` or
+transformers' ``Conv1D`` (GPT-2's: the same map with its weight stored transposed). A column Linear whose
+parent cuts its output into equal parts (a fused q/k/v: ``split_size``) is split strided, as Megatron splits
+its fused QKV: each TP rank gets its heads' slice of every part, and the parent's ``split_size`` and head
+count become the TP-local ones.
 Whatever cannot be shown to compute the same function split stays replicated, with the reason in the plan.
 Errors (sizes not divisible by the TP size, a pattern that names no module) are raised here, before the
 model is changed, and alike on every rank (every rank runs this pass on the same model).
@@ -33,6 +37,13 @@ STYLES: dict[str, str | None] = {
 # reshapes with it, so it must become the TP-local count (head_dim, head_size ... are widths, left alone).
 _HEAD_COUNT = re.compile(r"^(n_|num_)?(attention_|key_value_|kv_|q_)?heads?$|^(n|num)_(kv_)?heads?$|^n_head$")
 _CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")
+# The width a parent cuts a fused projection's output by (GPT2Attention: ``.split(self.split_size, dim=2)``).
+_PART_WIDTH = "split_size"
+#: Attentions fx cannot trace whose forward is known (transformers' source, per class): styles of their
+#: children, as transformers' tp plans give them. GPT2Attention cuts c_attn's output into q, k, v of
+#: ``split_size`` each and reshapes each into heads of ``head_dim`` (``-1`` heads), and feeds the heads
+#: concatenated to c_proj; a cross attention (``q_attn``, k/v from the encoder) is not listed.
+FUSED_ATTENTIONS: dict[str, dict[str, str]] = {"GPT2Attention": {"c_attn": "colwise", "c_proj": "rowwise"}}
 # Ops a column -> row pair may pass through: they act elementwise, so each TP rank computes its own slice.
 # (transformers' activations are traced through: GPT-2's gelu_new is mul, add, pow and tanh.)
 _ELEMENTWISE_FUNCS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch.tanh, torch.sigmoid, torch.relu,
@@ -53,6 +64,14 @@ def linear_kind(module: nn.Module) -> str | None:
     return None
 
 
+def known_attention(module: nn.Module) -> dict[str, str] | None:
+    """``FUSED_ATTENTIONS``' styles for ``module``'s children, or None when it is not one of them."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.") or getattr(module, "is_cross_attention", False):
+        return None
+    return FUSED_ATTENTIONS.get(cls.__name__)
+
+
 def plan_tensor_parallel(model: nn.Module, tp_size: int, discovery: Discovery,
                          tp_plan: dict[str, str] | None = None) -> TensorParallelPlan:
     """The TP section of ``model``'s plan for ``tp_size`` ranks; raises ``TensorParallelPlanError`` on sizes
@@ -66,8 +85,6 @@ def plan_tensor_parallel(model: nn.Module, tp_size: int, discovery: Discovery,
         styles = derive_pairs(model, discovery, plan)
     modules = dict(model.named_modules())
     chosen = _expand(styles, modules, plan, strict=plan.source == "user")
-    if plan.source == "user":
-        _refuse_fused(chosen, modules)
     _fill_entries(plan, chosen, modules, discovery)
     _keep_tied_consistent(plan, model)
     _rewrite_heads(plan, model, modules)
@@ -115,8 +132,9 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
         elif ours != "vocab_embedding" and linear_kind(module) is None:
             reasons[name] = (f"{style!r} needs an nn.Linear or transformers' Conv1D, this is "
                              f"{type(module).__name__}")
-        elif ours is not None and ours.startswith("colwise") and (why := _fused(name, modules)):
-            reasons[name] = why
+        elif ours == "colwise_gather" and _fused_parts(name, modules) > 1:
+            reasons[name] = (f"{type(modules[_parent(name)]).__name__} cuts its output into parts (a fused "
+                             "q/k/v): gathering a strided split's output whole is not implemented")
     poisoned = {_parent(n) for n, why in reasons.items() if not why.startswith("the plan says")}
     for name, style in chosen.items():
         if name in reasons:
@@ -125,32 +143,21 @@ def _fill_entries(plan: TensorParallelPlan, chosen: dict[str, str], modules: dic
             why = "a module beside it that the plan splits cannot be split (its partner's layout differs)"
             plan.replicated.append(Replicated(name, why))
         else:
-            plan.entries.append(_entry(name, STYLES[style] or "", modules[name], discovery))
+            entry = _entry(name, STYLES[style] or "", modules[name], discovery)
+            if entry.style == "colwise":
+                entry.parts = _fused_parts(name, modules)
+            plan.entries.append(entry)
 
 
-def _fused(name: str, modules: dict[str, nn.Module]) -> str | None:
-    """Why a column split of Linear ``name`` would be wrong because its parent cuts the output into equal
-    parts (GPT-2's ``c_attn``: ``.split(self.split_size, dim=2)`` into q, k, v), or None."""
+def _fused_parts(name: str, modules: dict[str, nn.Module]) -> int:
+    """Into how many equal parts Linear ``name``'s parent cuts its output (GPT-2's ``c_attn``:
+    ``.split(self.split_size, dim=2)`` into q, k, v: 3); 1 when it does not."""
     parent, module = modules[_parent(name)], modules[name]
-    width = getattr(parent, "split_size", None)
+    width = getattr(parent, _PART_WIDTH, None)
     out = module.weight.shape[1 if linear_kind(module) == "conv1d" else 0]
     if type(width) is not int or width <= 0 or out == width or out % width:
-        return None
-    return (f"{type(parent).__name__} cuts its {out} outputs into {out // width} parts of split_size={width} "
-            "(a fused q/k/v): a column split would give each TP rank whole parts instead of a slice of each")
-
-
-def _refuse_fused(chosen: dict[str, str], modules: dict[str, nn.Module]) -> None:
-    """Raise for a ``tp_plan=`` entry that column-splits a fused projection (``_fused``), naming it."""
-    bad = [(n, why) for n, style in chosen.items() if (STYLES.get(style) or "").startswith("colwise")
-           and linear_kind(modules[n]) and (why := _fused(n, modules))]
-    if bad:
-        name, why = bad[0]
-        beside = sorted(n for n in chosen if _parent(n) == _parent(name) and n != name)
-        raise TensorParallelPlanError(
-            f"tp_plan= splits {listed([n for n, _ in bad])} column-wise, but {why}. Leave "
-            f"{listed([name, *beside])} out of tp_plan= (that attention then stays whole on every TP rank; "
-            "without tp_plan= at all the MLP pairs are still split, found from the blocks' graphs)")
+        return 1
+    return out // width
 
 
 def _entry(name: str, style: str, module: nn.Module, discovery: Discovery) -> TPEntry:
@@ -190,20 +197,34 @@ def _keep_tied_consistent(plan: TensorParallelPlan, model: nn.Module) -> None:
 
 
 def _rewrite_heads(plan: TensorParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    """Head counts held by the modules around split Linears, to be set to their TP-local values.
+    """Head counts held by the modules around split Linears, and the part width of a fused projection's
+    parent (``split_size``), to be set to their TP-local values.
 
     Only where every Linear of that module is split: a head count beside a Linear left whole (an attention
     kept replicated next to a split MLP) is that Linear's, and rewriting it would change the model. Derived
-    pairs never pass through a reshape, so they involve no head count.
+    pairs never pass through a reshape, so they involve no head count; a known attention's do.
     """
-    if plan.source == "derived":
-        return
     bad = []
     split = {e.module for e in plan.entries}
+    fused = {_parent(e.module): e for e in plan.entries if e.parts > 1}
     for parent in sorted({_parent(e.module) for e in plan.entries if e.style.startswith("colwise")}):
+        if plan.source == "derived" and parent not in fused:
+            continue
         counts = {a: v for a, v in vars(modules[parent]).items() if type(v) is int and _HEAD_COUNT.match(a)}
         whole = [n for n, c in modules[parent].named_children()
                  if linear_kind(c) and (f"{parent}.{n}" if parent else n) not in split]
+        if parent in fused and whole:
+            raise TensorParallelPlanError(
+                f"{fused[parent].module} (a fused q/k/v: {type(modules[parent]).__name__} cuts its output into "
+                f"{fused[parent].parts} parts) is split, but {listed([f'{parent}.{n}' for n in whole])} beside "
+                "it is left whole and would get this rank's heads only: split it rowwise too, or leave both "
+                "out of tp_plan= (that attention then stays whole on every TP rank)")
+        if parent in fused:
+            width = getattr(modules[parent], _PART_WIDTH)
+            if width % plan.tp_size:
+                bad.append(f"{parent}.{_PART_WIDTH} = {width}")
+            else:
+                plan.heads.append(HeadRewrite(parent, _PART_WIDTH, width, width // plan.tp_size))
         if counts and whole:
             names = listed([f"{parent}.{a}" for a in counts])
             plan.notes.append(f"head count(s) {names} kept: {parent} also holds Linears left whole "
@@ -224,8 +245,9 @@ def _rewrite_heads(plan: TensorParallelPlan, model: nn.Module, modules: dict[str
 
 
 def _check_divisible(plan: TensorParallelPlan, model: nn.Module) -> None:
-    bad = [f"{e.module}.{n} {e.full_shapes[n]} along dim {d}" for e in plan.entries
-           for n, d in e.split_dims.items() if e.full_shapes[n][d] % plan.tp_size]
+    bad = [f"{e.module}.{n} {e.full_shapes[n]} along dim {d}" + (f" (each of its {e.parts} blocks)" if e.parts > 1
+                                                                   else "")
+           for e in plan.entries for n, d in e.split_dims.items() if e.full_shapes[n][d] % (e.parts * plan.tp_size)]
     if bad:
         raise TensorParallelPlanError(
             f"{type(model).__name__}: tp_size={plan.tp_size} does not divide {listed(bad)}; choose a tp_size "
@@ -254,8 +276,11 @@ def _derive_in(module: nn.Module, fqn: str, styles: dict[str, str], plan: Tensor
 
     A pair lies within one forward, whose intermediate values its caller cannot read, so a child's graph
     proves a pair found there as a whole block's would (given the caller runs the child only through its
-    forward, as modules are used).
+    forward, as modules are used). A known attention (``FUSED_ATTENTIONS``) is not traced: its styles are known.
     """
+    if (known := known_attention(module)) is not None:
+        styles.update({f"{fqn}.{child}": style for child, style in known.items()})
+        return
     try:
         graph = _LinearLeafTracer().trace(module)
     except Exception as exc:  # any: what fx cannot trace is searched child by child, else not split

@@ -82,7 +82,7 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallelPlan, comm: Commun
         for name, dim in entry.split_dims.items():
             old = getattr(module, name)
             if id(old) not in replaced:
-                replaced[id(old)] = split_parameter(old, dim, comm.rank, comm.world_size)
+                replaced[id(old)] = split_parameter(old, dim, comm.rank, comm.world_size, entry.parts)
             setattr(module, name, replaced[id(old)])
         module._bmt_tp = _TPState(comm, entry)
         module.forward = types.MethodType(_FORWARDS[entry.style], module)
@@ -98,10 +98,12 @@ def tp_split(module: nn.Module) -> tuple[str, Communicator] | None:
     return (state.style, state.comm) if state is not None else None
 
 
-def split_parameter(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
-    """This rank's slice of ``param`` along ``dim``, carrying BMTrain's TP attributes (the full shape)."""
-    local = nn.Parameter(tp_slice(param.detach(), dim, rank, size).clone(), requires_grad=param.requires_grad)
-    mark_tp(local, dim, size)
+def split_parameter(param: nn.Parameter, dim: int, rank: int, size: int, parts: int = 1) -> nn.Parameter:
+    """This rank's slice of ``param`` along ``dim`` (with ``parts`` > 1: of each block, ``tp_slice``), carrying
+    BMTrain's TP attributes (the full shape, the blocks)."""
+    local = nn.Parameter(tp_slice(param.detach(), dim, rank, size, parts).clone(),
+                         requires_grad=param.requires_grad)
+    mark_tp(local, dim, size, parts)
     return local
 
 
