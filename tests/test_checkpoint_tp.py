@@ -24,13 +24,15 @@ import torch
 from dist_harness import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parity import LOSS_RTOL, NOISE_GRAD, compare_params
+from parity import ADAMW_REL, LOSS_RTOL, NOISE_GRAD, compare_params
+from parity import whole as joined_over_tp
 from test_tp_plan import TOY_PLAN
 from test_tp_wrap import llama_mha
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import CheckpointCorruptError, CheckpointError
 from bmt_wrap.save_load import dcp as bmt_dcp
+from bmt_wrap.runtime.tp_marks import tp_slice
 from bmt_wrap.save_load.reshard import Piece, copy_overlaps, overlaps, shared, span, whole
 
 BEFORE, AFTER = 2, 2  # steps before the save, and after it
@@ -39,9 +41,10 @@ LAYOUTS = [(2, 4), (1, 4), (4, 4), (2, 2), (1, 2), (1, 1)]
 
 
 # ---- the pure resharding: any (tp, dp) layout into any other ---------------------------------------------------
-def _pieces(shape: tuple[int, ...], dim: int | None, tp: int, dp: int, saving: bool) -> list[Piece]:
+def _pieces(shape: tuple[int, ...], dim: int | None, tp: int, dp: int, saving: bool, parts: int = 1) -> list[Piece]:
     """Every rank's piece at (tp, dp), rank = dp_rank * tp + tp_rank; ranges cut like ZeRO's (ceil). A
-    tensor TP does not split: every TP rank holds the dp range, and only TP rank 0 writes it."""
+    tensor TP does not split: every TP rank holds the dp range, and only TP rank 0 writes it. ``parts``:
+    a strided split (``dim`` holds that many blocks, each cut over TP)."""
     n = math.prod(shape) // (1 if dim is None else tp)
     per = -(-n // dp)
     out = []
@@ -49,14 +52,17 @@ def _pieces(shape: tuple[int, ...], dim: int | None, tp: int, dp: int, saving: b
         for t in range(tp):
             a, b = min(d * per, n), min((d + 1) * per, n)
             if dim is not None:
-                out.append(Piece(a, b, dim, t, tp))
+                out.append(Piece(a, b, dim, t, tp, parts))
             else:
                 out.append(Piece(a, b) if t == 0 or not saving else Piece(0, 0))
     return out
 
 
 def _region(full: torch.Tensor, p: Piece) -> torch.Tensor:
-    return full[tuple(slice(o, o + s) for o, s in zip(*p.region(tuple(full.shape)), strict=True))]
+    """The TP slice ``p``'s flat range indexes, as the layers cut it (a strided split: ``tp_slice``)."""
+    if p.tp_dim is None:
+        return full
+    return tp_slice(full, p.tp_dim, p.tp_index, p.tp_size, p.tp_parts)
 
 
 @settings(max_examples=80, deadline=None)
@@ -65,11 +71,18 @@ def _region(full: torch.Tensor, p: Piece) -> torch.Tensor:
        loaded=st.sampled_from([(1, 1), (1, 4), (2, 3), (4, 1), (2, 1)]))
 def test_any_layout_reads_exactly_into_any_other(sizes: list[int], data: st.DataObject, saved: tuple[int, int],
                                                  loaded: tuple[int, int]) -> None:
-    shape = tuple(4 * s for s in sizes)  # every TP size here divides every dimension
-    dim = data.draw(st.sampled_from([None, *range(len(shape))]))
+    dim = data.draw(st.sampled_from([None, *range(len(sizes))]))
+    # A strided split (GPT-2's fused q/k/v): the dimension holds 2 or 3 blocks, each cut over TP.
+    parts = 1 if dim is None else data.draw(st.sampled_from([1, 2, 3]))
+    shape = tuple(4 * s * (parts if d == dim else 1) for d, s in enumerate(sizes))  # every TP size divides
     full = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
-    files = [(p, _region(full, p).reshape(-1)[p.start:p.end]) for p in _pieces(shape, dim, *saved, saving=True)]
-    for mine in [*_pieces(shape, dim, *loaded, saving=False), whole(shape)]:
+    files = [(p, _region(full, p).reshape(-1)[p.start:p.end])
+             for p in _pieces(shape, dim, *saved, saving=True, parts=parts)]
+    for theirs, held in files:  # DCP's boxes of the real shape, each contiguous in the piece's data
+        for offsets, box, first in theirs.boxes(shape):
+            want = full[tuple(slice(o, o + n) for o, n in zip(offsets, box, strict=True))]
+            assert torch.equal(held[first:first + math.prod(box)].view(box), want)
+    for mine in [*_pieces(shape, dim, *loaded, saving=False, parts=parts), whole(shape)]:
         out = torch.full((mine.numel,), float("nan"), dtype=torch.float64)
         covered = 0
         for theirs, held in files:
@@ -91,6 +104,8 @@ def _setup(name: str):
     if name == "toy":
         return (lambda: models.seeded(lambda: models.ToyGPT(n_layers=2)), TOY_PLAN,
                 lambda m, x: m(x[:, :-1], x[:, 1:]), ids)
+    if name == "gpt2":  # no plan: MLP pairs derived, the attention's fused q/k/v split strided
+        return models.gpt2, None, lambda m, x: m(input_ids=x, labels=x).loss, ids
     return llama_mha, None, lambda m, x: m(input_ids=x, labels=x).loss, ids
 
 
@@ -224,6 +239,60 @@ def test_tp2_dp2_checkpoint_resumes_exactly_at_every_layout_and_in_plain_pytorch
         else:
             torch.testing.assert_close(results[0]["losses"], uninterrupted[0][BEFORE:], rtol=LOSS_RTOL, atol=0,
                                        msg=where)
+
+
+# ---- GPT-2's strided c_attn: saved at tp2, whole in files, loaded at one rank ---------------------------------
+def _gpt2_save_body(tmp: str) -> dict:
+    model, opt, loss_fn, batches = _wrapped("gpt2", 2)
+    losses = _train(model, opt, loss_fn, batches, range(BEFORE))
+    for fmt in ("bmt", "dcp"):
+        _save(fmt, f"{tmp}/{fmt}/ckpt", model, opt)
+    qkv = model.transformer.h[0].attn.c_attn
+    # tests/parity.py joins the TP slices block by block, independently of bmt_wrap's own join
+    joined = {n: joined_over_tp(p) for n, p in (("weight", qkv.weight), ("bias", qkv.bias))}
+    state = model.state_dict()  # a collective: every rank joins
+    return {"losses": losses, "joined": joined, "state": state, "local": list(qkv.weight.shape)}
+
+
+def test_gpt2_strided_qkv_checkpoint_is_whole_and_loads_at_one_rank(tmp_path: Path) -> None:
+    tmp = str(tmp_path)
+    saved = run_distributed(_gpt2_save_body, 2, tmp)
+    assert saved[0]["local"] == [32, 48]  # this rank's heads of q, k and v
+    params, optim = _plain_state("bmt", f"{tmp}/bmt/ckpt")
+    dcp_params, dcp_optim = _plain_state("dcp", f"{tmp}/dcp/ckpt")
+    _assert_same_tensors(dcp_params, params, "DCP's model state")
+    _assert_same_tensors(dcp_optim, optim, "DCP's optimizer state")
+    _assert_same_tensors({k: v for k, v in saved[0]["state"].items()}, params, "state_dict()")
+    name = "transformer.h.0.attn.c_attn"
+    for part, joined in saved[0]["joined"].items():
+        assert torch.equal(joined, params[f"{name}.{part}"]), part
+    assert params[f"{name}.weight"].shape == (32, 96) and optim[f"{name}.weight"]["exp_avg"].shape == (32, 96)
+
+    # Plain PyTorch trained the same steps holds the same whole c_attn (a wrong join would differ by O(1)).
+    plain = _plain_run("gpt2", None)
+    torch.testing.assert_close(saved[0]["losses"], plain[0][:BEFORE], rtol=LOSS_RTOL, atol=0)
+    build, _, loss_fn, batches = _setup("gpt2")
+    before = build()
+    _train(before, _optimizer(before), loss_fn, batches, range(BEFORE))
+    for part in ("weight", "bias"):
+        ref = before.state_dict()[f"{name}.{part}"]
+        rel = float((params[f"{name}.{part}"] - ref).norm() / ref.norm())
+        assert rel <= ADAMW_REL, (part, rel)
+    # Into plain PyTorch: the whole state continues like the plain run that never stopped.
+    resumed, _ = _plain_run("gpt2", (params, optim))
+    torch.testing.assert_close(resumed, plain[0][BEFORE:], rtol=LOSS_RTOL, atol=0)
+
+    # At one rank (no TP) the strided pieces read into whole tensors, and at tp2 back into strided slices,
+    # bit for bit, with either format.
+    for fmt in ("bmt", "dcp"):
+        for tp, world in ((1, 1), (2, 2)):
+            where = f"{fmt} loaded at tp{tp} x dp{world // tp}"
+            results = run_distributed(_resume_body, world, "gpt2", fmt, f"{tmp}/{fmt}", tp)
+            _assert_same_tensors(results[0]["params"], params, where)
+            again_params, again_optim = _plain_state(fmt, results[0]["again"])
+            _assert_same_tensors(again_params, params, f"{where}, saved again")
+            _assert_same_tensors(again_optim, optim, f"{where}, optimizer state saved again")
+            torch.testing.assert_close(results[0]["losses"], plain[0][BEFORE:], rtol=LOSS_RTOL, atol=0, msg=where)
 
 
 # ---- broken checkpoints: a named error on every rank ----------------------------------------------------------

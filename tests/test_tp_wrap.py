@@ -313,17 +313,29 @@ def test_tp_grad_norms_are_plain_pytorchs(tp: int) -> None:
             assert r["torch"][kind] == pytest.approx(value, rel=1e-5), kind
 
 
-def _fused_qkv_body() -> tuple[str, str]:
+def _fused_qkv_body() -> dict:
     from test_tp_plan import GPT2_ATTN_PLAN
 
-    return raised(lambda: bmt.BMTrainModelWrapper(models.gpt2(), tp_size=2, tp_plan=GPT2_ATTN_PLAN))
+    alone = raised(lambda: bmt.BMTrainModelWrapper(models.gpt2(), tp_size=2,
+                                                    tp_plan={"transformer.h.*.attn.c_attn": "colwise"}))
+    torch.manual_seed(1)
+    ids = torch.randint(0, models.VOCAB, (2, 8))
+    plain = models.gpt2()
+    model = bmt.BMTrainModelWrapper(models.gpt2(), tp_size=2, tp_plan=GPT2_ATTN_PLAN)
+    with torch.no_grad():
+        same = torch.allclose(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    return {"alone": alone, "same": same, "heads": model.transformer.h[0].attn.num_heads}
 
 
-def test_splitting_gpt2s_fused_qkv_is_a_named_error_on_every_rank_at_wrap_time() -> None:
-    # Before: wrapping succeeded and the first forward raised a raw ValueError inside GPT2Attention.
-    results = run_distributed(_fused_qkv_body, 2)
-    assert all(kind == "TensorParallelPlanError" and "transformer.h.0.attn.c_attn" in message
-               for kind, message in results), results
+def test_splitting_gpt2s_fused_qkv_is_strided_and_alone_a_named_error_on_every_rank() -> None:
+    # Before: any tp_plan= naming c_attn was refused (a plain column split gave a rank whole q and half
+    # of k). Now it is split strided, with c_proj by rows; c_attn split with c_proj left whole is refused
+    # at wrap time, on every rank, naming both.
+    for r in run_distributed(_fused_qkv_body, 2):
+        kind, message = r["alone"]
+        assert kind == "TensorParallelPlanError" and "transformer.h.0.attn.c_attn" in message, r
+        assert "'transformer.h.0.attn.c_proj'" in message, r
+        assert r["same"] and r["heads"] == 2, r
 
 
 def _whole_layout_body(name: str) -> dict:
