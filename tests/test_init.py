@@ -188,3 +188,23 @@ def _wrap_copy(model: nn.Module) -> nn.Module:
 
 def test_meta_model_loads_without_init(tmp_path: Path) -> None:
     run_distributed(_meta_load_body, 2, str(tmp_path))
+
+
+def _gpt2_seeded_init_body(tp_size: int | None) -> dict | None:
+    with torch.device("meta"):
+        model = models.gpt2()
+    model = bmt.BMTrainModelWrapper(model, tp_size=tp_size)
+    torch.manual_seed(11)
+    bmt.init_parameters(model)
+    state = model.state_dict()  # whole tensors: TP slices joined (a collective)
+    return state if bmt.rank() == 0 else None
+
+
+def test_gpt2_init_at_tp2_holds_the_values_one_rank_draws() -> None:
+    # Each TP rank draws the whole tensor and keeps its slice: c_attn's strided one (its heads of q, k
+    # and v), so the joined value is what one rank without TP draws under the same seed, bit for bit.
+    one = run_distributed(_gpt2_seeded_init_body, 1, None)[0]
+    tp2 = run_distributed(_gpt2_seeded_init_body, 2, 2)[0]
+    assert list(tp2) == list(one)
+    for name, value in one.items():
+        assert torch.equal(tp2[name], value), name
