@@ -31,8 +31,8 @@ from test_tp_wrap import llama_mha
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import CheckpointCorruptError, CheckpointError
-from bmt_wrap.save_load import dcp as bmt_dcp
 from bmt_wrap.runtime.tp_marks import tp_slice
+from bmt_wrap.save_load import dcp as bmt_dcp
 from bmt_wrap.save_load.reshard import Piece, copy_overlaps, overlaps, shared, span, whole
 
 BEFORE, AFTER = 2, 2  # steps before the save, and after it

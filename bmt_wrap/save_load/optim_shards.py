@@ -27,9 +27,9 @@ from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
 from ..job.distributed import current_state, tensor_parallel
 from ..job.tp_values import whole_value
-from ..runtime.tp_marks import tp_full_shape, tp_split_dim, tp_split_parts
 from ..runtime.param import DistributedParameter
 from ..runtime.sharded_tensor import ShardedTensor, local_view
+from ..runtime.tp_marks import tp_full_shape, tp_split_dim, tp_split_parts
 from .local_shard import LocalShard
 from .reshard import Piece
 
