@@ -83,14 +83,15 @@ def test_tp2_matches_plain_pytorch_adamw(name: str) -> None:
     assert all(r["losses"] == results[0]["losses"] for r in results)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gpt2_conv1d_split_matches_plain_pytorch_adamw(world: int) -> None:
+@pytest.mark.parametrize(("world", "optimizer"), [(2, "adamw"), (4, "adamw"), (4, "sgd")])
+def test_gpt2_conv1d_split_matches_plain_pytorch(world: int, optimizer: str) -> None:
     # tp2 alone (2 ranks) and tp2 x dp2 (4): GPT-2's MLP Conv1Ds split column -> row with the weight
     # transposed, and its attention as Megatron splits a fused q/k/v: c_attn strided (each rank its heads'
     # slice of q, of k and of v), c_proj by rows, split_size and num_heads halved; losses, whole gradients
     # at every step and parameters after AdamW (train_side_by_side asserts them on every rank, joining a
     # strided slice block by block: tests/parity.py).
-    results = run_distributed(_parity_body, world, "gpt2", 2, "adamw", world)
+    # SGD's elementwise parameter check is the one that catches a sum in place of an average.
+    results = run_distributed(_parity_body, world, "gpt2", 2, optimizer, world)
     assert all(r["losses"] == results[0]["losses"] for r in results) and len(results[0]["losses"]) == 3
     for r in results:
         assert "split transformer.h.0.mlp.c_fc: colwise" in r["plan"]
