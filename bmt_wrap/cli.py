@@ -350,7 +350,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload)
         est = plan.estimates[str(n)]
         if on_disk:
-            est, io[k] = optimizer_on_disk(est, chunk)
+            est, io[k] = optimizer_on_disk(plan, est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
                          beside=baseline.per_layer * (k - 1) if k is not None else 0,
                          wrapping_baseline=baseline.before_training)
