@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import importlib
 import importlib.util
 import inspect
@@ -48,16 +47,17 @@ import re
 import sys
 import traceback
 import typing
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from . import process_baseline
 from .base._compat import pytree
 from .base.dtypes import to_dtype
-from .base.host_allocator import EXACT_SETTING, release_free_heap
+from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
 from .base.plan import (
     WrapPlan,
@@ -80,8 +80,7 @@ from .passes.schedule_graph import schedule_graph
 from .passes.sequence_parallel import chain_from_capture, plan_sequence_parallel
 from .passes.tensor_parallel import plan_tensor_parallel
 from .passes.util import describe
-from . import process_baseline
-from .process_baseline import ProcessBaseline, resident_bytes
+from .process_baseline import ProcessBaseline
 
 #: ``AdamDiskOptimizer``'s default ``chunk_bytes`` (optim/adam_disk.py; a test checks they agree): the CLI
 #: does not import the optimizers, whose import would count in the process baseline it measures.
@@ -316,9 +315,7 @@ def warm_baseline(opts: argparse.Namespace, inputs: Call | None) -> ProcessBasel
     if inputs is not None:
         capture(model, discover_blocks(model), inputs)
     del model
-    gc.collect()
-    release_free_heap()  # the job runs under EXACT_SETTING, where freed tensors leave; this process may not
-    return ProcessBaseline(resident_bytes())
+    return ProcessBaseline(process_baseline.settled_resident_bytes())
 
 
 def _capacity(opts: argparse.Namespace) -> str:

@@ -17,9 +17,9 @@ from bmt_wrap.cli import main
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import build_plan, capture, discover_blocks
 from bmt_wrap.passes.capacity import (
+    ProcessPeak,
     largest_fitting,
     optimizer_on_disk,
-    ProcessPeak,
     process_peak,
     root_backward_bytes,
     training_phases,
@@ -110,9 +110,9 @@ def test_the_heads_gradient_is_held_only_until_the_blocks_backward() -> None:
     the root's whole gradient there put the plan 3.5% over the process's peak). An untied head is alone in
     its buffer, reduce-scattered before the blocks' backward (#35): the blocks' backward end holds only its
     shard, and the root's gradient after the blocks is the rest of the root's."""
-    from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
-
     from models import VOCAB, llama, token_ids
+
+    from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
 
     model = llama()
     ids = token_ids(batch=2, seq=16)
@@ -148,9 +148,9 @@ def test_the_roots_shard_is_written_after_its_gradient_is_gone(world_size: int) 
     at more than 2 ranks the ring's scratch piece) never sits beside that gradient: counting the shard and
     a receipt of (N-1)/N beside it put the plan 125 MiB a rank over the fused Llama of
     benchmarks/fused_loss.py at 512 tokens (plan 961, measured 835 MiB above the baseline)."""
-    from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
-
     from models import llama, token_ids
+
+    from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
 
     model = llama()
     ids = token_ids(batch=2, seq=16)

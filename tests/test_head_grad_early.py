@@ -5,15 +5,16 @@ untouched."""
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 from dist_harness import run_distributed
 from parity import lm_batches, train_side_by_side
 
 import bmt_wrap as bmt
-import models
 from bmt_wrap.plan import ROOT
 from bmt_wrap.wrapper import BMTrainModelWrapper
+
 
 def qwen2_tied() -> torch.nn.Module:
     """Qwen2 with its embedding and head tied, as its small checkpoints are."""

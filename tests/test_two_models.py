@@ -18,7 +18,7 @@ from toy import ToyGPT, manual_plan
 import bmt_wrap as bmt
 from bmt_wrap import distributed
 from bmt_wrap.apply_plan import apply_plan
-from bmt_wrap.runtime.process_engine import get_engine, reset_engine
+from bmt_wrap.runtime.process_engine import reset_engine
 
 STEPS = 3
 SIZES = {"a": {"d": 16, "n_layers": 3}, "b": {"d": 24, "n_layers": 2}}

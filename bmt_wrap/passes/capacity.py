@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..base.dtypes import itemsize
+from ..base.dtypes import LOW_PRECISION, itemsize, master_dtype, to_dtype
 from ..base.plan import FlatBufferSpec, MemoryEstimate, WrapPlan
 from ..errors import PlanError
 from .estimate import tp_of
@@ -68,15 +68,16 @@ def _head_slot(plan: WrapPlan) -> tuple[int, FlatBufferSpec] | None:
     """The vocabulary head's gradient bytes (for a tied head, the shared weight's) and its root buffer; None
     without a head found."""
     weight = plan.fused_loss.weight if plan.fused_loss is not None else None
+    if weight is None:
+        return None
     return next(((slot.numel * itemsize(b.grad_dtype), b) for g in plan.groups if g.is_root for b in g.buffers
-                 if b.requires_grad for slot in b.slots if weight is not None and weight in (slot.fqn, *slot.aliases)),
-                None)
+                 if b.requires_grad for slot in b.slots if weight in (slot.fqn, *slot.aliases)), None)
 
 
-def _early_buffer(plan: WrapPlan) -> FlatBufferSpec | None:
-    """The root buffer reduce-scattered when the head's backward ends, before the blocks': the head's, when
-    the head is alone in it and untied (planner.reduced_alone)."""
-    found = _head_slot(plan)
+def _early_buffer(plan: WrapPlan, found: tuple[int, FlatBufferSpec] | None = None) -> FlatBufferSpec | None:
+    """The root buffer reduce-scattered when the head's backward ends, before the blocks': the head's
+    (``found``, else looked up), when the head is alone in it and untied (planner.reduced_alone)."""
+    found = found or _head_slot(plan)
     if found is None:
         return None
     buf = found[1]
@@ -87,9 +88,10 @@ def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
     """The root gradient that exists while the blocks' backward starts: the vocabulary head's, the root's
     first use in backward; without a head found, the root's whole. Then the part of it reduce-scattered and
     freed when the head's backward ends (``_early_buffer``'s whole gradient), else 0."""
-    found, early = _head_slot(plan), _early_buffer(plan)
+    found = _head_slot(plan)
     if found is None:
         return _root_grad_bytes(plan, world_size), 0
+    early = _early_buffer(plan, found)
     return found[0], early.full_grad_bytes(early.ranks(world_size, tp_of(plan))) if early is not None else 0
 
 
@@ -157,7 +159,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
 
 def _first_block_backward(est: MemoryEstimate) -> int:
     """With ``offload="disk"`` (or ``"host"``): the first block's backward beside every kept activation. Its
-    gradient shards go to the file (the host) as their reduce-scatters end, so none pile up and the blocks' backward peaks at its start
+    gradient shards go to the file (the host) as their reduce-scatters end, so none pile up and the blocks'
+    backward peaks at its start
     (measured, 2 ranks, GPT of width 1024: the peak grew by 0.66 MiB a layer from 8 to 24 layers, its
     checkpointed inputs 0.5 MiB and each layer's objects the rest; the blocks' backward end did not grow)."""
     return est.grads + est.grads_in_flight + est.activations_recompute
@@ -183,7 +186,8 @@ def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full:
     """Peak bytes per rank of a process training ``plan`` at ``est``'s world size. ``built_full``: the model
     was built with real weights before wrapping (False when built on the meta device and loaded);
     ``beside``: the resident bytes beside the tensors the model's layers add above the baseline's;
-    ``wrapping_baseline``: the process before its first step, under wrapping (``bmt_wrap.process_baseline``)."""
+    ``wrapping_baseline``: the process before its first step, under wrapping
+    (``bmt_wrap.process_baseline``)."""
     full = sum(g.param_bytes() for g in plan.groups) if built_full else 0
     wrapping = full + est.params + est.gathered if built_full else 0
     return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline)
@@ -201,17 +205,14 @@ def staging_bytes(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> int
     are mapped at their first write and every pass fills it from the front, so it holds its largest pass.
     A pass covers one flat buffer's shard (a region of the state file) up to the buffer: its moments (and an
     fp32 master with the gradient's fp32 copy, for a half-precision shard) per element. Counting the whole
-    buffer put the plan 3-4% over 2-rank jobs whose largest shard passes fill half of its 32 MiB."""
+    buffer put the plan 3-4% over 2-rank jobs whose largest pass fills a third of its 32 MiB."""
     n, t = _shard_ranks(est), tp_of(plan)
     largest = 0
-    for group in plan.groups:
-        for b in group.buffers:
-            if not b.requires_grad:
-                continue
-            item = 8 if b.dtype == "float64" else 4
-            master = b.dtype in ("float16", "bfloat16")
-            per_elem = (3 if master else 2) * item + (4 if master else 0)
-            largest = max(largest, min(buffer_bytes, b.shard_numel(b.ranks(n, t)) * per_elem))
+    for b in (b for g in plan.groups for b in g.buffers if b.requires_grad):
+        state = itemsize(master_dtype(b.dtype))  # the moments' (and master's) dtype, as AdamDiskOptimizer's
+        master = to_dtype(b.dtype) in LOW_PRECISION
+        per_elem = (3 if master else 2) * state + (4 if master else 0)
+        largest = max(largest, min(buffer_bytes, b.shard_numel(b.ranks(n, t)) * per_elem))
     return min(largest, est.optimizer)
 
 
