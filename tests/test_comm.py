@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -104,6 +105,24 @@ def _many_in_flight_body() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_many_async_ops_in_flight_complete_in_order(world_size: int) -> None:
     run_distributed(_many_in_flight_body, world_size)
+
+
+def _finished_op_keeps_body() -> list[str]:
+    c = comm()
+    full, out = torch.ones(4096 * c.world_size), torch.empty(4096)
+    refs = {"broadcast": weakref.ref(full), "reduce_scatter": weakref.ref(out)}
+    c.broadcast(full, 0)
+    c.reduce_scatter_into(out, full)
+    del full, out
+    return [name for name, ref in refs.items() if ref() is not None]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_finished_op_keeps_none_of_its_tensors(world_size: int) -> None:
+    """The worker thread let the last op's closure, and so its buffers, live until the next op arrived: the
+    full flat of the last group a wrap broadcast, a gradient at a step's end."""
+    for kept in run_distributed(_finished_op_keeps_body, world_size):
+        assert kept == [], f"tensors of finished ops still alive: {kept}"
 
 
 def _counting_body() -> dict:

@@ -122,15 +122,21 @@ class GlooCommunicator(Communicator):
             item = self._queue.get()
             if item is None:
                 return
-            fn, fut = item
-            if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
-                fut._set(fut._comm.unusable_error(fut._what))
-                continue
-            try:
-                fn()
-                fut._set()
-            except BaseException as exc:  # reported to the waiting thread, which raises it
-                fut._set(exc)
+            self._run_one(*item)
+            # The op's closure holds its tensors: kept in this frame until the next op arrives, the last
+            # op's buffer (a group's full flat at wrapping, a gradient at a step's end) outlived it.
+            del item
+
+    @staticmethod
+    def _run_one(fn: Callable[[], None], fut: _Future) -> None:
+        if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
+            fut._set(fut._comm.unusable_error(fut._what))
+            return
+        try:
+            fn()
+            fut._set()
+        except BaseException as exc:  # reported to the waiting thread, which raises it
+            fut._set(exc)
 
     def _submit(self, op: OpDescription, fn: Callable[[Callable[[], None]], None]) -> _Future:
         """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them."""
