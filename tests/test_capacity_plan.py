@@ -81,7 +81,14 @@ def test_process_peak_adds_the_root_backward_and_the_full_copy_before_wrapping()
     assert phases["root's gradient"] == (held + root_grads + 2 * 4 * wte.numel + est.grads
                                          - _root_shards(plan))
     assert built.training == max(phases.values())
-    assert built.wrapping == sum(g.param_bytes() for g in plan.groups) + est.params + est.gathered
+    # Wrapping: the full copy, and at its peak (here the first block's, whose buffer outweighs the root's)
+    # the root's shard, less the root's originals, gone once it was made, beside the block's shard and its
+    # buffer packed whole for the broadcast.
+    root, first = plan.groups[0], plan.groups[1]
+    assert root.is_root and len(root.buffers) == len(first.buffers) == 1
+    assert built.wrapping == (sum(g.param_bytes() for g in plan.groups) + root.buffers[0].shard_numel(2) * 4
+                              - root.param_bytes() + first.buffers[0].shard_numel(2) * 4
+                              + first.buffers[0].padded_numel(2) * 4)
     assert built.total == 103 * MIB + max(built.wrapping, built.training)
     streamed = process_peak(plan, est, baseline=100 * MIB, built_full=False)
     assert streamed.wrapping == 0 and streamed.total == 100 * MIB + built.training
