@@ -104,7 +104,8 @@ class ToyGPT(nn.Module):
         self.layers = nn.ModuleList(Block(dim, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        if tie:
+        if tie:  # a tied LM's shared weight is initialised as its head (GPT-2: std 0.02), not as N(0, 1)
+            nn.init.normal_(self.embed.weight, std=0.02)
             self.head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
