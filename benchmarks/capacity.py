@@ -16,8 +16,9 @@ completed ``--steps`` AdamW steps. A job is killed as soon as the summed RSS of 
 exact) is within B too. Each probe is a fresh set of rank processes (gloo, ``OMP_NUM_THREADS=1``).
 bmt_wrapper's largest run is compared with one process training the same model on the same data
 (the other systems' losses at their own sizes are in the JSON; one process per size would double the run).
-``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less the process
-baseline, the root group's backward and a 64 MiB allocator margin. ``bmt_wrapper_mmap`` is the wrapper in
+``bmt_wrapper_budget`` is the wrapper with ``memory_budget=`` the rank's share of B less what the plan
+counts beside the tensors (its baseline and the bytes beside each layer's) and a 64 MiB allocator margin:
+memory_budget's count already holds the root group's backward. ``bmt_wrapper_mmap`` is the wrapper in
 processes started with the plan's allocator setting, ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors leave
 the process: the plan's assumption, docs/design.md "Capacity"); ``bmt_wrapper_budget`` runs so too, since it spends the plan's count
 up to the limit. ``bmt_wrapper_disk`` is that, trained by
@@ -71,6 +72,9 @@ MMAP_SYSTEMS = ("bmt_wrapper_budget", "bmt_wrapper_mmap", "bmt_wrapper_disk", OF
 PREDICTED = {"bmt_wrapper": [], "bmt_wrapper_mmap": [], "bmt_wrapper_disk": ["--optimizer-state", "disk"],
              OFFLOAD: ["--optimizer-state", "disk", "--offload", "disk", "--streaming"]}
 GIB = 2**30
+# What a rank holds beside the tensors memory_budget counts, as `bmt-wrap plan` measured it (main sets
+# these for the budget system's ranks): the baseline, and the bytes beside each layer's tensors.
+HELD_VAR, PER_LAYER_VAR = "BMT_CAPACITY_BASELINE", "BMT_CAPACITY_BESIDE_PER_LAYER"
 
 
 def parse_size(text: str) -> int:
@@ -128,14 +132,12 @@ def worker(system: str, layers: int, steps: int, limit: int, global_batch: int, 
         return
 
     def budget(model: torch.nn.Module, wl: Workload, example: tuple) -> torch.nn.Module:
-        # The rank's share of B less what a process holds beyond the plan's estimate (baseline, the root's
-        # backward) and an allocator margin of 64 MiB.
-        from bmt_wrap import passes
-        from bmt_wrap.passes.capacity import root_backward_bytes
-
-        plan = passes.build_plan(model, passes.discover_blocks(model), world_size=n)
-        spare = limit // n - baseline - root_backward_bytes(plan, n) - 64 * 2**20
-        return bmt.BMTrainModelWrapper(model, memory_budget=spare)
+        # The rank's share of B less what the process holds beside the tensors memory_budget counts (the
+        # plan's baseline and the bytes beside each layer's tensors, from main's `bmt-wrap plan`) and an
+        # allocator margin of 64 MiB. memory_budget's count is training's peak by phase, the root's
+        # backward included (passes.capacity.training_peak).
+        held = int(os.environ[HELD_VAR]) + int(os.environ[PER_LAYER_VAR]) * (layers - 1)
+        return bmt.BMTrainModelWrapper(model, memory_budget=limit // n - held - 64 * 2**20)
 
     SYSTEMS["bmt_wrapper_budget"] = budget
     SYSTEMS["bmt_wrapper_mmap"] = SYSTEMS["bmt_wrapper"]  # the same wrapper; its processes' allocator differs
@@ -430,6 +432,8 @@ def main() -> None:
         predictions = {s: predict(limit, args.world_size, options) for s, options in PREDICTED.items()
                        if s in systems or s == "bmt_wrapper"}  # bmt_wrapper's also starts bmt_wrapper_budget
         ddp_layers = None
+        os.environ[HELD_VAR] = str(predictions["bmt_wrapper"]["baseline"])
+        os.environ[PER_LAYER_VAR] = str(predictions["bmt_wrapper"]["beside_per_layer"])
         for system in systems:
             if system == "deepspeed_zero3" and (missing := deepspeed_missing()):
                 rows.append({"limit": text, "system": system, "layers": f"not run: {missing}"})
