@@ -200,8 +200,9 @@ def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:
 
     Shards kept off the device (``offload``) count only while their group is made. The gathered buffers
     count nothing: the pool's are allocated at wrapping but first written by a forward. Measured, 2 ranks,
-    GPT of width 1024 at 21 layers: 145 MiB above the model as built (this count 64.5 MiB, the rest the
-    process before its first step's), where keeping every original to the end peaked at 706."""
+    GPT of width 1024 at 21 layers: 113 MiB above the model as built (this count 64.5 MiB; the rest is a first
+    wrap's one-time imports, which the process before its first step holds), where keeping every original
+    to the end peaked at 706."""
     n, t = _shard_ranks(est), tp_of(plan)
     kept = est.disk_read is None and est.host_to_device is None
     made = gone = peak = 0
