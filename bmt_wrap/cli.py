@@ -22,7 +22,8 @@ with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping and the shards made while its
 originals go; none with ``--streaming``, the model built on the meta device and loaded) and training's
-(the plan's estimate plus the root group's backward). With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest ``k`` that fits.
+(the plan's estimate plus the root group's backward). With ``--grow KW`` the factory takes ``KW=k`` and
+the answer is the largest ``k`` that fits.
 ``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
 rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
