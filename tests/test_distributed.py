@@ -208,3 +208,46 @@ def test_cupy_backend_collectives_on_gpu() -> None:
                      "s.comm.all_gather_into(o, x); s.comm.all_reduce(x); torch.cuda.synchronize()\n"
                      "print(bool(torch.equal(o, torch.arange(8., device='cuda'))))\n")
     assert out.stdout.strip() == "True", out.stderr
+
+
+_HOST_TENSORS_THROUGH_NCCL = """
+import torch, torch.distributed as dist
+from datetime import timedelta
+from bmt_wrap.runtime.comm import CupyNcclCommunicator, cupy_available
+from bmt_wrap.runtime.comm.torch_native import TorchCommunicator
+
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+comms = [TorchCommunicator(None, 0, 1, timedelta(seconds=60), "nccl")]
+if cupy_available():
+    comms.append(CupyNcclCommunicator(dist.HashStore(), 0, 1, timedelta(seconds=60)))
+want = torch.arange(8.0)
+for c in comms:
+    for pinned in (False, True):
+        host = (lambda t: t.pin_memory()) if pinned else (lambda t: t)
+        x = host(want.clone())
+        c.all_reduce(x, "max")
+        assert torch.equal(x, want) and x.device.type == "cpu", (c.backend_name, pinned, x)
+        out = host(torch.empty(8))
+        c.all_gather_into(out, want.cuda())  # a device shard into a host result
+        assert torch.equal(out, want), (c.backend_name, pinned, out)
+        out = host(torch.empty(8))
+        c.reduce_scatter_into(out, host(want.clone()), "sum")
+        assert torch.equal(out, want), (c.backend_name, pinned, out)
+        x = host(want.clone())
+        c.broadcast(x, 0)
+        handle = c.all_reduce(x, "sum", async_op=True)
+        handle.wait()
+        assert torch.equal(x, want), (c.backend_name, pinned, x)
+    print(c.backend_name, "OK")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL backends)")
+def test_nccl_backends_take_host_tensors() -> None:
+    """NCCL reads device memory only; the norms and owner exchanges of offload='host' hand it pinned host
+    tensors, which went straight to NCCL (torch's record_stream refuses a CPU tensor)."""
+    out = _run_fresh(_HOST_TENSORS_THROUGH_NCCL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "torch-nccl OK" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,10 @@ class Communicator(abc.ABC):
     """
 
     backend_name: str = "abstract"
+    #: The device this backend's collectives read and write, or None where any tensor will do. NCCL reads
+    #: device memory only; host tensors given to it (the norms and owner exchanges of ``offload="host"``'s
+    #: pinned shards) go through device copies, synchronously (``_staged``).
+    device: torch.device | None = None
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
         self.rank = rank
@@ -58,7 +62,7 @@ class Communicator(abc.ABC):
             raise CommError(f"all_gather_into{_at(label)}: out must hold world_size × shard elements of the "
                             f"shard's dtype; got out {tuple(out.shape)} {out.dtype}, shard {tuple(shard.shape)} "
                             f"{shard.dtype}, world size {self.world_size}")
-        return self._finish(self._all_gather_into(out, shard, label), async_op)
+        return self._staged(lambda o, s: self._all_gather_into(o, s, label), async_op, out, shard)
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, op: str = "sum", *,
                             async_op: bool = False, label: str = "") -> Handle | None:
@@ -70,7 +74,7 @@ class Communicator(abc.ABC):
             raise CommError(f"reduce_scatter_into{_at(label)}: full must hold world_size × out elements of "
                             f"out's dtype; got full {tuple(full.shape)} {full.dtype}, out {tuple(out.shape)} "
                             f"{out.dtype}, world size {self.world_size}")
-        return self._finish(self._reduce_scatter_into(out, full, op, label), async_op)
+        return self._staged(lambda o, f: self._reduce_scatter_into(o, f, op, label), async_op, out, full)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                    label: str = "") -> Handle | None:
@@ -78,7 +82,7 @@ class Communicator(abc.ABC):
         self._check_usable("all_reduce", label)
         _check_flat("all_reduce", tensor=tensor)
         _check_op(op, REDUCE_OPS)
-        return self._finish(self._all_reduce(tensor, op, label), async_op)
+        return self._staged(lambda t: self._all_reduce(t, op, label), async_op, tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   label: str = "") -> Handle | None:
@@ -87,7 +91,7 @@ class Communicator(abc.ABC):
         _check_flat("broadcast", tensor=tensor)
         if not 0 <= src < self.world_size:
             raise CommError(f"broadcast{_at(label)}: src {src} is not a rank of a group of {self.world_size}")
-        return self._finish(self._broadcast(tensor, src, label), async_op)
+        return self._staged(lambda t: self._broadcast(t, src, label), async_op, tensor)
 
     def barrier(self, label: str = "") -> None:
         """Return once every rank reached this barrier."""
@@ -170,6 +174,20 @@ class Communicator(abc.ABC):
         return CommTimeoutError(f"{what}: the {self.describe()} is unusable after an earlier failure "
                                 f"({self.broken}); restart the job.")
 
+    def _staged(self, launch: Callable[..., Handle], async_op: bool, written: torch.Tensor,
+                *read: torch.Tensor) -> Handle | None:
+        """``launch(written, *read)``, finished as ``async_op`` asks. Where the backend needs its tensors on
+        ``self.device`` and some are elsewhere, it runs on device copies and ``written`` gets the result
+        before this returns (an async op's handle is then already complete)."""
+        tensors = (written, *read)
+        if self.device is None or all(t.device == self.device for t in tensors):
+            return self._finish(launch(*tensors), async_op)
+        moved = [t if t.device == self.device else t.to(self.device) for t in tensors]
+        launch(*moved).wait()  # stream-ordered: the copy back below runs after the collective
+        if moved[0] is not written:
+            written.copy_(moved[0])  # to host memory: returns once the copy is done
+        return self._finish(DoneHandle(), async_op)
+
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle | None:
         if async_op:
@@ -212,6 +230,11 @@ class CommunicatorWrapper(Communicator):
     @mismatch.setter
     def mismatch(self, value: str | None) -> None:
         self.inner.mismatch = value
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device | None:
+        """The device the wrapped backend's collectives need their tensors on (None: any)."""
+        return self.inner.device
 
     def describe(self) -> str:
         """The wrapped backend's description."""

@@ -61,6 +61,7 @@ class CupyNcclCommunicator(Communicator):
             raise InitError("backend='cupy' needs CuPy with NCCL: pip install 'bmt-wrap[gpu]' "
                             f"(cupy-cuda13x), or use backend='nccl' ({exc})") from exc
         self._cupy, self._nccl = cupy, nccl
+        self.device = torch.device("cuda", torch.cuda.current_device())
         if rank == 0:
             uid = nccl.get_unique_id()
             store.set(key, bytes(b % 256 for b in uid))

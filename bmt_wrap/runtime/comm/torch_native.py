@@ -46,6 +46,8 @@ class TorchCommunicator(Communicator):
         self.backend_name = f"torch-{backend_name}"
         self._name = backend_name
         self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
+        if backend_name == "nccl":  # a group the user made with NCCL alone has no gloo for host tensors
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
         return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: TorchCommunicator(
