@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_harness import raised, run_distributed
 from parity import train_side_by_side, whole
+from proc_status import status_bytes
 from torch import nn
 
 import bmt_wrap as bmt
@@ -167,21 +168,14 @@ def test_a_directory_without_weights_or_config_is_named(tmp_path: Path) -> None:
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"{field} not in /proc/self/status")
-
-
 def _peak_body(directory: str) -> dict:
     from transformers import GPT2LMHeadModel
 
     _LIBC.malloc_trim(0)  # freed heap goes back to the OS, so new storage shows in RSS
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
-    before = _rss_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     model = bmt.from_pretrained(GPT2LMHeadModel, directory)
-    peak = _rss_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     shard += sum(b.numel() * b.element_size() for b in model.buffers())
     block = sum(p.numel() * p.element_size() for p in model.transformer.h[0].parameters())

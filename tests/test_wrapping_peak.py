@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_harness import run_distributed
+from proc_status import status_bytes
 
 import bmt_wrap as bmt
 from bmt_wrap.base.host_allocator import EXACT_SETTING
@@ -25,13 +26,6 @@ MIB = 2**20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _THRESHOLD = int(EXACT_SETTING.split("=")[1])
 _GLIBC_INITIAL_THRESHOLD = 128 * 1024
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"{field} not in /proc/self/status")
 
 
 def _llama(layers: int) -> torch.nn.Module:
@@ -54,9 +48,9 @@ def _wrap_peak_body(layers: int) -> dict:
         gc.collect()
         libc.malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
-        before = _status("VmRSS")
+        before = status_bytes("VmRSS")
         model = bmt.BMTrainModelWrapper(model)
-        grew = _status("VmHWM") - before
+        grew = status_bytes("VmHWM") - before
         est = model.plan.estimates[str(bmt.world_size())]
         counted = wrapping_bytes(model.plan, est) - full
         shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
