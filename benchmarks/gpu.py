@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_offload import add_options, capacity_lines, dry_run
 from optim import BF16_STEP_BYTES, compare, copy_bandwidth
 from report import publish
 from torch import nn
-from gpu_offload import add_options, capacity_lines, dry_run
 from torch.utils.checkpoint import checkpoint
 from toy_gpt import ToyGPT, ToyGPTConfig
 

@@ -77,9 +77,8 @@ def test_generate_on_one_rank_matches_plain() -> None:
 
 def _generate_first_body(name: str, tp_size: int | None) -> list[int]:
     """generate() as the wrapped model's very first call (its prefill forward is the first forward)."""
-    from models import token_ids
-
     import models
+    from models import token_ids
 
     plain = getattr(models, name)().eval()
     model = bmt.BMTrainModelWrapper(copy.deepcopy(plain), tp_size=tp_size).eval()

@@ -102,7 +102,7 @@ def test_bytes_on_each_mesh_axis_are_the_plans(name: str) -> None:
     for r in run_distributed(_bytes_body, WORLD, name, timeout=600):
         counted, est = r["counted"], r["est"]
 
-        def axis(scope: str) -> int:
+        def axis(scope: str, counted: dict = counted) -> int:
             return sum(v["bytes"] for v in counted.get(scope, {}).values())
 
         # ZeRO-3 within the shard pair: gathers and reduce-scatters; HSDP: the gradient shards averaged across

@@ -412,7 +412,7 @@ def _held_after_first_forward(family: str, layers: int, use_cache: bool) -> tupl
     before = _live_storages()
     out = model(input_ids=ids, labels=ids)
     after = _live_storages()
-    cache = sum(_tensors_in(out.past_key_values).values()) if use_cache else 0  # noqa: the name v5 still fills
+    cache = sum(_tensors_in(out.past_key_values).values()) if use_cache else 0  # the name v5 still fills
     out.loss.backward()
     return sum(v for k, v in after.items() if k not in before), cache
 

@@ -364,7 +364,7 @@ def mesh_tensor_parallel(mesh: Any, tp_size: int | None) -> TensorParallelLayout
         if len(names) == 3:
             replicas = mesh.size(0)
             if t == 1:
-                raise MeshError(f"a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor "
+                raise MeshError("a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor "
                                 "parallelism: pass a 2-D mesh with mesh_dim_names=('replicate', 'shard')")
         tp_size = t
     if tp_size is None:

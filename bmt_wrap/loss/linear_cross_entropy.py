@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..base._compat import set_version_counters, tensor_version
 from ..base.fused_loss_plan import chunk_rows

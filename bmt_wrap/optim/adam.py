@@ -19,8 +19,8 @@ from . import torch_adam
 from .adam_math import AdamHyper
 from .cupy_adam import KERNEL_DTYPES, cupy_step
 from .fusion import PlanCache, plan_runs
-from .host_chunks import step_through_device
 from .grad_scaler_guard import check_no_grad_scaler
+from .host_chunks import step_through_device
 
 
 class _StateViews(NamedTuple):

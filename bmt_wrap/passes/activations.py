@@ -10,7 +10,6 @@ recompute of that call costs, which a memory budget weighs against the bytes it 
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 

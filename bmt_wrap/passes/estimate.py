@@ -13,7 +13,14 @@ from collections import Counter
 from dataclasses import replace
 
 from ..base.dtypes import LOW_PRECISION, itemsize, to_dtype
-from ..base.plan import GRADS_IN_FLIGHT, HOST_STEP_CHUNK_ELEMS, USED_MASK_BYTES, MemoryEstimate, ShardGroupSpec, WrapPlan
+from ..base.plan import (
+    GRADS_IN_FLIGHT,
+    HOST_STEP_CHUNK_ELEMS,
+    USED_MASK_BYTES,
+    MemoryEstimate,
+    ShardGroupSpec,
+    WrapPlan,
+)
 from ..errors import PlanError
 from .activations import ActivationProfile
 

@@ -17,7 +17,6 @@ added the decoder layers' contributions in another order).
 
 from __future__ import annotations
 
-
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Iterator

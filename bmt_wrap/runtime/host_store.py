@@ -23,7 +23,6 @@ import torch
 from ..errors import OffloadError
 from .shard_store import ShardStore
 
-
 _stores: weakref.WeakSet[HostStore] = weakref.WeakSet()
 
 

@@ -51,6 +51,7 @@ class ShardStore(abc.ABC):
 
     def drop_read_ahead(self) -> None:
         """Forget copies read ahead (the shards may change before they are gathered: an optimizer step)."""
+        return None  # a store that reads nothing ahead has nothing to forget
 
     def truncated(self) -> str | None:
         """Why the store no longer holds what was written to it, or None."""
