@@ -409,6 +409,12 @@ def _run(opts: argparse.Namespace) -> str:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
             raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
                            "plan without --memory for their per-rank estimates)")
+        if opts.mixed_precision is not None:
+            # Its answer would be for the model without the policy: fp32 masters and gathers in another dtype
+            # uncounted (and the model's own dtype under wrapping, which the count takes as the shards').
+            raise CLIError("--memory does not count --mixed-precision yet: drop --mixed-precision for the answer "
+                           "without it (--dtype bf16 plans a model cast to bf16), or plan without --memory for "
+                           "the per-rank estimates under the policy")
         if opts.offload == "host":
             raise CLIError("--memory answers for a CPU process's resident memory, and --offload host plans a CUDA "
                            "job: drop --memory to read its device memory per rank from the estimates (or plan "

@@ -228,6 +228,9 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
      "--memory 1KiB over 2 ranks: even the smallest model (1) needs"),
     (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2"], "--memory answers for ZeRO-3 over every rank"),
     (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "drop --tp-size/--shard-size"),
+    # It answered as if the flag were absent: fp32 masters and bf16 gathers went uncounted.
+    (["--world-size", "2", "--memory", "1GiB", "--baseline", "0", "--mixed-precision", "bf16"],
+     "--memory does not count --mixed-precision"),
 ])
 def test_plan_memory_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["plan", f"{TOY}:ToyGPT", *argv]) == 2
