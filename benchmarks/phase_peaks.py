@@ -5,13 +5,13 @@
 Each model runs in a fresh ``torchrun`` job (one process per rank; a process that trained another model
 would reuse its buffers). Each rank builds the model with real weights, wraps it, and trains ``--steps``
 steps with ``torch.optim.AdamW(fused=True)`` (as capacity.py and streaming.py do) under
-``MALLOC_MMAP_THRESHOLD_=1048576``, the setting the plan's count is exact for. The kernel's peak RSS (VmHWM)
+the allocator setting the plan's count is exact for (``bmt_wrap.base.host_allocator.EXACT_SETTING``). The kernel's peak RSS (VmHWM)
 is reset at each phase boundary and read at the next: the forward; the blocks' backward (up to the
 gradient of the first block's input, which also holds the gradients of root parameters used after the
 blocks, such as the head); the root's backward to the end of ``backward()``; and the optimizer step. Each
 is given above the rank's RSS before the model was built, the worst over ranks and over the steps after
-the first, beside ``bmt-wrap plan --memory``'s training peak (the estimate plus the root group's backward
-term) and the bytes of the tensors the process holds at a step's start (every plain tensor the garbage
+the first, beside ``bmt-wrap plan --memory``'s training peak (the largest of its phases,
+``passes.capacity.training_phases``), the phase it names, and the bytes of the tensors the process holds at a step's start (every plain tensor the garbage
 collector sees, each storage once).
 
 ``gpt``: capacity.py's GPT (d_model 1024, vocab 8192, untied head, seq 128). ``llama``: transformers' Llama at
@@ -38,7 +38,8 @@ from streaming import proc_status
 import bmt_wrap as bmt
 from bmt_wrap.base.host_allocator import EXACT_SETTING, THRESHOLD_VAR
 from bmt_wrap.passes import build_plan, capture, discover_blocks
-from bmt_wrap.passes.capacity import process_peak, root_backward_bytes
+from bmt_wrap.passes.capacity import training_phases
+from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20
@@ -82,16 +83,21 @@ def tensor_bytes() -> int:
 
 
 def plan_terms(kind: str, layers: int, world: int) -> dict[str, int]:
-    """The plan's training peak per rank above the baseline, and its root-backward term."""
+    """The plan's training peak per rank above the baseline, and the phase it counts that peak at."""
     make, _, seq = factory(kind)
     model = make(layers)
     ids = torch.zeros(1, seq, dtype=torch.long)
     inputs = ((ids, ids), {}) if kind == "gpt" else ((), {"input_ids": ids, "labels": ids})
     discovery = discover_blocks(model)
-    plan = build_plan(model, discovery, world_size=world, capture=capture(model, discovery, inputs))
+    captured = capture(model, discovery, inputs)
+    # As `bmt-wrap plan --memory` plans (unfused): the head found is the root's first gradient in backward.
+    section = fused_loss_section(model, captured, enabled=False)
+    plan = build_plan(model, discovery, world_size=world, capture=with_fused_loss(captured, section))
     est = plan.estimates[str(world)]
-    return {"training": process_peak(plan, est, 0, built_full=False).training,
-            "root": root_backward_bytes(plan, world), "params": sum(p.numel() for p in model.parameters())}
+    phases = training_phases(plan, est)
+    binding = max(phases, key=phases.__getitem__)
+    return {"training": phases[binding], "binding": binding,
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def measure(kind: str, layers: int, steps: int) -> dict:
@@ -147,7 +153,7 @@ def measure(kind: str, layers: int, steps: int) -> dict:
 
 def table(results: list[tuple[str, int, dict, list[dict]]], world: int, steps: int) -> list[str]:
     """One row per model: each phase's worst peak over ranks and steps, beside the plan's count."""
-    head = ["model", "params", "step start", *PHASES, "peak", "plan's training peak", "of it, the root's backward",
+    head = ["model", "params", "step start", *PHASES, "peak", "plan's training peak", "plan's peak phase",
             "peak vs plan", "tensors at step start"]
     lines = [f"{world} ranks, batch 1/rank, {steps} AdamW steps (fused) after wrapping a model built with real "
              f"weights, {EXACT_SETTING}, OMP_NUM_THREADS=1; MiB above each rank's RSS before building, the "
@@ -159,7 +165,7 @@ def table(results: list[tuple[str, int, dict, list[dict]]], world: int, steps: i
         peak = max(worst[p] for p in PHASES)
         cells = [f"{name} x {layers} layers", f"{plan['params'] / 1e6:.0f}M", *(
             f"{worst[k] / MIB:.0f}" for k in ("start", *PHASES)), f"{peak / MIB:.0f}",
-            f"{plan['training'] / MIB:.0f}", f"{plan['root'] / MIB:.0f}", f"{peak / plan['training']:.3f}x",
+            f"{plan['training'] / MIB:.0f}", plan["binding"], f"{peak / plan['training']:.3f}x",
             f"{worst['tensors'] / MIB:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -21,7 +21,6 @@ from bmt_wrap.passes.capacity import (
     largest_fitting,
     optimizer_on_disk,
     process_peak,
-    root_backward_bytes,
     training_phases,
 )
 
@@ -63,7 +62,6 @@ def _root_shards(plan, world_size: int = 2) -> int:
 def test_process_peak_adds_the_root_backward_and_the_full_copy_before_wrapping() -> None:
     plan, est = _plan(4)
     root_grads = sum(b.full_grad_bytes(2) for g in plan.groups if g.is_root for b in g.buffers)
-    assert root_backward_bytes(plan, 2) == 2 * root_grads + root_grads // 2
     built = process_peak(plan, est, baseline=100 * MIB, beside=3 * MIB)
     # By phase: backward's start holds the activations and the head's gradient, the blocks' backward end
     # every block's gradient shard, and the root's gradient, after the blocks, the root's full gradient.

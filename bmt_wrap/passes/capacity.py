@@ -57,13 +57,6 @@ def _shard_ranks(est: MemoryEstimate) -> int:
     return est.world_size // (est.tp_size or 1)
 
 
-def root_backward_bytes(plan: WrapPlan, world_size: int) -> int:
-    """The most the root group's backward holds beyond ``estimate``: its full gradient, one use's gradient
-    before it is added in, and the reduce-scatter's received (N-1)/N."""
-    full = _root_grad_bytes(plan, world_size)
-    return 2 * full + full * (world_size - 1) // world_size
-
-
 def _head_slot(plan: WrapPlan) -> tuple[int, FlatBufferSpec] | None:
     """The vocabulary head's gradient bytes (for a tied head, the shared weight's) and its root buffer; None
     without a head found."""
