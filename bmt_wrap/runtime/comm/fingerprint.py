@@ -31,9 +31,8 @@ class FingerprintCommunicator(CommunicatorWrapper):
         mine = describe_op(op, t, label, arg)
         h = int.from_bytes(mine.key, "little") >> 2  # fits int64 with room for the negation
         self._sequence += 1
-        probe = torch.tensor([h, -h], dtype=torch.int64, device=t.device if t is not None else "cpu")
-        if probe.device.type == "cpu" and self.inner.backend_name in ("cupy-nccl", "torch-nccl"):
-            probe = probe.cuda()
+        # A barrier has no tensor: the probe goes where the backend's collectives read (NCCL: the device).
+        probe = torch.tensor([h, -h], dtype=torch.int64, device=t.device if t is not None else self.device or "cpu")
         self.inner._all_reduce(probe, "max", "fingerprint").wait()
         hi, neg_lo = (int(v) for v in probe.tolist())
         if hi != h or -neg_lo != h:
