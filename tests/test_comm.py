@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from datetime import timedelta
 
@@ -110,11 +111,19 @@ def test_many_async_ops_in_flight_complete_in_order(world_size: int) -> None:
 def _finished_op_keeps_body() -> list[str]:
     c = comm()
     full, out = torch.ones(4096 * c.world_size), torch.empty(4096)
-    refs = {"broadcast": weakref.ref(full), "reduce_scatter": weakref.ref(out)}
+    released = {"broadcast": threading.Event(), "reduce_scatter": threading.Event()}
+    # Callbacks fire when the last reference goes, on whichever thread drops it: waiting on them waits for
+    # the release itself. gloo's own worker drops its op a moment after waking the waiter, so a look right
+    # after wait() races it; the bug this guards against kept the last op's tensors until the next op, so
+    # they never go here, and the deadline is only a bound on the wait.
+    refs = [weakref.ref(full, lambda _: released["broadcast"].set()),
+            weakref.ref(out, lambda _: released["reduce_scatter"].set())]
     c.broadcast(full, 0)
     c.reduce_scatter_into(out, full)
     del full, out
-    return [name for name, ref in refs.items() if ref() is not None]
+    kept = [name for name, event in released.items() if not event.wait(10.0)]
+    del refs
+    return kept
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -122,7 +131,7 @@ def test_a_finished_op_keeps_none_of_its_tensors(world_size: int) -> None:
     """The worker thread let the last op's closure, and so its buffers, live until the next op arrived: the
     full flat of the last group a wrap broadcast, a gradient at a step's end."""
     for kept in run_distributed(_finished_op_keeps_body, world_size):
-        assert kept == [], f"tensors of finished ops still alive: {kept}"
+        assert kept == [], f"tensors of finished ops never released: {kept}"
 
 
 def _counting_body() -> dict:

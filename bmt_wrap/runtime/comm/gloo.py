@@ -122,21 +122,25 @@ class GlooCommunicator(Communicator):
             item = self._queue.get()
             if item is None:
                 return
-            self._run_one(*item)
-            # The op's closure holds its tensors: kept in this frame until the next op arrives, the last
-            # op's buffer (a group's full flat at wrapping, a gradient at a step's end) outlived it.
+            fn, fut = item
             del item
+            error = self._run_one(fn, fut)
+            # The op's closure holds its tensors. It goes before the waiter wakes, so a finished op keeps
+            # none of them: kept until the next op arrived, the last op's buffer (a group's full flat at
+            # wrapping, a gradient at a step's end) outlived it; dropped after the wake-up, a caller that
+            # freed its own references could still see them alive for a moment.
+            del fn
+            fut._set(error)
 
     @staticmethod
-    def _run_one(fn: Callable[[], None], fut: _Future) -> None:
+    def _run_one(fn: Callable[[], None], fut: _Future) -> BaseException | None:
         if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
-            fut._set(fut._comm.unusable_error(fut._what))
-            return
+            return fut._comm.unusable_error(fut._what)
         try:
             fn()
-            fut._set()
         except BaseException as exc:  # reported to the waiting thread, which raises it
-            fut._set(exc)
+            return exc
+        return None
 
     def _submit(self, op: OpDescription, fn: Callable[[Callable[[], None]], None]) -> _Future:
         """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them."""
