@@ -4,6 +4,7 @@
 #   make test-fast - install, then run only the tests that start no process (the inner loop; CI runs `make test`)
 #   make install-bench - the test venv plus the benchmarks' peers (DeepSpeed, CPU build)
 #   make check-cuda - compile-check the CUDA kernels with nvcc and with NVRTC as CuPy does (no GPU needed)
+#   make lint  - ruff, pinned, over the whole tree (CI runs it before the tests)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ TORCH_SPEC := $(if $(HAS_GPU),torch>=2.13$(comma)<2.15,torch==2.13.0)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU),,$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 
-.PHONY: demo test test-fast install-test install-bench install-examples check-cuda clean
+.PHONY: demo test test-fast lint install-test install-bench install-examples check-cuda clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,12 @@ test: install-test
 # started anyway fail its test, so a miss of that analysis shows instead of slowing the inner loop.
 test-fast: install-test
 	BMT_TESTS_FORBID_PROCESSES=1 $(PY) -m pytest -q -m "not process"
+
+# Pinned (as in pyproject's dev extra) so that a new ruff release cannot turn a clean tree red between two runs.
+RUFF_VERSION ?= 0.17.6
+lint: | $(VENV)/bin/python
+	$(PY) -m pip install --quiet "ruff==$(RUFF_VERSION)"
+	$(VENV)/bin/ruff check .
 
 # NVRTC through CuPy, in a venv of its own (the suite's venv stays without CuPy, as on CPU machines).
 CUDA_CHECK_VENV ?= .venv-cuda
