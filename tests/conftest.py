@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from dist_harness import shutdown_all
+from dist_harness import STARTS, shutdown_all
 from hypothesis import settings
 from process_scan import FORBID_PROCESSES_ENV, ProcessScan, forbid_processes, item_roots, warm_import_helpers
 
@@ -39,3 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_all()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many worker groups the session started, and what they cost: a failed body rebuilds its group."""
+    if not STARTS:
+        return
+    total = sum(seconds for _, seconds, _ in STARTS)
+    terminalreporter.write_sep("-", f"{len(STARTS)} worker group starts, {total:.0f} s")
+    for size, seconds, test in STARTS:
+        terminalreporter.write_line(f"{seconds:6.1f} s  world size {size}  for {test}")

@@ -12,6 +12,7 @@ import importlib
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,6 +22,8 @@ DEFAULT_TIMEOUT_S = 180.0
 COMM_TIMEOUT = timedelta(seconds=60)
 
 _GROUPS: dict[int, _WorkerGroup] = {}
+#: Every worker group started this session: (world size, seconds to ready, the test that needed it).
+STARTS: list[tuple[int, float, str]] = []
 
 
 def _free_port() -> int:
@@ -168,7 +171,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if group is None or not group.alive():
         if group is not None:
             group.kill()
+        started = time.perf_counter()
         group = _GROUPS[world_size] = _WorkerGroup(world_size)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        STARTS.append((world_size, time.perf_counter() - started, test))
     try:
         results, healthy = group.run(fn, args, kwargs, timeout)
     except DistributedTestError:
