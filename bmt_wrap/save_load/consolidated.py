@@ -138,7 +138,8 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
             plan, result = match_keys(entries, source, strict)
             check_my_share(source, [key for _, key in plan])
         except CheckpointError as exc:
-            error = exc  # its type too: every rank raises a CheckpointCorruptError as such
+            # A subclass (CheckpointCorruptError) keeps its type on every rank; a plain one is agree's own.
+            error = exc if type(exc) is not CheckpointError else str(exc)
         agree(error, what="load")
         materialize(entries, get_state().device)
         error = None
