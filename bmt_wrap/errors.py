@@ -152,3 +152,8 @@ class MaterializeWarning(UserWarning):
 class FusedLossWarning(UserWarning):
     """Under ``fused_loss=True`` the vocabulary head's logits met an op the chunked loss does not replay,
     and were computed whole: the result is the unfused model's, the memory is not saved."""
+
+
+class OffloadWarning(UserWarning):
+    """An offload that saves less memory than it seems to: ``offload_dir`` on a filesystem held in memory
+    (tmpfs), or an optimizer keeping its state in memory beside ``offload="disk"``."""

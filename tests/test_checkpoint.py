@@ -7,6 +7,8 @@ raises something else) and leave the previous file as it was.
 from __future__ import annotations
 
 import copy
+import json
+import zlib
 from pathlib import Path
 
 import models
@@ -19,7 +21,7 @@ from parity import whole
 from toy import ToyGPT
 
 import bmt_wrap as bmt
-from bmt_wrap.errors import CheckpointError
+from bmt_wrap.errors import CheckpointCorruptError, CheckpointError
 
 
 def _toy(seed: int = 0, **kw) -> torch.nn.Module:
@@ -51,7 +53,11 @@ def _roundtrip_body(tmp: str, suffix: str) -> None:
             assert torch.equal(plain.state_dict()[k], v), k
         if suffix == ".safetensors":
             with safetensors.safe_open(path, "pt") as f:
-                assert f.metadata() == {"format": "pt"}
+                metadata = f.metadata()
+                assert metadata.keys() == {"format", "bmt_wrap.crc32"} and metadata["format"] == "pt", metadata
+                # The CRC-32s cover every tensor's bytes, as any reader sees them.
+                sums = json.loads(metadata["bmt_wrap.crc32"])
+                assert sums == {k: f"{zlib.crc32(v.numpy().tobytes()):08x}" for k, v in state.items()}
     bmt.barrier()
     other = _wrapped(7)
     result = bmt.load(other, path)
@@ -163,6 +169,43 @@ def _bad_files_body(tmp: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_bad_files_raise_on_every_rank_before_reading(tmp_path: Path, world_size: int) -> None:
     run_distributed(_bad_files_body, world_size, str(tmp_path))
+
+
+def _flip(path: Path, name: str) -> None:
+    """Flip one byte in the middle of tensor ``name``'s data in ``path`` (either format), in place."""
+    data = bytearray(path.read_bytes())
+    value = (safetensors.torch.load_file(path) if path.suffix == ".safetensors" else torch.load(path))[name]
+    raw = value.contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.index(raw) + len(raw) // 2  # the bytes as saved, uncompressed in either format
+    assert data.count(raw) == 1
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _corrupt_body(tmp: str, suffix: str) -> None:
+    ref = _toy(0)
+    path, plain = Path(tmp) / f"model{suffix}", Path(tmp) / f"plain{suffix}"
+    bmt.save(bmt.BMTrainModelWrapper(copy.deepcopy(ref)), path)
+    if bmt.rank() == 0:
+        _flip(path, "layers.1.fc.weight")
+        # Files without CRC-32s (saved before they existed, or by another writer) load as before.
+        state = {k: v.clone() for k, v in ref.state_dict().items()}  # safetensors refuses shared storage
+        safetensors.torch.save_file(state, plain) if suffix == ".safetensors" else torch.save(state, plain)
+    bmt.barrier()
+    model = _wrapped(3)
+    before = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    with pytest.raises(CheckpointCorruptError, match=rf"model\{suffix} is corrupted: tensor 'layers\.1\.fc\.weight' "
+                                                     r"has CRC-32 [0-9a-f]{8}, the save wrote [0-9a-f]{8}"):
+        bmt.load(model, path)
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert torch.equal(v.detach(), before[k]), f"{k} changed by a refused load"
+    assert bmt.load(model, plain) == ([], [])
+    _assert_holds(model, ref.state_dict())
+
+
+@pytest.mark.parametrize("world_size,suffix", [(1, ".pt"), (2, ".safetensors")])
+def test_flipped_bytes_raise_naming_the_tensor_on_every_rank(tmp_path: Path, world_size: int, suffix: str) -> None:
+    run_distributed(_corrupt_body, world_size, str(tmp_path), suffix)
 
 
 def _disk_full_body(tmp: str, suffix: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from dist_harness import run_distributed
 from models import SEQ, VOCAB, ToyGPT, llama, lm_loss, seeded
 
 import bmt_wrap as bmt
-from bmt_wrap.errors import OffloadError, UnsupportedError
+from bmt_wrap.errors import OffloadError, OffloadWarning, UnsupportedError
 
 WORLD_SIZES = [1, 2, 4]
 
@@ -287,6 +289,69 @@ def test_offload_options_are_checked() -> None:
     assert unknown.startswith("OffloadError") and "'nvme'" in unknown, unknown
     assert dir_only.startswith("OffloadError") and "without offload='disk'" in dir_only, dir_only
     assert no_dir.startswith("OffloadError") and "needs offload_dir=" in no_dir, no_dir
+
+
+# ---- warnings: an offload that saves less than it seems to -------------------------------------------------
+def _offload_warnings(fn: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
+
+
+def _kept_state_body(tmp: str) -> dict[str, list[str]]:
+    """Two steps of each optimizer on an offloaded toy GPT; the OffloadWarnings each one gave."""
+    out = {}
+    for kind in ("ours", "managed", "torch", "before_wrap", "momentum", "disk", "sgd"):
+        model = _build("toy")
+        early = torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "before_wrap" else None
+        model = bmt.BMTrainModelWrapper(model, offload="disk", offload_dir=tmp)
+        if early is not None:  # moved onto the sharded parameters at its first step
+            opt: Any = early
+        elif kind in ("momentum", "sgd"):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if kind == "momentum" else 0.0)
+        else:
+            opt = _optimizer("ours" if kind == "managed" else kind, model, tmp)
+        if kind == "managed":
+            mgr = bmt.optim.OptimManager()
+            mgr.add_optimizer(opt)
+            opt = mgr
+        out[kind] = _offload_warnings(lambda: _train(model, opt, "toy", _batches(2, 1), clip=False))  # noqa: B023
+    return out
+
+
+def test_optimizer_state_kept_in_memory_is_said_once(tmp_path: Path) -> None:
+    """offload='disk' with an optimizer whose state stays in memory: one OffloadWarning at the first step,
+    naming AdamDiskOptimizer and the state's size against the offloaded shards; none for AdamDiskOptimizer
+    (its moments are in its file) or a stateless SGD."""
+    out = run_distributed(_kept_state_body, 1, str(tmp_path))[0]
+    for kind, name, ratio in (("ours", "AdamOptimizer", "2.0x"), ("managed", "AdamOptimizer", "2.0x"),
+                              ("torch", "AdamW", "2.0x"), ("before_wrap", "AdamW", "2.0x"),
+                              ("momentum", "SGD", "1.0x")):
+        assert len(out[kind]) == 1, (kind, out[kind])
+        msg = out[kind][0]
+        assert msg.startswith(f"{name} keeps ") and f"{ratio} the " in msg, (kind, msg)
+        assert "bmt.optim.AdamDiskOptimizer(" in msg and "offload='disk'" in msg, msg
+    assert out["disk"] == [] and out["sgd"] == [], out
+
+
+def _tmpfs_body(tmp: str) -> tuple[list[str], list[str], list[str]]:
+    shm = _offload_warnings(lambda: bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir="/dev/shm"))
+    adam = _offload_warnings(lambda: bmt.optim.AdamDiskOptimizer([torch.nn.Parameter(torch.ones(4))],
+                                                                 offload_dir="/dev/shm"))
+    disk = _offload_warnings(lambda: bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir=tmp))
+    return shm, adam, disk
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_offload_dir_on_tmpfs_is_said(tmp_path: Path) -> None:
+    shm, adam, disk = run_distributed(_tmpfs_body, 1, str(tmp_path))[0]
+    for msg, what in ((shm, "offloaded shards"), (adam, "optimizer state")):
+        assert len(msg) == 1 and msg[0].startswith("offload_dir='/dev/shm' is on tmpfs (mounted at /dev/shm)"), msg
+        assert f"the {what} written there stay in memory" in msg[0] and "docs/offload.md" in msg[0], msg
+    # pytest's tmp_path, on a disk here; where it is a tmpfs, that is said too (coreutils' statfs answers which).
+    fs = subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True, check=True).stdout
+    assert len(disk) == (fs.strip() in ("tmpfs", "ramfs")), (fs, disk)
 
 
 # ---- memory: the kernel's count of the offload file's pages this process holds -----------------------------

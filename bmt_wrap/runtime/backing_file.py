@@ -12,6 +12,9 @@ behind, often many GB. Each directory's name carries its process id and host
 (``<prefix>pid<pid>@<host>.<random>``), so the next ``BackingFile`` made in the same place removes those
 whose process is gone: only on the same host, and only when no process of that id runs (a live one, even
 one that merely reuses the id, keeps its directory), with a warning naming each path and its size.
+
+A directory on a filesystem held in memory (tmpfs: ``/dev/shm``, often ``/tmp`` in containers) is taken with
+an ``OffloadWarning`` naming the filesystem: its pages are memory, so the file saves nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import warnings
 import weakref
 
 from ..base.plan import fmt_bytes
-from ..errors import BMTError
+from ..errors import BMTError, OffloadWarning
+
+#: Filesystems whose files are memory pages (the kernel's tmpfs and ramfs, and /dev's devtmpfs).
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
 
 # What BackingFile names its directories (``mkdtemp``'s random tail has no dot).
 _OURS = re.compile(r"^bmt_\w+?_pid(?P<pid>\d+)@(?P<host>.+)\.[a-z0-9_]+$")
@@ -55,6 +61,42 @@ def _size(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def _unescape(field: str) -> str:
+    """A path field of /proc/self/mounts (space, tab, newline and backslash are written as octal escapes)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def filesystem_of(directory: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """The type and mount point of the filesystem holding ``directory`` (Linux's /proc/self/mounts), or
+    None where that cannot be read."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    path = os.path.realpath(directory)
+    found: tuple[str, str] | None = None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        mount = _unescape(fields[1])
+        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+        # The deepest mount point holding the path; of equal ones the last, which is mounted over the others.
+        if inside and (found is None or len(mount) >= len(found[1])):
+            found = (fields[2], mount)
+    return found
+
+
+def warn_if_in_memory(directory: str | os.PathLike[str], what: str) -> None:
+    """Warn (``OffloadWarning``) when ``directory`` is on a filesystem held in memory, naming it."""
+    fs = filesystem_of(directory)
+    if fs is not None and fs[0] in MEMORY_FILESYSTEMS:
+        warnings.warn(f"offload_dir={os.fspath(directory)!r} is on {fs[0]} (mounted at {fs[1]}), a filesystem "
+                      f"held in memory: the {what} written there stay in memory, so offloading them saves "
+                      "nothing. Give offload_dir= a directory on a disk (docs/offload.md)",
+                      OffloadWarning, stacklevel=4)
 
 
 def sweep_stale(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
@@ -103,6 +145,7 @@ class BackingFile:
         self.fd = fd
         self.size = 0
         self._finalizer = weakref.finalize(self, _remove, fd, self.directory)
+        warn_if_in_memory(directory, what)  # last: a warning raised as an error leaves nothing open
 
     def close(self) -> None:
         """Close and delete the file (idempotent)."""

@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..errors import OffloadError
+from ..base.plan import fmt_bytes
+from ..errors import OffloadError, OffloadWarning
 from .backing_file import BackingFile
 from .comm import Communicator
 from .shard_store import ShardStore
@@ -42,6 +44,13 @@ _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+
+#: An optimizer whose in-memory state for offloaded parameters reaches this fraction of their shards' bytes
+#: undoes much of the offload, and is told so at its first step (``check_kept_state``). State that does not
+#: grow with the parameters (Adafactor's factored moments, step counts) stays below it; a momentum buffer
+#: (1x) or Adam's moments (2x) do not.
+KEPT_STATE_WARN_FRACTION = 0.25
+_STATE_CHECKED = "_bmt_offload_state_checked"
 
 #: Bytes of mapped pages that ops outside the engine's schedule (a torch optimizer's per-parameter ops, user
 #: code) may leave mapped before the oldest are dropped (``note_touched``).
@@ -146,12 +155,15 @@ def note_touched(t: torch.Tensor) -> None:
 _HOOKS: list[object] = []
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A sharded tensor's memory is its local range (sharded_tensor.py imports this module: duck-typed).
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _check_before_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     # Only the files this optimizer reads: another model's broken file (one waiting for the collector after
     # its own error) must not stop an optimizer that never touches it.
-    # A sharded parameter's memory is its local range (sharded_tensor.py imports this module: duck-typed).
-    params = [p.to_local() if hasattr(p, "to_local") else p for group in optimizer.param_groups
-              for p in group["params"]]
+    params = [_local(p) for group in optimizer.param_groups for p in group["params"]]
     for f in list(_files):
         if not f.closed and any(f.holds(p) for p in params):
             problem = f.truncated()
@@ -159,12 +171,48 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: object, kwargs: o
                 raise OffloadError(problem)
 
 
+def check_kept_state(optimizer: torch.optim.Optimizer) -> None:
+    """At the first step that gave an offloaded parameter of ``optimizer`` a gradient: warn once
+    (``OffloadWarning``) if the state it keeps for them in memory undoes much of the offload."""
+    if not _starts or optimizer.__dict__.get(_STATE_CHECKED):
+        return
+    shards, stepped, kept, seen = 0, False, 0, set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = _local(p)
+            if not is_offloaded(local):
+                continue
+            shards += local.numel() * local.element_size()
+            stepped = stepped or p.grad is not None
+            for value in optimizer.state.get(p, {}).values():
+                t = _local(value) if isinstance(value, torch.Tensor) else None
+                if t is not None and t.numel() and not is_offloaded(t) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())  # views shared between parameters counted once
+                    kept += t.numel() * t.element_size()
+    if shards and not stepped:
+        return  # no state yet: the check waits for a step that makes it
+    optimizer.__dict__[_STATE_CHECKED] = True
+    if shards and kept >= KEPT_STATE_WARN_FRACTION * shards:
+        warnings.warn(
+            f"{type(optimizer).__name__} keeps {fmt_bytes(kept)} of optimizer state in this process's memory, "
+            f"{kept / shards:.1f}x the {fmt_bytes(shards)} of parameter shards offload='disk' keeps in a file: "
+            "only part of the model's states is offloaded. For Adam use bmt.optim.AdamDiskOptimizer("
+            "model.parameters(), offload_dir=...), which keeps its moments (and fp32 masters) in a file too "
+            "(docs/offload.md)", OffloadWarning, stacklevel=4)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    check_kept_state(optimizer)
+    release_all()
+
+
 def _install_step_hooks() -> None:
-    """Every optimizer's step: checks the offload files are whole before it reads them, and drops what it
-    touched after (a torch optimizer reads each parameter's shard and gradient once)."""
+    """Every optimizer's step: checks the offload files are whole before it reads them; after it, says once
+    if its state stays in memory, and drops what it touched (a torch optimizer reads each parameter's shard
+    and gradient once)."""
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_check_before_step))
-        _HOOKS.append(register_optimizer_step_post_hook(lambda opt, args, kwargs: release_all()))
+        _HOOKS.append(register_optimizer_step_post_hook(_after_step))
 
 
 @dataclass

@@ -75,6 +75,13 @@ class AtomicFile:
         if self.crc32 is not None:
             self.crc32 = zlib.crc32(data, self.crc32)
 
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite bytes already written at ``offset`` (a header filled in once its values are known)."""
+        assert self.file is not None and self.crc32 is None, "patch after commit, or under a running checksum"
+        with os_errors(self.path, "write"):
+            self.file.flush()
+            os.pwrite(self.file.fileno(), data, offset)
+
     def commit(self) -> int:
         """Flush, fsync, rename over ``path`` and fsync the directory; returns the file's size."""
         assert self.file is not None, "commit twice"

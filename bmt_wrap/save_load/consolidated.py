@@ -4,10 +4,15 @@ Save streams: rank 0 writes the safetensors header (every offset follows from th
 buffer at a time is gathered and written, so rank 0 holds at most one buffer beyond its shard. ``.pt`` /
 ``.bin`` go through ``torch.save``, which needs the whole state dict on rank 0. Load never gathers: each
 rank reads its own slices from the file (memory-mapped).
+
+Both formats carry each tensor's CRC-32 (checksum.py); a load first checks the tensors it will read, each
+by one rank (split by bytes), so a file whose bytes changed since the save raises
+``CheckpointCorruptError`` on every rank, naming the file and the tensor, before anything is read.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +26,7 @@ from ..job.tp_values import whole_value
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from .agree import agree
+from .checksum import check_tensor_crc32
 from .directory import FilesSource, open_checkpoint
 from .entries import Entry, by_buffer, materialize, meta_names, model_entries
 from .formats import SafetensorsWriter, Source, TorchWriter, file_format
@@ -36,9 +42,10 @@ class LoadResult(NamedTuple):
 def save(model: nn.Module, path: str | os.PathLike) -> None:
     """Write every ``state_dict`` key of ``model`` (full tensors, original names) to ``path``; a collective.
 
-    ``.safetensors`` (metadata ``{"format": "pt"}``, loadable by ``transformers``) is streamed one flat buffer
-    at a time; ``.pt``/``.bin``/``.pth`` use ``torch.save``, so rank 0 holds the whole state. The file is
-    replaced atomically: if saving fails, every rank raises ``CheckpointError`` and ``path`` is unchanged.
+    ``.safetensors`` (metadata ``{"format": "pt"}`` and each tensor's CRC-32, loadable by ``transformers``) is
+    streamed one flat buffer at a time; ``.pt``/``.bin``/``.pth`` use ``torch.save`` (an ``OrderedDict``
+    carrying the CRC-32s), so rank 0 holds the whole state. The file is replaced atomically: if saving
+    fails, every rank raises ``CheckpointError`` and ``path`` is unchanged.
     """
     path = Path(path)
     with collective_purpose("save", str(path)):
@@ -76,7 +83,7 @@ class _RankZeroWriter:
         try:
             if kind == "safetensors":
                 specs = [s for e in ordered for s in e.specs()]
-                self.writer = SafetensorsWriter(path, specs, {"format": "pt"})
+                self.writer = SafetensorsWriter(path, specs, {"format": "pt"}, tensor_checksums=True)
             else:
                 self.writer = TorchWriter(path, [n for e in entries for n in e.names])
         except CheckpointError as exc:
@@ -114,8 +121,10 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
 
     Each rank reads only its slices' bytes, so a rank's memory grows by its shard, not by the model.
     Floating tensors are cast to the model's dtype, as ``load_state_dict`` does.
-    The header, sizes and keys are checked on every rank and the verdict
-    agreed before any data is read, so a bad file raises ``CheckpointError`` on every rank. Meta-device
+    The header, sizes, keys and the CRC-32s the save recorded (each tensor checked by one rank) are
+    checked and the verdict agreed before any data is read, so a bad file raises ``CheckpointError``
+    (``CheckpointCorruptError`` naming the tensor whose bytes changed) on every rank. Files without
+    CRC-32s (saved before they existed, or by another writer) load on their headers alone. Meta-device
     models are materialised here: no ``init_parameters`` needed.
     """
     path = Path(path)
@@ -127,8 +136,10 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         try:
             source = open_checkpoint(path)
             plan, result = match_keys(entries, source, strict)
+            check_my_share(source, [key for _, key in plan])
         except CheckpointError as exc:
-            error = str(exc)
+            # A subclass (CheckpointCorruptError) keeps its type on every rank; a plain one is agree's own.
+            error = exc if type(exc) is not CheckpointError else str(exc)
         agree(error, what="load")
         materialize(entries, get_state().device)
         error = None
@@ -144,6 +155,21 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         agree(error, what="load")
         rebuild_lost_buffers(model)
         return result
+
+
+def check_my_share(source: Source | FilesSource, keys: list[str]) -> None:
+    """Check this rank's share of ``keys`` against the CRC-32s the save recorded. Tensors are dealt out
+    largest first to the rank with the fewest bytes so far (every rank computes the same split), so each
+    rank reads about 1/N of the file."""
+    state = get_state()
+    sizes = {k: math.prod(shape) * dtype.itemsize for k in dict.fromkeys(keys) if k in source.checksums
+             for shape, dtype in [source.info(k)]}
+    loads = [0] * state.world_size
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = loads.index(min(loads))
+        loads[rank] += sizes[key]
+        if rank == state.rank:
+            check_tensor_crc32(source, key, source.checksums[key])
 
 
 def match_keys(entries: list[Entry], source: Source | FilesSource,

@@ -28,6 +28,7 @@ class FilesSource:
         self.path = path
         self.files = files
         self.where = where
+        self.checksums = {n: files[f].checksums[n] for n, f in where.items() if n in files[f].checksums}
 
     def keys(self) -> list[str]:
         """Every tensor name the index lists."""

@@ -10,6 +10,8 @@ import io
 import json
 import math
 import struct
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,6 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from .atomic import AtomicFile
+from .checksum import CRC_ATTR, CRC_KEY, crc_table, parse_crc_table
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -67,9 +70,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 class SafetensorsWriter:
     """Streams a safetensors file: the header first (every offset is known from the specs), then the
-    tensors in spec order, so no more than the tensor being written needs to be in memory."""
+    tensors in spec order, so no more than the tensor being written needs to be in memory.
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], checksum: bool = False) -> None:
+    ``checksum``: the CRC-32 of the whole file (``out.crc32``, for a caller to record elsewhere).
+    ``tensor_checksums``: each tensor's CRC-32 in the file's own metadata (``CRC_KEY``), computed as it is
+    written; the header holds a placeholder of the same length until ``commit`` fills it in."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], checksum: bool = False,
+                 tensor_checksums: bool = False) -> None:
+        self._sums: dict[str, int] | None = {s.name: 0 for s in specs} if tensor_checksums else None
+        if self._sums is not None:
+            metadata = {**metadata, CRC_KEY: crc_table(self._sums)}
         header: dict[str, Any] = {"__metadata__": metadata}
         pos = 0
         for s in specs:
@@ -81,6 +92,8 @@ class SafetensorsWriter:
             pos += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+        # The metadata comes first in the header, so the table's first occurrence is its own.
+        self._sums_at = None if self._sums is None else 8 + raw.index(self._encoded_sums())
         self.specs = specs
         self._next = 0
         self.out = AtomicFile(path, checksum)
@@ -89,15 +102,25 @@ class SafetensorsWriter:
     def put(self, names: list[str], tensor: torch.Tensor) -> None:
         """Write ``tensor`` under each of ``names`` (the next specs, in order)."""
         data = tensor_bytes(tensor)
+        crc = zlib.crc32(data) if self._sums is not None else 0
         for name in names:
             spec = self.specs[self._next]
             assert spec.name == name and len(data) == spec.nbytes, (spec, name, len(data))
             self.out.write(data)
+            if self._sums is not None:
+                self._sums[name] = crc
             self._next += 1
+
+    def _encoded_sums(self) -> bytes:
+        """The CRC table as the header's JSON writes it (a string value: quotes escaped)."""
+        assert self._sums is not None
+        return json.dumps(crc_table(self._sums))[1:-1].encode()
 
     def commit(self) -> int:
         """Finish the file (atomically); returns its size."""
         assert self._next == len(self.specs), "not every tensor was written"
+        if self._sums_at is not None:
+            self.out.patch(self._sums_at, self._encoded_sums())
         return self.out.commit()
 
     def abort(self) -> None:
@@ -107,23 +130,29 @@ class SafetensorsWriter:
 
 class TorchWriter:
     """Collects full tensors and writes them with ``torch.save`` at the end: the whole state is in memory
-    on the writing rank (use .safetensors to stream instead)."""
+    on the writing rank (use .safetensors to stream instead). Each tensor's CRC-32 goes with them, as the
+    ``CRC_ATTR`` attribute of the ``OrderedDict`` saved (what ``state_dict()`` returns too)."""
 
     def __init__(self, path: Path, order: list[str]) -> None:
         self.order = order
         self.tensors: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, int] = {}
         self.out = AtomicFile(path)  # opened now: an unwritable destination fails before anything is gathered
 
     def put(self, names: list[str], tensor: torch.Tensor) -> None:
         """Keep a CPU copy of ``tensor`` under each of ``names`` (one copy: aliases share it, as in torch)."""
         copy = tensor.detach().to("cpu", copy=True)
+        crc = zlib.crc32(tensor_bytes(copy))
         for name in names:
             self.tensors[name] = copy
+            self.sums[name] = crc
 
     def commit(self) -> int:
         """Write the file (atomically); returns its size."""
+        state = OrderedDict((n, self.tensors[n]) for n in self.order)
+        setattr(state, CRC_ATTR, crc_table({n: self.sums[n] for n in self.order}))
         # Serialised in memory first: torch's zip writer hides the OS error (errno) of a failed write.
-        self.out.write(torch_bytes({n: self.tensors[n] for n in self.order}))
+        self.out.write(torch_bytes(state))
         return self.out.commit()
 
     def abort(self) -> None:
@@ -136,6 +165,7 @@ class Source(Protocol):
     """A checkpoint file opened for reading parts of tensors."""
 
     path: Path
+    checksums: dict[str, int]  # CRC-32 of each tensor's bytes, as the save recorded them (none: not recorded)
 
     def keys(self) -> list[str]:
         """Every tensor name in the file."""
@@ -169,6 +199,7 @@ class SafetensorsSource:
             header = json.loads(f.read(length))
         self._data_start = 8 + length
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.checksums = parse_crc_table(self.metadata.get(CRC_KEY))
         self._tensors: dict[str, tuple[tuple[int, ...], str, int, int]] = {}
         for name, t in header.items():
             begin, end = t["data_offsets"]
@@ -222,6 +253,7 @@ class TorchSource:
             raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of tensors: pass a "
                                   "file written by bmt.save or torch.save(model.state_dict())")
         self._state: dict[str, torch.Tensor] = state
+        self.checksums = parse_crc_table(getattr(state, CRC_ATTR, None))
 
     def keys(self) -> list[str]:
         """Every tensor name in the file."""
