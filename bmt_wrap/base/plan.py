@@ -248,6 +248,9 @@ class MemoryEstimate:
     # offload="host" (the same count): the rest is in host memory, copied to and from the device every step
     host_to_device: int | None = None
     device_to_host: int | None = None
+    # The step's peak: the largest of training's phases (passes/capacity.training_phases), where ``total`` sums
+    # terms that peak at different moments. What ``memory_budget=`` bounds. None where not counted.
+    peak: int | None = None
 
     @property
     def total(self) -> int:
@@ -434,6 +437,10 @@ _ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
 ]
 
 
+#: The row of the step's peak (``MemoryEstimate.peak``), which the memory budget's note names too.
+PEAK_ROW = "peak (by phase)"
+
+
 _DISK_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("offload file: read / step", lambda e: e.disk_read),
     ("offload file: written / step", lambda e: e.disk_written),
@@ -472,6 +479,9 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     rows = [("per rank", *(f"N={e.world_size}{layout_label(e)}" for e in estimates))]
     rows += [(label + (partial if label == "= total per rank" else ""), *(fmt_bytes(get(e)) for e in estimates))
              for label, get in _ESTIMATE_ROWS]
+    if any(e.peak is not None for e in estimates):  # after the total, which it is not: terms peak apart
+        at = next(i for i, r in enumerate(rows) if r[0].startswith("= total per rank")) + 1
+        rows.insert(at, (PEAK_ROW + partial, *(fmt_bytes(e.peak) if e.peak is not None else "-" for e in estimates)))
     if any(e.comm_inter_node is not None for e in estimates):
         rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
                  for label, get in _NODE_ROWS]
