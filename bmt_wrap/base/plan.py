@@ -31,6 +31,8 @@ USED_MASK_BYTES = 4
 SCHEDULE_NOTE = "schedule: "
 #: Start of capture's note that fx could not trace the model (expected where torch.export then captures it).
 FX_FAILED_NOTE = "fx.symbolic_trace failed"
+#: Start of its note that torch.export could not either (the first call then records the block order with hooks).
+EXPORT_FAILED_NOTE = "torch.export failed"
 
 
 @dataclass
@@ -389,17 +391,27 @@ def summary_line(plan: WrapPlan) -> str:
     blocks = plan.blocks()
     ckpt = sum(g.checkpoint for g in blocks)
     kept = sum(g.zero_level == 2 for g in blocks)
-    return (f"capture: {plan.capture} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
+    return (f"capture: {capture_text(plan)} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
             f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}"
             + (f" | kept gathered: {kept}/{len(blocks)}" if kept else "")
             + (f" | memory budget: {fmt_bytes(plan.memory_budget)}" if plan.memory_budget is not None else ""))
 
 
+def capture_text(plan: WrapPlan) -> str:
+    """How the block order was captured; for a plan not captured yet, what the wrapper's first call does."""
+    if plan.capture != "none":
+        return plan.capture
+    if any(n.startswith(SCHEDULE_NOTE + EXPORT_FAILED_NOTE) for n in plan.notes):
+        return "at the first call (hooks on it: torch.export failed)"
+    return "at the first call (torch.export)"
+
+
 def shown_notes(plan: WrapPlan, verbose: bool = False) -> list[str]:
     """The notes worth a reader's attention; ``verbose`` adds the expected fallbacks."""
-    # fx fails on every transformers model and torch.export then captures it: nothing to act on.
+    # fx fails on every transformers model and torch.export then captures it (or will, at the first call):
+    # nothing to act on.
     expected = SCHEDULE_NOTE + FX_FAILED_NOTE
-    return [n for n in plan.notes if verbose or plan.capture != "export" or not n.startswith(expected)]
+    return [n for n in plan.notes if verbose or plan.capture not in ("export", "none") or not n.startswith(expected)]
 
 
 def render_groups(plan: WrapPlan) -> str:
