@@ -369,7 +369,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                      f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
         phases = training_phases(plan, est)
         at = max(phases, key=phases.__getitem__)
-        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
+        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.found else ""
         beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
         training = f"training {fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward"
         if p.wrapping_baseline is None:

@@ -532,9 +532,13 @@ def plan_text(plan: WrapPlan) -> str:
 
 def fused_loss_text(section: FusedLossPlan) -> list[str]:
     """Lines ``str(plan)`` and the CLI show for the section."""
-    if section.head is None:
+    if section.pending:  # what the first call will do, not a failure
+        return ["fused loss: requested: applied at the first call, whose captured graph shows the vocabulary "
+                "head and its loss" if section.enabled else
+                "fused loss: off (fused_loss=True fuses the vocabulary head and its loss found at the first call)"]
+    if not section.found:
         return [f"fused loss: {'not fused' if section.enabled else 'off'}: {section.reason}"]
-    pair = f"{section.head} -> {' -> '.join([*section.steps, section.loss or '?'])}"
+    pair = f"{section.projection} -> {' -> '.join([*section.steps, section.loss or '?'])}"
     lines = [f"fused loss: {pair}"]
     if section.reason is not None:
         lines.append(f"  not fused: {section.reason}")

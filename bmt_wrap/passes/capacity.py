@@ -75,7 +75,9 @@ def _early_buffer(plan: WrapPlan, found: tuple[int, FlatBufferSpec] | None = Non
     if found is None:
         return None
     buf = found[1]
-    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases else None
+    # Its module regathers it at its call (apply_plan._regather_hook); a parameter of the root module itself
+    # (a bare ``lm_head`` Parameter in a product) is gathered at the root's call, reduced with the rest.
+    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases and "." in buf.slots[0].fqn else None
 
 
 def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
