@@ -70,7 +70,14 @@ from .base.plan import (
     summary_line,
 )
 from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
-from .passes.capacity import ProcessPeak, largest_fitting, optimizer_on_disk, process_peak, training_phases
+from .passes.capacity import (
+    ProcessPeak,
+    largest_fitting,
+    optimizer_on_disk,
+    process_peak,
+    training_phases,
+    with_peak,
+)
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -362,7 +369,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                      f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
         phases = training_phases(plan, est)
         at = max(phases, key=phases.__getitem__)
-        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
+        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.found else ""
         beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
         training = f"training {fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward"
         if p.wrapping_baseline is None:
@@ -511,7 +518,7 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
                               capture=captured, tensor_parallel=tp)
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
-            plan.estimates = {str(shard): est}
+            plan.estimates = {str(shard): with_peak(plan, est)}
             plans.append(plan)
             columns.append(n)
     sizes = columns
@@ -540,7 +547,7 @@ def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     for n, zero3 in zip(sizes, plans, strict=True):
         for plan, shard in ((zero3, n), (hsdp, s)):
             column = copy.copy(plan)
-            column.estimates = {f"{n}/{shard}": estimate_mesh(plan, n, shard, s, activations)}
+            column.estimates = {f"{n}/{shard}": with_peak(plan, estimate_mesh(plan, n, shard, s, activations))}
             out_sizes.append(n)
             out_plans.append(column)
     return out_sizes, out_plans

@@ -203,6 +203,20 @@ def test_budget_decisions_survive_json_and_show_in_the_plan_text() -> None:
     assert WrapPlan.from_json(old).memory_budget is None
 
 
+def test_the_budgets_note_and_the_table_show_one_peak() -> None:
+    """The note's number is the count the budget was fitted to, and the table prints it on a row of that name
+    (the table's total sums terms that peak at different moments: a larger number, and labelled so)."""
+    budget, _ = budget_for("toy_gpt", 2, 7)
+    plan = budgeted("toy_gpt", 2, budget)
+    est = plan.estimates["2"]
+    assert est.peak == peak(plan, 2) <= budget < est.total
+    note = next(n for n in plan.notes if "prefetch depth" in n)
+    assert f"peak (by phase) {fmt_bytes(est.peak)} per rank" in note, note
+    rows = {line.split("  ")[1]: line.split()[-2:] for line in str(plan).splitlines() if line.startswith("  ")}
+    assert rows["peak (by phase)"] == fmt_bytes(est.peak).split() and rows["= total per rank"] == \
+        fmt_bytes(est.total).split()
+
+
 def test_cli_shows_the_budgets_decisions(capsys: pytest.CaptureFixture[str]) -> None:
     budget, _ = budget_for("toy_gpt", 2, 7)  # captured on 2 rows: --input int64[2,SEQ]
     argv = ["--world-size", "2", "--input", f"int64[2,{M.SEQ}]", "--memory-budget", str(budget)]

@@ -21,6 +21,7 @@ from bmt_wrap.passes.capacity import (
     largest_fitting,
     optimizer_on_disk,
     process_peak,
+    training_peak,
     training_phases,
 )
 
@@ -240,7 +241,8 @@ def test_optimizer_on_disk_keeps_only_the_buffer_and_reads_the_state_each_step()
     small, io = optimizer_on_disk(plan, est, 4096)
     assert io == est.optimizer > 4096 and small.optimizer == 4096
     assert small.total == est.total - est.optimizer + 4096
-    assert replace(small, optimizer=est.optimizer) == est, "nothing but the optimizer state changes"
+    assert replace(small, optimizer=est.optimizer, peak=est.peak) == est, "nothing but the optimizer state changes"
+    assert small.peak == training_peak(plan, small) < est.peak
     # A buffer larger than any pass holds the largest pass: one flat buffer's shard of fp32 moments.
     largest = max(b.shard_numel(2) * 8 for g in plan.groups for b in g.buffers if b.requires_grad)
     assert optimizer_on_disk(plan, est, 2**40)[0].optimizer == largest < est.optimizer
@@ -336,7 +338,7 @@ def test_offload_counts_only_the_shards_in_flight() -> None:
     # every shard read for forward's and backward's gathers and the optimizer, which reads the gradients too
     assert off.disk_read == 3 * est.params + est.grads and off.disk_written == est.params + est.grads
     assert replace(off, params=est.params, grads=est.grads, no_sync_grads=est.no_sync_grads, disk_read=None,
-                   disk_written=None) == est, "nothing else changes"
+                   disk_written=None, peak=est.peak) == est, "nothing else changes (the peak counts the terms)"
     again = WrapPlan.from_json(plan.to_json())
     assert again.offload == "disk" and again.estimates == plan.estimates
     # the per-layer cost left is the gathered blocks' and activations': the more layers, the larger the gap
@@ -404,7 +406,8 @@ def test_host_offload_counts_the_device_like_disk(d: int) -> None:
     assert host.device_to_host == disk.disk_written + plain.optimizer
     assert host.disk_read is None and disk.host_to_device is None
     assert replace(host, optimizer=disk.optimizer, host_to_device=None, device_to_host=None,
-                   disk_read=disk.disk_read, disk_written=disk.disk_written) == disk, "nothing else differs"
+                   disk_read=disk.disk_read, disk_written=disk.disk_written, peak=disk.peak) == disk, \
+        "nothing else differs (the peak counts the terms)"
     assert WrapPlan.from_json(plan.to_json()).estimates == plan.estimates
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from ..base.dtypes import LOW_PRECISION, itemsize, master_dtype, to_dtype
 from ..base.plan import FlatBufferSpec, MemoryEstimate, WrapPlan
 from ..errors import PlanError
-from .estimate import tp_of
+from .activations import ActivationProfile
+from .estimate import estimate, estimate_tp, tp_of
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ def _early_buffer(plan: WrapPlan, found: tuple[int, FlatBufferSpec] | None = Non
     if found is None:
         return None
     buf = found[1]
-    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases else None
+    # Its module regathers it at its call (apply_plan._regather_hook); a parameter of the root module itself
+    # (a bare ``lm_head`` Parameter in a product) is gathered at the root's call, reduced with the rest.
+    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases and "." in buf.slots[0].fqn else None
 
 
 def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
@@ -164,6 +167,19 @@ def training_peak(plan: WrapPlan, est: MemoryEstimate) -> int:
     return max(training_phases(plan, est).values())
 
 
+def with_peak(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
+    """``est`` with its step's peak (``training_peak``), which the plan's table prints beside the total."""
+    return replace(est, peak=training_peak(plan, est))
+
+
+def scheduled_estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | None) -> MemoryEstimate:
+    """The estimate a schedule shows and a memory budget is fitted to (one count, so the budget's note and the
+    table agree): ``estimate``, or under TP ``estimate_tp`` without a batch (its traffic unknown), with its peak."""
+    est = (estimate(plan, world_size, activations) if plan.tensor_parallel is None
+           else estimate_tp(plan, world_size, None, activations))
+    return with_peak(plan, est)
+
+
 def _largest_root_use(plan: WrapPlan) -> int:
     """The most a second use of a root parameter makes before autograd adds it in: for a tied weight,
     the second use's gradient and their sum (measured on GPT-2 and Qwen2, whose embedding and head share
@@ -213,7 +229,8 @@ def optimizer_on_disk(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) ->
     """``est`` with the optimizer state in a file (``bmt.optim.AdamDiskOptimizer``), and the bytes it reads
     per step per rank (it writes as many back): memory keeps only what a step touches of the staging buffer
     (``staging_bytes``), and every step streams the whole state through it once."""
-    return replace(est, optimizer=staging_bytes(plan, est, buffer_bytes)), est.optimizer
+    small = replace(est, optimizer=staging_bytes(plan, est, buffer_bytes))
+    return (small if est.peak is None else with_peak(plan, small)), est.optimizer
 
 
 def staging_bytes(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> int:

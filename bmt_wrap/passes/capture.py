@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from ..base._compat import drop_compiled_call, pytree
 from ..base.fused_loss_plan import FusedLossPlan
-from ..base.plan import FX_FAILED_NOTE
+from ..base.plan import EXPORT_FAILED_NOTE, FX_FAILED_NOTE
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
@@ -195,7 +195,7 @@ def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> 
             exported = export_blocks(skeleton, discovery, *to_meta(call))
             notes += exported.notes
         except Exception as exc:
-            notes.append(f"torch.export failed ({describe(exc)})")
+            notes.append(f"{EXPORT_FAILED_NOTE} ({describe(exc)})")
     activations = exported.activations if exported is not None else None
     if call is None:
         notes.append("activation bytes unknown: no example inputs")

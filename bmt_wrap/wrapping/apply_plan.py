@@ -18,6 +18,7 @@ from ..base.dtypes import to_dtype
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..errors import PlanError, WrapError
+from ..loss.product_head import HeadWeight
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator, RankLayout
@@ -253,9 +254,11 @@ def _regather_hook(engine: Engine, group: ShardGroup, index: int, attr: str) -> 
     reduce-scattered as soon as the module's backward ends, not after the blocks' (runtime/gather_function.py)."""
     def hook(module: nn.Module, args: tuple) -> None:
         installed = module._parameters.get(attr)
-        late = regathered(engine, group, index, installed) if installed is not None else None
-        if late is not None:
-            module._parameters[attr] = late  # the root's post-hook puts the shard back after the forward
+        marked = installed if isinstance(installed, HeadWeight) else None  # a fused product head's weight
+        late = regathered(engine, group, index, marked.value() if marked is not None else installed) \
+            if installed is not None else None
+        if late is not None:  # the root's post-hook puts the shard back after the forward
+            module._parameters[attr] = HeadWeight.of(late, marked._kind) if marked is not None else late
     return hook
 
 

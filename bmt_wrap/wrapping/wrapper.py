@@ -67,7 +67,8 @@ class _FirstForward:
         budgeted = self.options["memory_budget"] is not None
         mine, failure = None, None
         try:
-            section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
+            section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss,
+                                                tensor_parallel=model.plan.tensor_parallel)
             mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
                                    **self.options)
             if cap.method == "export" and mine.tensor_parallel is not None and mine.tensor_parallel.sequence:
@@ -184,7 +185,7 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
                    tp: TensorParallelPlan | None, fused_loss: bool) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
-    section = passes.fused_loss_section(model, cap, enabled=fused_loss)
+    section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
     return plan
