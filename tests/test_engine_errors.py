@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from dist_harness import raised, run_distributed
 from torch import nn
 from toy import ToyGPT, manual_plan
 
@@ -188,9 +188,17 @@ def _peer_dies_body() -> tuple[str, float]:
         time.sleep(1.0)
         os._exit(1)
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match="rank") as info:
+    # Issue 49: an async op (a reduce-scatter in backward) that nobody waits on yet meets the loss, and the
+    # next op is what the user sees; it must name the lost rank and the earlier failure, not only "unusable".
+    handle = state.comm.reduce_scatter_into(torch.empty(4), torch.ones(8), async_op=True, label="grads")
+    while state.comm.broken is None and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    with pytest.raises(PeerLostError, match="rank 0 closed its connection") as info:
         state.comm.all_reduce(torch.ones(4), label="after the peer left")
     assert isinstance(info.value, CommTimeoutError)  # fatal like a timeout: one type to catch
+    assert "all_reduce" in str(info.value) and "reduce_scatter_into" in str(info.value), info.value
+    with pytest.raises(PeerLostError, match="rank 0 closed its connection"):
+        handle.wait()
     return "peer lost", time.monotonic() - start
 
 
@@ -202,3 +210,32 @@ def test_peer_that_died_is_one_named_error_within_seconds() -> None:
     assert len(info.value.errors) == 1, info.value.errors  # rank 1 returned, with the named error
     verdict, seconds = info.value.results[1]
     assert verdict == "peer lost" and seconds < 20, info.value.results
+
+
+def _killed_mid_step_body(victim: int) -> tuple[str, str]:
+    import os
+    import signal
+
+    get_state().comm.timeout = timedelta(seconds=40)
+    model = bmt.BMTrainModelWrapper(ToyGPT())
+    idx = torch.randint(0, 64, (2, 8))
+    model(idx, idx).backward()  # one whole step first: the groups and schedule are set up
+
+    def die_in_backward(_module: nn.Module, args: tuple) -> None:  # once the head's backward is done
+        args[0].register_hook(lambda _grad: os.kill(os.getpid(), signal.SIGKILL))
+
+    if bmt.rank() == victim:  # SIGKILL in the middle of backward, before the blocks' backward
+        model.ln_f.register_forward_pre_hook(die_in_backward)
+    loss = model(idx, idx)
+    return raised(loss.backward)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_mid_step_is_named_by_the_survivor(victim: int) -> None:
+    # Issue 49: whichever rank dies, the other's error names it (it named rank 0's loss only).
+    from dist_harness import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=f"rank {victim}: worker process died") as info:
+        run_distributed(_killed_mid_step_body, 2, victim, timeout=120)
+    kind, message = info.value.results[1 - victim]
+    assert kind == "PeerLostError" and f"rank {victim} closed its connection" in message, message
