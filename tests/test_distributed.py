@@ -146,6 +146,24 @@ def test_finished_jobs_exit_cleanly_under_load() -> None:
     assert all(r["group_left_at_exit"] == [False, False] for r in runs), runs
 
 
+def test_a_tensor_parallel_job_frees_its_groups_at_exit() -> None:
+    # Issue 49: under tp_size=2 the wrapped model, alive to the end of the script, held its sub-groups' process
+    # groups (at 2 ranks the default group itself): every such job warned at exit that "a reference outside
+    # bmt_wrap" held the group, and gloo's threads ran into interpreter teardown (the abort of issue 22).
+    import json
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "exit_jobs.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, script, "2", "1", "tp"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["codes"] == [0, 0], run
+    assert not any("process group was destroyed" in text for text in run["stderr"].values()), run["stderr"]
+    assert run["threads_left_at_exit"] == [[], []] and run["group_left_at_exit"] == [False, False], run
+
+
 _GLOO_THREADS = """
 import os
 def gloo_threads():

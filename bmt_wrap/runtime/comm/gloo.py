@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
-from .subgroups import process_group_subgroup
+from .subgroups import GroupRef, process_group_subgroup
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
@@ -77,7 +77,7 @@ class GlooCommunicator(Communicator):
                  check_order: bool = True, global_ranks: Sequence[int] | None = None,
                  worker: GlooCommunicator | None = None) -> None:
         super().__init__(rank, world_size, timeout)
-        self._group = group
+        self._group = GroupRef(group)  # weak: the group dies with destroy_process_group
         # torch's point-to-point calls and broadcast name peers by their rank in the default group
         self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
@@ -166,8 +166,8 @@ class GlooCommunicator(Communicator):
         theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
         works = []
         for peer, buf in theirs.items():
-            works.append((dist.isend(mine, self._global[peer], group=self._group, tag=_TAG_ORDER), peer))
-            works.append((dist.irecv(buf, self._global[peer], group=self._group, tag=_TAG_ORDER), peer))
+            works.append((dist.isend(mine, self._global[peer], group=self._group(), tag=_TAG_ORDER), peer))
+            works.append((dist.irecv(buf, self._global[peer], group=self._group(), tag=_TAG_ORDER), peer))
         return theirs, works
 
     def _verify(self, posted: tuple[dict[int, torch.Tensor], list[_Work]], op: OpDescription) -> None:
@@ -207,9 +207,9 @@ class GlooCommunicator(Communicator):
             works = []
             for peer in range(n):
                 if peer != r:
-                    works.append((dist.isend(shard, self._global[peer], group=self._group, tag=tag), peer))
+                    works.append((dist.isend(shard, self._global[peer], group=self._group(), tag=tag), peer))
                     works.append((dist.irecv(out[peer * size:(peer + 1) * size], self._global[peer],
-                                             group=self._group, tag=tag), peer))
+                                             group=self._group(), tag=tag), peer))
             out[r * size:(r + 1) * size].copy_(shard)
             verify()
             self._wait_all(works, desc.text)
@@ -233,8 +233,8 @@ class GlooCommunicator(Communicator):
             send = piece(r - 1)
             for step in range(n - 1):
                 recv = out if (n - 2 - step) % 2 == 0 else scratch
-                works = [(dist.isend(send, self._global[nxt], group=self._group, tag=tag), nxt),
-                         (dist.irecv(recv, self._global[prv], group=self._group, tag=tag), prv)]
+                works = [(dist.isend(send, self._global[nxt], group=self._group(), tag=tag), nxt),
+                         (dist.irecv(recv, self._global[prv], group=self._group(), tag=tag), prv)]
                 if step == 0:
                     verify()
                 self._wait_all(works, desc.text)
@@ -249,7 +249,7 @@ class GlooCommunicator(Communicator):
         desc = describe_op("all_reduce", tensor, label, op)
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group,
+            work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group(),
                                    async_op=True)
             verify()
             self._wait_all([(work, None)], desc.text)
@@ -262,7 +262,7 @@ class GlooCommunicator(Communicator):
         desc = describe_op("broadcast", tensor, label, f"from rank {src}")
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.broadcast(tensor, self._global[src], group=self._group, async_op=True)
+            work = dist.broadcast(tensor, self._global[src], group=self._group(), async_op=True)
             verify()
             self._wait_all([(work, None)], desc.text)
 
@@ -273,7 +273,7 @@ class GlooCommunicator(Communicator):
         desc = describe_op("barrier", None, label)
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.all_reduce(flag, group=self._group, async_op=True)
+            work = dist.all_reduce(flag, group=self._group(), async_op=True)
             verify()
             self._wait_all([(work, None)], desc.text)
 
