@@ -369,7 +369,8 @@ def mesh_tensor_parallel(mesh: Any, tp_size: int | None) -> TensorParallelLayout
         tp_size = t
     if tp_size is None:
         return tensor_parallel()
-    return use_tensor_parallel(tp_size, replicas)
+    call = f"BMTrainModelWrapper(..., {'mesh=...' if mesh is not None else f'tp_size={tp_size!r}'})"
+    return use_tensor_parallel(tp_size, replicas, call=call)
 
 
 def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelLayout:
@@ -413,29 +414,32 @@ def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelL
     return layout
 
 
-def _use_tensor_parallel(tp_size: int, replicas: int = 1) -> None:
-    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group."""
+def _use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> None:
+    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group.
+    ``call`` is the user's call that asked for it, for messages (default: ``init_distributed``'s)."""
     state = get_state()
+    call = call or f"init_distributed(tp_size={tp_size!r})"
     if not isinstance(tp_size, int) or tp_size < 1 or state.world_size % tp_size:
-        raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {state.world_size} must be a "
-                        "multiple of tp_size (a positive int); use a tp_size that divides it")
+        raise InitError(f"{call}: the world size {state.world_size} must be a multiple of tp_size (a positive "
+                        "int); use a tp_size that divides it")
     from ..runtime.active_engine import get_engine
 
     engine = get_engine()
     layout = _tp_layout(state, tp_size, replicas)
     if engine.groups and engine.layout != layout.dp:
-        raise InitError(f"tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models sharded "
-                        f"under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
+        raise InitError(f"{call}: tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models "
+                        f"sharded under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
                         "init_distributed once, at start-up, before building any model, and wrap every model "
-                        "with the same mesh=")
+                        "with the same tp_size= and mesh=")
     state.tp_size, state.tp_replicas = tp_size, replicas
     engine.adopt_layout(layout.dp, layout.tp, layout.whole)
 
 
-def use_tensor_parallel(tp_size: int, replicas: int = 1) -> TensorParallelLayout:
+def use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> TensorParallelLayout:
     """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``, or ``replicas``
-    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use."""
-    _use_tensor_parallel(tp_size, replicas)
+    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use.
+    ``call`` names the user's call in errors (default: ``init_distributed``)."""
+    _use_tensor_parallel(tp_size, replicas, call)
     return tensor_parallel()
 
 
