@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import operator
 import os
 import random
 import weakref
@@ -50,7 +51,7 @@ class DistState:
     local_rank: int
     device: torch.device
     backend: str  # resolved: "gloo", "nccl" or "cupy"
-    seed: int
+    seed: int | None  # None: init_distributed(seed=None) left every RNG as it was
     timeout: timedelta
     debug: bool
     comm: CountingCommunicator
@@ -110,7 +111,7 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(seed: int = 0, backend: str = "auto",
+def init_distributed(seed: int | None = 0, backend: str = "auto",
                      timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
                      tp_size: int = 1) -> DistState:
     """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
@@ -118,9 +119,11 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     ``tp_size`` is BMTrain's: T adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``)
     and ZeRO shards over the ``world / T`` ranks of the same ``tp_rank`` (``tensor_parallel()``).
     ``pipe_size`` is BMTrain's too: 1 (or ``-1``, no pipeline) is the only value.
+    ``seed=None`` seeds nothing: torch, numpy and random stay as they are (the script seeds them itself).
     """
     global _STATE
     _check_pipe_size(pipe_size)
+    seed = _check_seed(seed)
     requested = (seed, backend, timeout)
     if _STATE is not None:
         if _STATE.requested != requested:
@@ -213,8 +216,21 @@ def _check_pipe_size(pipe_size: int) -> None:
             "shard of every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does."""
+def _check_seed(seed: Any) -> int | None:
+    """``seed`` as an int (numpy's ints included), or None; raises ``InitError`` for anything else."""
+    if seed is None:
+        return None
+    try:
+        return operator.index(seed)
+    except TypeError:
+        raise InitError(f"init_distributed(seed={seed!r}): seed must be an int (the same on every rank), or None "
+                        "to leave torch, numpy and random as they are (seeded by the script itself)") from None
+
+
+def seed_everything(seed: int | None) -> None:
+    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does; None: nothing."""
+    if seed is None:
+        return
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
