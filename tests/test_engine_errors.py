@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
+import models
 import pytest
 import torch
 from dist_harness import raised, run_distributed
@@ -154,17 +156,40 @@ def test_block_parameter_used_outside_the_block(world_size: int) -> None:
     run_distributed(_outside_use_body, world_size)
 
 
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _second_backward_refused(model: nn.Module, name: str, step: Callable[[], torch.Tensor]) -> None:
+    """A second backward through one forward raises naming retain_graph, before any of it ran; the next step
+    gets the first one's gradients again."""
+    loss = step()
+    loss.backward(retain_graph=True)
+    first = _grads(model)
+    with pytest.raises(WrapError, match=f"second backward through one forward of the wrapped {name} .*retain_graph"):
+        loss.backward()
+    same = [a is b is None or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(_grads(model), first, strict=True)]
+    assert all(same) and any(g is not None for g in first)
+    model.zero_grad()
+    step().backward()
+    same = [a is b is None or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(_grads(model), first, strict=True)]
+    assert all(same)
+
+
 def _retain_graph_body(checkpoint: bool) -> None:
+    # Issue 49: plain PyTorch runs backward(retain_graph=True) twice and doubles the gradients; the wrapper frees
+    # what a second backward reads, and it failed with autograd's raw in-place-version error on the root's buffer.
     torch.manual_seed(0)
     m = ToyGPT()
     m = apply_plan(m, manual_plan(m, BLOCKS3, checkpoint=checkpoint))
     idx = torch.randint(0, 64, (2, 8))
-    loss = m(idx, idx)
-    loss.backward(retain_graph=True)
-    # Loud, never silently wrong: our error for a block, or autograd's version check for the root
-    # group, whose gathered storage took the gradient of the first backward.
-    with pytest.raises(RuntimeError, match="retain_graph|modified inplace"):
-        loss.backward()
+    _second_backward_refused(m, "ToyGPT", lambda: m(idx, idx))
+    if checkpoint:  # a transformers model as users build it, wrapped with defaults
+        llama = bmt.BMTrainModelWrapper(models.llama())
+        ids = models.token_ids(2, 8)
+        _second_backward_refused(llama, "LlamaForCausalLM", lambda: llama(input_ids=ids, labels=ids).loss)
     # A block alone (no root group in the graph) names the problem itself.
     out = m.layers[1](torch.randn(1, 4, 16, requires_grad=True)).sum()
     out.backward(retain_graph=True)
@@ -172,9 +197,9 @@ def _retain_graph_body(checkpoint: bool) -> None:
         out.backward()
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_second_backward_through_a_block_names_the_problem(checkpoint: bool) -> None:
-    run_distributed(_retain_graph_body, 2, checkpoint)
+@pytest.mark.parametrize("checkpoint, world_size", [(True, 1), (True, 2), (False, 2)])
+def test_second_backward_is_refused_by_name(checkpoint: bool, world_size: int) -> None:
+    run_distributed(_retain_graph_body, world_size, checkpoint)
 
 
 def _peer_dies_body() -> tuple[str, float]:
