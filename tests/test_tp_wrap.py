@@ -10,7 +10,7 @@ import math
 import models
 import pytest
 import torch
-from dist_harness import raised, run_distributed
+from dist_harness import COMM_TIMEOUT, raised, run_distributed
 from parity import lm_batches, no_sync_two_halves, train_side_by_side, whole
 from test_tp_plan import TOY_PLAN
 
@@ -273,14 +273,19 @@ def test_tp_save_writes_full_tensors_and_loads_into_slices(tmp_path) -> None:
 def _bad_layout_body(kind: str) -> tuple[str, str]:
     if kind == "tp3":  # 4 ranks are not a multiple of 3
         return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=3))
+    if kind == "init_tp3":  # the same size asked of init_distributed (the harness's other arguments)
+        return raised(lambda: bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=3))
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp"))  # TP peers not adjacent
     return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), mesh=mesh))
 
 
-@pytest.mark.parametrize("kind, error, words", [("tp3", "InitError", "multiple of tp_size"),
-                                                 ("mesh", "MeshError", "adjacent")])
+@pytest.mark.parametrize("kind, error, words", [
+    # Issue 49: the wrapper's tp_size= named init_distributed(tp_size=3), a call the user never made.
+    ("tp3", "InitError", "BMTrainModelWrapper(..., tp_size=3): the world size 4 must be a multiple of tp_size"),
+    ("init_tp3", "InitError", "init_distributed(tp_size=3): the world size 4 must be a multiple of tp_size"),
+    ("mesh", "MeshError", "adjacent")])
 def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -> None:
     results = run_distributed(_bad_layout_body, WORLD, kind)
     assert all(r[0] == error and words in r[1] for r in results), results

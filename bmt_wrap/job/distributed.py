@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import operator
 import os
 import random
 import weakref
@@ -50,7 +51,7 @@ class DistState:
     local_rank: int
     device: torch.device
     backend: str  # resolved: "gloo", "nccl" or "cupy"
-    seed: int
+    seed: int | None  # None: init_distributed(seed=None) left every RNG as it was
     timeout: timedelta
     debug: bool
     comm: CountingCommunicator
@@ -110,7 +111,7 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(seed: int = 0, backend: str = "auto",
+def init_distributed(seed: int | None = 0, backend: str = "auto",
                      timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
                      tp_size: int = 1) -> DistState:
     """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
@@ -118,9 +119,11 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     ``tp_size`` is BMTrain's: T adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``)
     and ZeRO shards over the ``world / T`` ranks of the same ``tp_rank`` (``tensor_parallel()``).
     ``pipe_size`` is BMTrain's too: 1 (or ``-1``, no pipeline) is the only value.
+    ``seed=None`` seeds nothing: torch, numpy and random stay as they are (the script seeds them itself).
     """
     global _STATE
     _check_pipe_size(pipe_size)
+    seed = _check_seed(seed)
     requested = (seed, backend, timeout)
     if _STATE is not None:
         if _STATE.requested != requested:
@@ -213,8 +216,21 @@ def _check_pipe_size(pipe_size: int) -> None:
             "shard of every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does."""
+def _check_seed(seed: Any) -> int | None:
+    """``seed`` as an int (numpy's ints included), or None; raises ``InitError`` for anything else."""
+    if seed is None:
+        return None
+    try:
+        return operator.index(seed)
+    except TypeError:
+        raise InitError(f"init_distributed(seed={seed!r}): seed must be an int (the same on every rank), or None "
+                        "to leave torch, numpy and random as they are (seeded by the script itself)") from None
+
+
+def seed_everything(seed: int | None) -> None:
+    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does; None: nothing."""
+    if seed is None:
+        return
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
@@ -369,7 +385,8 @@ def mesh_tensor_parallel(mesh: Any, tp_size: int | None) -> TensorParallelLayout
         tp_size = t
     if tp_size is None:
         return tensor_parallel()
-    return use_tensor_parallel(tp_size, replicas)
+    call = f"BMTrainModelWrapper(..., {'mesh=...' if mesh is not None else f'tp_size={tp_size!r}'})"
+    return use_tensor_parallel(tp_size, replicas, call=call)
 
 
 def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelLayout:
@@ -413,29 +430,32 @@ def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelL
     return layout
 
 
-def _use_tensor_parallel(tp_size: int, replicas: int = 1) -> None:
-    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group."""
+def _use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> None:
+    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group.
+    ``call`` is the user's call that asked for it, for messages (default: ``init_distributed``'s)."""
     state = get_state()
+    call = call or f"init_distributed(tp_size={tp_size!r})"
     if not isinstance(tp_size, int) or tp_size < 1 or state.world_size % tp_size:
-        raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {state.world_size} must be a "
-                        "multiple of tp_size (a positive int); use a tp_size that divides it")
+        raise InitError(f"{call}: the world size {state.world_size} must be a multiple of tp_size (a positive "
+                        "int); use a tp_size that divides it")
     from ..runtime.active_engine import get_engine
 
     engine = get_engine()
     layout = _tp_layout(state, tp_size, replicas)
     if engine.groups and engine.layout != layout.dp:
-        raise InitError(f"tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models sharded "
-                        f"under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
+        raise InitError(f"{call}: tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models "
+                        f"sharded under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
                         "init_distributed once, at start-up, before building any model, and wrap every model "
-                        "with the same mesh=")
+                        "with the same tp_size= and mesh=")
     state.tp_size, state.tp_replicas = tp_size, replicas
     engine.adopt_layout(layout.dp, layout.tp, layout.whole)
 
 
-def use_tensor_parallel(tp_size: int, replicas: int = 1) -> TensorParallelLayout:
+def use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> TensorParallelLayout:
     """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``, or ``replicas``
-    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use."""
-    _use_tensor_parallel(tp_size, replicas)
+    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use.
+    ``call`` names the user's call in errors (default: ``init_distributed``)."""
+    _use_tensor_parallel(tp_size, replicas, call)
     return tensor_parallel()
 
 

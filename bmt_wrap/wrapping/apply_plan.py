@@ -31,6 +31,7 @@ from ..runtime.standalone import full_value
 from .bound_block import CheckpointBlock, bind_block
 from .compiled import compiled_wrapper, never_traced
 from .offload_option import offload_store
+from .one_backward import refuse_second_backward
 from .sharded_module import ShardedModuleMixin, install_state_hooks
 
 _ROOT_CLASSES: dict[type, type] = {}
@@ -304,6 +305,8 @@ def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
         # is rare) and with them memory that grows with depth: 37 MiB of a 14-layer Llama's 2-rank job.
         gc.collect()
     mp = model._bmt_mp
-    if mp is not None and mp.output_dtype is not None:
-        return pytree.tree_map(mp.cast_output, output)
-    return None
+    cast = mp is not None and mp.output_dtype is not None
+    result = pytree.tree_map(mp.cast_output, output) if cast else output
+    if getattr(model, "_bmt_outermost", True):
+        refuse_second_backward(type(model).__bases__[-1].__name__, result)  # the user's class (_root_class)
+    return result if cast else None
