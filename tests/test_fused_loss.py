@@ -201,15 +201,19 @@ def test_pass_fuses_every_form_of_head(head: str) -> None:
 
 def test_a_product_head_whose_weight_tp_splits_is_left_unfused_with_the_reason() -> None:
     """The vocabulary-parallel form takes an nn.Linear head split colwise_gather; F.linear on a tied embedding
-    split by vocabulary rows would see this rank's rows only."""
+    split by vocabulary rows would see this rank's rows only. The TP pass keeps such an embedding whole, so
+    only a TP section made for another model (``plan=``) can split it."""
     model = models.seeded(lambda: LossGPT(head="tied-linear"))
-    tp = passes.plan_tensor_parallel(model, 2, passes.discover_blocks(model),
-                                     {k: v for k, v in TOY_PLAN.items() if k != "head"})
-    assert "embed.weight" in tp.split_names()
-    section = passes.fused_loss_section(model, _capture(model), enabled=True, tensor_parallel=tp)
+    no_head = {k: v for k, v in TOY_PLAN.items() if k != "head"}
+    tp = passes.plan_tensor_parallel(model, 2, passes.discover_blocks(model), no_head)
+    assert "embed.weight" not in tp.split_names()  # the root's F.linear reads it: kept whole, so fused
+    assert passes.fused_loss_section(model, _capture(model), enabled=True, tensor_parallel=tp).fused
+    other = models.ToyGPT(n_layers=2)  # its head is an nn.Linear: its embedding is split
+    split = passes.plan_tensor_parallel(other, 2, passes.discover_blocks(other), no_head)
+    assert "embed.weight" in split.split_names()
+    section = passes.fused_loss_section(model, _capture(model), enabled=True, tensor_parallel=split)
     assert not section.fused and section.product == "F.linear"
     assert "tensor parallelism splits embed.weight" in section.reason
-    assert passes.fused_loss_section(model, _capture(model), enabled=True).fused  # not split: fused
 
 
 @pytest.mark.parametrize(("build", "inputs", "reason"), [

@@ -43,6 +43,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     activations: ActivationProfile | None = None  # needs example inputs
     fused_loss: FusedLossPlan | None = None  # the vocabulary head and its loss found in the graph (with_fused_loss)
+    readers: dict[str, list[str]] | None = None  # export's parameter -> the modules reading it (none without)
 
 
 def as_call(example_inputs: object) -> Call | None:
@@ -202,10 +203,11 @@ def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> 
     elif exported is None:
         notes.append("activation bytes unknown: they are measured on the exported graph")
 
+    readers = exported.readers if exported is not None else None
     if fx_result is not None:
-        return Capture("fx", fx_result[1], fx_result[0], notes, activations)
+        return Capture("fx", fx_result[1], fx_result[0], notes, activations, readers=readers)
     if exported is not None:
-        return Capture("export", exported.order, exported.graph, notes, activations)
+        return Capture("export", exported.order, exported.graph, notes, activations, readers=readers)
     if call is not None and skeleton is not None:
         try:
             args, kwargs = to_meta(call)

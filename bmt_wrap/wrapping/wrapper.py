@@ -64,6 +64,8 @@ class _FirstForward:
 
     def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
         state = get_state()
+        # Every rank captured the same model: each raises alike when its graph shows a split weight read elsewhere.
+        passes.check_captured_reads(self.skeleton, model.plan.tensor_parallel, cap.readers)
         budgeted = self.options["memory_budget"] is not None
         mine, failure = None, None
         try:
@@ -185,6 +187,7 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
                    tp: TensorParallelPlan | None, fused_loss: bool) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
     cap = passes.capture(model, discovery, example_inputs)
+    passes.check_captured_reads(model, tp, cap.readers)
     section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
