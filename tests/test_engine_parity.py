@@ -49,11 +49,18 @@ CASES = {
     "kwargs-and-dict-outputs": ({"dict_layers": True}, {}),
     "blocks-of-different-sizes": ({"widths": [8, 64, 24]}, {}),
 }
+# Cases that change only the schedule (what is recomputed, when blocks are gathered, how a block is called,
+# how many forwards or micro-batches make a step) hand the optimizer the same shards and gradients as the
+# base case: SGD's elementwise check of every step's gradients and parameters covers them. AdamW (its state
+# made from and stepped on sharded parameters) runs where what it is given differs: the base case, the
+# layouts (untied, blocks of different sizes), zero2's kept parameters, frozen parameters and param groups.
+SCHEDULE_ONLY = {"not-checkpointed", "mixed-checkpointing", "zero2-not-checkpointed", "prefetch0", "prefetch2",
+                 "kwargs-and-dict-outputs"}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("case", "optimizer"), [(case, optimizer) for case in CASES for optimizer in ("sgd", "adamw")
+                                                 if optimizer == "sgd" or case not in SCHEDULE_ONLY])
 def test_parity(case: str, optimizer: str, world_size: int) -> None:
     model_kwargs, plan_kwargs = CASES[case]
     results = run_distributed(_toy_body, world_size, model_kwargs, plan_kwargs, optimizer)
@@ -71,16 +78,14 @@ def test_frozen_parameters_get_no_gradient_and_stay_put(world_size: int, optimiz
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_gradient_accumulation_over_four_micro_batches(world_size: int, optimizer: str) -> None:
-    run_distributed(_toy_body, world_size, {}, {}, optimizer, micro=4, batch=16)
+def test_gradient_accumulation_over_four_micro_batches(world_size: int) -> None:
+    run_distributed(_toy_body, world_size, {}, {}, "sgd", micro=4, batch=16)  # schedule only (SCHEDULE_ONLY)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("checkpoint", [True, False])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_two_forwards_before_one_backward(world_size: int, checkpoint: bool, optimizer: str) -> None:
-    run_distributed(_toy_body, world_size, {}, {"checkpoint": checkpoint}, optimizer, two_forwards=True)
+def test_two_forwards_before_one_backward(world_size: int, checkpoint: bool) -> None:
+    run_distributed(_toy_body, world_size, {}, {"checkpoint": checkpoint}, "sgd", two_forwards=True)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -94,21 +99,20 @@ def test_name_based_param_groups_with_torch_adamw(world_size: int) -> None:
     run_distributed(_toy_body, world_size, {}, {}, "adamw_groups")
 
 
-def _shared_block_body(checkpoint: bool, optimizer: str) -> dict:
+def _shared_block_body(checkpoint: bool) -> dict:
     def build():
         m = ToyGPT(n_layers=2)
         m.layers.append(m.layers[0])  # layer 0 runs twice per forward: ALBERT-style sharing
         return m
     return train_side_by_side(build, _wrap(["layers.0", "layers.1"], checkpoint=checkpoint,
                                            order=["layers.0", "layers.1", "layers.0"]),
-                              lm_batches(STEPS, 8), optimizer=optimizer)
+                              lm_batches(STEPS, 8), optimizer="sgd")  # its gradient sums two calls: SGD's check
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("checkpoint", [True, False])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_shared_block_called_twice(world_size: int, checkpoint: bool, optimizer: str) -> None:
-    run_distributed(_shared_block_body, world_size, checkpoint, optimizer)
+def test_shared_block_called_twice(world_size: int, checkpoint: bool) -> None:
+    run_distributed(_shared_block_body, world_size, checkpoint)
 
 
 def _param_shared_by_blocks_body() -> dict:
