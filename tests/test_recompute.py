@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_distributed
-from parity import SGD_TOL, compare_grads, train_side_by_side, whole
+from parity import SGD_TOL, compare_grads, train_side_by_side, wholes
 from torch import nn
 
 import bmt_wrap as bmt
@@ -314,10 +314,10 @@ def _rank_local_parameter() -> None:
     # Reference: the rank average of each rank's local mean loss, as DDP defines it.
     sum(ref(x.chunk(2)[r]) for r in range(2)).div(2).backward()
     model(x.chunk(2)[rank]).backward()
-    for name, p in model.named_parameters():
-        rp = dict(ref.named_parameters())[name]
-        assert p.grad is not None, name
-        torch.testing.assert_close(whole(p.grad), rp.grad, **SGD_TOL)
+    named = list(model.named_parameters())
+    assert all(p.grad is not None for _, p in named), [n for n, p in named if p.grad is None]
+    for (name, _), grad in zip(named, wholes([(p.grad, p) for _, p in named]), strict=True):
+        torch.testing.assert_close(grad, dict(ref.named_parameters())[name].grad, **SGD_TOL, msg=name)
 
 
 def test_block_parameter_used_on_one_rank_only_gets_the_rank_average():
