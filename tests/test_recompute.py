@@ -466,8 +466,9 @@ def _held_with_and_without_cache(family: str) -> dict:
     return {"cache": _held_between_steps(family, True, 3), "no_cache": _held_between_steps(family, False, 3)}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+# The cache's kind (Llama's and GPT-2's DynamicCache, T5's encoder-decoder pair) is one axis, the world size
+# (the reductions a block call's backward starts) another: every kind at one rank, one kind at two.
+@pytest.mark.parametrize(("family", "world_size"), [("llama", 1), ("gpt2", 1), ("t5", 1), ("llama", 2)])
 def test_a_step_keeps_nothing_of_its_cache(family, world_size):
     """Plain PyTorch frees a step's cache with its output. A checkpointed call keeps its non-tensor
     arguments (the cache object) for the recompute; if it still held them after its backward, the cache's
