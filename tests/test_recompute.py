@@ -4,6 +4,7 @@ forward saw, updates buffers once, mutates non-tensor arguments once, and fails 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 import models
@@ -44,7 +45,7 @@ def _lm_loss(model, ids):
 def _default_config_lm(factory_name: str, optimizer: str) -> dict:
     factory = {"llama": _llama_default, "gpt2": _gpt2_default}[factory_name]
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randint(0, models.VOCAB, (4, 8), generator=g),) for _ in range(4)]
+    batches = [(torch.randint(0, models.VOCAB, (4, 8), generator=g),) for _ in range(3)]
     return train_side_by_side(lambda: models.seeded(factory), bmt.BMTrainModelWrapper, batches,
                               optimizer=optimizer, loss_fn=_lm_loss, check_grads=optimizer == "sgd")
 
@@ -482,29 +483,10 @@ def test_a_step_keeps_nothing_of_its_cache(family, world_size):
         assert abs(held["cache"][-1] - held["no_cache"][-1]) <= 1024, held
 
 
-def _garbage_after_first_forward(family: str) -> int:
-    import gc
-
-    model = bmt.BMTrainModelWrapper(_default_cache_lm(family, 3, True))
-    ids = torch.randint(0, models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
-    gc.collect()
-    out = model(input_ids=ids, labels=ids)
-    found = gc.collect()
-    out.loss.backward()
-    return found
-
-
-@pytest.mark.parametrize("family", ["llama", "t5"])
-def test_the_first_forward_leaves_no_cyclic_garbage(family):
-    """The capture's cycles (export, tracing, planning) held memory growing with depth into the steady
-    state, until a full collection that may never come: the first forward collects them itself."""
-    found = run_distributed(_garbage_after_first_forward, 1, family)[0]
-    assert found < 60, f"{found} objects in cycles after the first forward"
-
-
-def _graph_nodes_after_a_step(family: str) -> int:
-    """fx nodes a wrapped model's first step leaves alive, beyond those the worker held before (its
-    earlier tests' own graphs, and the last trace torch.export keeps, which is dropped first)."""
+def _first_step_leftovers(family: str) -> tuple[int, int]:
+    """A wrapped model's first step, called as users call it: (objects in cycles its first forward left for
+    the collector; fx nodes the step leaves alive beyond those the worker held before: its earlier tests'
+    own graphs, and the last trace torch.export keeps, which is dropped first)."""
     import gc
 
     from bmt_wrap.base._compat import forget_export_trace
@@ -517,8 +499,26 @@ def _graph_nodes_after_a_step(family: str) -> int:
     before = nodes()
     model = bmt.BMTrainModelWrapper(_default_cache_lm(family, 3, True))
     ids = torch.randint(0, models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    return nodes() - before
+    gc.collect()
+    out = model(input_ids=ids, labels=ids)
+    found = gc.collect()
+    out.loss.backward()
+    del out
+    return found, nodes() - before
+
+
+@functools.cache
+def _leftovers(family: str) -> tuple[int, int]:
+    """``_first_step_leftovers`` on one rank, once a session: the garbage test's and the graph test's run."""
+    return run_distributed(_first_step_leftovers, 1, family)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_the_first_forward_leaves_no_cyclic_garbage(family):
+    """The capture's cycles (export, tracing, planning) held memory growing with depth into the steady
+    state, until a full collection that may never come: the first forward collects them itself."""
+    found = _leftovers(family)[0]
+    assert found < 60, f"{found} objects in cycles after the first forward"
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
@@ -526,7 +526,7 @@ def test_a_step_keeps_no_traced_graph(family):
     """Plain PyTorch keeps no graph between steps. torch.export keeps the last trace's nodes (each with its
     fake tensors) in a module-level map until the next trace: the capture's graph, about 1.3 MiB per layer
     of a transformers model whatever its width, which a rank held for its whole life and no plan counted."""
-    assert run_distributed(_graph_nodes_after_a_step, 1, family)[0] == 0
+    assert _leftovers(family)[1] == 0
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
