@@ -345,6 +345,13 @@ def test_the_count_is_exact_off_glibc_or_with_the_threshold_fixed(monkeypatch: p
     assert not counts_exactly()
     monkeypatch.setenv(THRESHOLD_VAR, "65536")
     assert counts_exactly()
+    monkeypatch.setenv(THRESHOLD_VAR, "0x10000")  # glibc reads hex too
+    assert counts_exactly()
+    # Exact only at the documented value: above it the heap keeps the tensors under it (1 MiB grew a
+    # width-384 model's heap by ~100 MiB a step), below it small tensors take whole pages; garbage is unset.
+    for other in ("1048576", "4096", "0", "lots", ""):
+        monkeypatch.setenv(THRESHOLD_VAR, other)
+        assert not counts_exactly(), other
     monkeypatch.delenv(THRESHOLD_VAR)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))  # musl, macOS: no glibc heap to warn of
     assert counts_exactly()
