@@ -186,14 +186,14 @@ def test_memory_budget_chooses_checkpointing_and_prefetch() -> None:
         build_plan(model, d, world_size=2, capture=c, memory_budget=base // 2)
     assert info.value.needed == base and info.value.world_size == 2
 
-    # Parameters kept gathered come first (passes/budget.py), and the peak is after the blocks' backward,
-    # where kept activations are gone: one block's worth keeps every block's parameters (the pool held
-    # depth + 2 buffers of their size, which keeping every block frees) and the last two blocks'
-    # activations, until backward's start, which holds them all, becomes the larger.
+    # Parameters kept gathered come first (passes/budget.py): one block's worth keeps every block's
+    # parameters (the pool held depth + 2 buffers of their size, which keeping every block frees) and the
+    # last block's activations, which stand for its recompute at the first block's backward; the next
+    # block's would add to every kept activation there.
     one_block = everything.blocks()[-1].padded_bytes(2)
     some = build_plan(model, d, world_size=2, capture=c, memory_budget=base + one_block + 1)
     assert [(g.name, g.checkpoint, g.zero_level) for g in some.blocks()] \
-        == [("layers.0", True, 2), ("layers.1", True, 2), ("layers.2", False, 2), ("layers.3", False, 2)]
+        == [("layers.0", True, 2), ("layers.1", True, 2), ("layers.2", True, 2), ("layers.3", False, 2)]
     assert training_peak(some, some.estimates["2"]) <= base + one_block + 1
 
 

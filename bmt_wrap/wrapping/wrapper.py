@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from .. import passes
-from ..base.host_allocator import EXACT_SETTING, counts_exactly
+from ..base.host_allocator import EXACT_SETTING, THRESHOLD_VAR, counts_exactly
 from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
@@ -224,9 +224,12 @@ def _warn_if_budget_inexact() -> None:
     """Warn when a budget spent on host memory counts tensors the allocator does not give back."""
     if counts_exactly():
         return
+    given = os.environ.get(THRESHOLD_VAR)
+    setting = f"{THRESHOLD_VAR}={given}" if given is not None else "glibc's default allocator"
     warnings.warn(
-        "memory_budget= is spent by counting tensors, and under glibc's default allocator this CPU process "
-        "holds more than its tensors (its heap keeps what they free), so resident memory can pass the "
+        f"memory_budget= is spent by counting tensors, and under {setting} this CPU process "
+        "holds more than its tensors (its heap keeps what they free, or small ones take whole pages), so "
+        "resident memory can pass the "
         f"budget. Start the job with {EXACT_SETTING} in its environment (freed tensors then leave the process; "
         "it costs some step time: docs/design.md \"Capacity\"), or pass a budget with headroom.",
         UserWarning, stacklevel=3)
