@@ -1,10 +1,13 @@
-"""Smoke tests of examples/: each runs under torchrun on 2 ranks at tiny sizes and does what it claims."""
+"""Smoke tests of examples/: each runs under torchrun on 2 ranks at tiny sizes and does what it claims.
+The examples for transformers' Trainer, accelerate and Lightning are tested in tests/test_integrations.py,
+in the same job as each tool's comparison with DDP."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,19 +57,30 @@ def test_train_gpt_loss_falls_and_writes_its_outputs(gpt_run: tuple[Path, str]) 
     assert torch.equal(state["tok.weight"], state["head.weight"])
 
 
+def _saved_losses(ckpt: Path) -> tuple[int, list[float]]:
+    """(step, losses so far) that train_gpt.py keeps in a checkpoint (its ``extra``, in rank 0's state file)."""
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    return meta["step"], torch.load(ckpt / meta["files"][0]["state"], weights_only=True)["extra"]["losses"]
+
+
 def test_train_gpt_resume_continues_exactly(gpt_run: tuple[Path, str], tmp_path: Path) -> None:
+    """Resume from the uninterrupted run's last periodic checkpoint (step 20) and stop at 25 as if
+    preempted: the losses it saves are the uninterrupted run's, bit for bit, and it writes no metrics."""
     full, _ = gpt_run
-    torchrun("train_gpt.py", *TINY_GPT, "--stop-at", "20", "--out-dir", str(tmp_path))
+    shutil.copytree(full / "checkpoint", tmp_path / "checkpoint")
+    assert _saved_losses(tmp_path / "checkpoint")[0] == 20
+    log = torchrun("train_gpt.py", *TINY_GPT, "--resume", "--stop-at", "25", "--out-dir", str(tmp_path))
+    assert "resumed from step 20" in log and "stopped at step 25" in log
     assert not (tmp_path / "metrics.json").exists()
-    log = torchrun("train_gpt.py", *TINY_GPT, "--resume", "--out-dir", str(tmp_path))
-    assert "resumed from step 20" in log
-    resumed = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    step, resumed = _saved_losses(tmp_path / "checkpoint")
     uninterrupted = json.loads((full / "metrics.json").read_text())["losses"]
-    assert resumed == uninterrupted, "stop at 20 + resume gives the uninterrupted run's losses, bit for bit"
+    assert step == 25 and resumed == uninterrupted[:25], "resume + stop at 25 gives the uninterrupted run's losses"
 
 
 def test_finetune_hf_beats_chance_and_its_file_loads_back(tmp_path: Path) -> None:
-    torchrun("finetune_hf.py", "--out-dir", str(tmp_path))
+    # 60 steps instead of the default 186: the accuracy still clears chance by over 0.25 (0.77 vs 0.505)
+    torchrun("finetune_hf.py", "--train-size", "960", "--epochs", "2", "--eval-size", "200", "--lr", "2e-3",
+             "--out-dir", str(tmp_path))
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["accuracy"] >= metrics["majority"] + 0.1, metrics
     assert metrics["reloaded_accuracy"] == pytest.approx(metrics["accuracy"]), "transformers reloads the same model"
@@ -107,39 +121,3 @@ def test_bmtrain_style_trains_with_tensor_parallelism_on_4_ranks(tmp_path: Path)
     assert state["word_emb.weight"].shape == (256, 64)
     assert state["transformers.1.attn.project_q.weight"].shape == (64, 64)
     assert state["transformers.1.ff.w_out.weight"].shape == (64, 256)
-
-
-TINY_LM = ["--layers", "2", "--dim", "64", "--seq", "64"]
-
-
-def test_trainer_finetune_learns_and_plain_transformers_reloads_it(tmp_path: Path) -> None:
-    torchrun("trainer_finetune.py", *TINY_LM, "--steps", "30", "--save-every", "20", "--out-dir", str(tmp_path))
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["losses"][-1] <= 0.8 * metrics["losses"][0], metrics["losses"]
-    assert metrics["reloaded_eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
-    assert (tmp_path / "checkpoint-20" / "optimizer_sharded" / ".metadata").is_file()
-
-
-def test_accelerate_loop_learns_and_resumes_exactly(tmp_path: Path) -> None:
-    args = [*TINY_LM, "--steps", "30"]
-    torchrun("accelerate_loop.py", *args, "--out-dir", str(tmp_path / "full"))
-    torchrun("accelerate_loop.py", *args, "--stop-at", "20", "--out-dir", str(tmp_path / "split"))
-    log = torchrun("accelerate_loop.py", *args, "--resume", "--out-dir", str(tmp_path / "split"))
-    assert "resumed from step 20" in log
-    full = json.loads((tmp_path / "full" / "metrics.json").read_text())["losses"]
-    split = json.loads((tmp_path / "split" / "metrics.json").read_text())["losses"]
-    assert split == full, "stop at 20 + load_state gives the uninterrupted run's losses, bit for bit"
-    assert sum(full[-5:]) <= 0.8 * sum(full[:5]), full
-    assert (tmp_path / "full" / "final" / "model.safetensors").is_file()
-
-
-def test_lightning_module_learns_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    args = [*TINY_LM, "--save-every", "10"]
-    torchrun("lightning_module.py", *args, "--steps", "20", "--out-dir", str(tmp_path / "a"))
-    first = json.loads((tmp_path / "a" / "metrics.json").read_text())
-    assert first["global_step"] == 20 and sum(first["losses"][-5:]) <= 0.8 * sum(first["losses"][:5]), first
-    ckpt = tmp_path / "a" / "ckpt" / "last.ckpt"
-    assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
-    torchrun("lightning_module.py", *args, "--steps", "30", "--resume", str(ckpt), "--out-dir", str(tmp_path / "b"))
-    resumed = json.loads((tmp_path / "b" / "metrics.json").read_text())
-    assert resumed["global_step"] == 30 and len(resumed["losses"]) == 10, "it continued from step 20"
