@@ -1,9 +1,10 @@
 """transformers' Trainer, accelerate and Lightning on 2 gloo ranks, each against the same tool without
 bmt_wrap (plain DDP), run under torchrun as users run them (tests/job_*.py): losses and logged gradient
 norms equal DDP's, final weights within docs/design.md's AdamW tolerance, saving collective-safe,
-resuming exact. Each tool's example (examples/) runs in the same job after the comparisons (tests/in_job.py),
-so each tool's start-up is paid once. accelerate_loop.py's exact resume runs in a job of its own, as a user
-resumes: in the process that saved, the RNG state a missing restore would leave is already the saved one."""
+resuming exact. The three jobs run in one torchrun job (job_tools.py), each tool's examples (examples/) after
+its comparisons (tests/in_job.py), so the start-up is paid once. accelerate_loop.py's exact resume runs in a
+job of its own, as a user resumes: in the process that saved, the RNG state a missing restore would leave is
+already the saved one."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
 SAVE_AT = 3
 TINY_LM = ["--layers", "2", "--dim", "64", "--seq", "64"]  # the examples' byte-level Llama, shrunk
+ACCELERATE_EXAMPLE = ["accelerate_loop.py", *TINY_LM, "--steps", "30"]
+LIGHTNING_EXAMPLE = ["lightning_module.py", *TINY_LM, "--save-every", "10"]
 
 
 def _torchrun(script: Path, *args: str) -> str:
@@ -34,10 +37,31 @@ def _torchrun(script: Path, *args: str) -> str:
     return done.stdout + done.stderr
 
 
-def _job(job: str, out: Path, *examples: list[str]) -> dict:
-    """Run ``tests/<job>`` writing into ``out``, then the ``examples`` invocations in the same job; its results."""
-    _torchrun(HERE / job, str(out), json.dumps(examples))
-    return torch.load(out / "results.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun job (job_tools.py) running job_trainer.py, job_accelerate.py and job_lightning.py, each
+    with its tool's examples after it, into OUT/trainer, OUT/accelerate and OUT/lightning."""
+    out = tmp_path_factory.mktemp("tools")
+    trainer, accelerate, lightning = out / "trainer", out / "accelerate", out / "lightning"
+    examples = {
+        # 30 steps, a checkpoint at 20
+        "trainer": [["trainer_finetune.py", *TINY_LM, "--steps", "30", "--save-every", "20",
+                     "--out-dir", str(trainer / "example")]],
+        # 30 steps; and stopped after step 20 with its state saved
+        "accelerate": [[*ACCELERATE_EXAMPLE, "--out-dir", str(accelerate / "full")],
+                       [*ACCELERATE_EXAMPLE, "--stop-at", "20", "--out-dir", str(accelerate / "split")]],
+        # 20 steps (checkpoints every 10); then to step 30 from its last checkpoint, a fresh Trainer and module
+        "lightning": [[*LIGHTNING_EXAMPLE, "--steps", "20", "--out-dir", str(lightning / "a")],
+                      [*LIGHTNING_EXAMPLE, "--steps", "30", "--resume", str(lightning / "a" / "ckpt" / "last.ckpt"),
+                       "--out-dir", str(lightning / "b")]],
+    }
+    _torchrun(HERE / "job_tools.py", str(out), json.dumps(examples))
+    return out
+
+
+def _job(tools: Path, tool: str) -> tuple[Path, dict]:
+    """A tool job's output folder and the results its rank 0 wrote."""
+    return tools / tool, torch.load(tools / tool / "results.pt", weights_only=False)
 
 
 def _close_to_ddp(got: dict[str, torch.Tensor], ddp: dict[str, torch.Tensor], what: str) -> None:
@@ -63,11 +87,8 @@ def _metrics(out: Path) -> dict:
 
 # ---- transformers Trainer ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trainer_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """job_trainer.py, then examples/trainer_finetune.py (30 steps, a checkpoint at 20) into OUT/example."""
-    out = tmp_path_factory.mktemp("trainer")
-    example = ["trainer_finetune.py", *TINY_LM, "--steps", "30", "--save-every", "20", "--out-dir", str(out / "example")]
-    return out, _job("job_trainer.py", out, example)
+def trainer_job(tools: Path) -> tuple[Path, dict]:
+    return _job(tools, "trainer")
 
 
 def test_transformers_trainer_matches_ddp_saves_and_resumes_exactly(trainer_job: tuple[Path, dict]) -> None:
@@ -94,16 +115,9 @@ def test_trainer_finetune_example_learns_and_plain_transformers_reloads_it(train
 
 
 # ---- accelerate ----------------------------------------------------------------------------------------
-ACCELERATE_EXAMPLE = ["accelerate_loop.py", *TINY_LM, "--steps", "30"]
-
-
 @pytest.fixture(scope="module")
-def accelerate_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """job_accelerate.py, then examples/accelerate_loop.py twice: 30 steps into OUT/full, and stopped after
-    step 20 with its state saved into OUT/split."""
-    out = tmp_path_factory.mktemp("accelerate")
-    return out, _job("job_accelerate.py", out, [*ACCELERATE_EXAMPLE, "--out-dir", str(out / "full")],
-                     [*ACCELERATE_EXAMPLE, "--stop-at", "20", "--out-dir", str(out / "split")])
+def accelerate_job(tools: Path) -> tuple[Path, dict]:
+    return _job(tools, "accelerate")
 
 
 def test_accelerate_loop_matches_ddp_and_resumes_exactly(accelerate_job: tuple[Path, dict]) -> None:
@@ -143,17 +157,9 @@ def test_accelerate_loop_example_learns_and_resumes_exactly(accelerate_job: tupl
 
 
 # ---- Lightning -----------------------------------------------------------------------------------------
-LIGHTNING_EXAMPLE = ["lightning_module.py", *TINY_LM, "--save-every", "10"]
-
-
 @pytest.fixture(scope="module")
-def lightning_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """job_lightning.py, then examples/lightning_module.py for 20 steps (checkpoints every 10) into OUT/a,
-    then again to step 30 from its last checkpoint into OUT/b (a fresh Trainer and module, as in a new run)."""
-    out = tmp_path_factory.mktemp("lightning")
-    ckpt = out / "a" / "ckpt" / "last.ckpt"
-    return out, _job("job_lightning.py", out, [*LIGHTNING_EXAMPLE, "--steps", "20", "--out-dir", str(out / "a")],
-                     [*LIGHTNING_EXAMPLE, "--steps", "30", "--resume", str(ckpt), "--out-dir", str(out / "b")])
+def lightning_job(tools: Path) -> tuple[Path, dict]:
+    return _job(tools, "lightning")
 
 
 def test_lightning_matches_ddp_and_resumes_as_ddp_does(lightning_job: tuple[Path, dict]) -> None:
