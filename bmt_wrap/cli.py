@@ -81,7 +81,7 @@ from .passes.capacity import (
     training_phases,
     with_peak,
 )
-from .passes.capture import Call, capture
+from .passes.capture import Call, Capture, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
 from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
@@ -455,13 +455,13 @@ def _run(opts: argparse.Namespace) -> str:
     # Activations are measured in the dtype blocks compute in: param_dtype under mixed precision.
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
+    sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
+    if opts.command == "plan" and opts.tp_size is not None:  # its fused-loss section needs the TP plan
+        return _tp_report(model, measured, discovery, opts, sizes, captured, inputs, budget, mp)
     section = fused_loss_section(measured, captured, enabled=opts.fused_loss)
     captured = with_fused_loss(captured, section)  # the plan counts the pair's (or the fused op's) bytes
     if section.fused:  # dump draws its node
         captured = replace(captured, graph=fuse_loss(captured.graph, measured, enabled=True)[0])
-    sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
-    if opts.command == "plan" and opts.tp_size is not None:
-        return _tp_report(model, discovery, opts, sizes, captured, inputs, budget, mp)
     plans, over = [], []
     for n in sizes:
         try:
@@ -497,8 +497,8 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
     return "\n".join(lines)
 
 
-def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
-               inputs: Call | None, budget: int | None, mp: MixedPrecision | None) -> str:
+def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],
+               captured: Capture, inputs: Call | None, budget: int | None, mp: MixedPrecision | None) -> str:
     """``plan --tp-size T``: per world size N, ZeRO over N/T ranks with the split layout, plus TP traffic; with
     ``--shard-size S`` also the 3-D mesh (N/(S T) replicas x S x T), traffic split by mesh axis and by node."""
     t, s = opts.tp_size, opts.shard_size
@@ -512,11 +512,14 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     tp = plan_tensor_parallel(model, t, discovery)  # type: ignore[arg-type]
     if opts.sequence_parallel:
         tp.sequence = plan_sequence_parallel(model, tp, discovery)  # type: ignore[arg-type]
-        if captured.method == "export":  # type: ignore[attr-defined]
-            tp.sequence = chain_from_capture(tp.sequence, captured.graph)  # type: ignore[attr-defined]
+        if captured.method == "export":
+            tp.sequence = chain_from_capture(tp.sequence, captured.graph)
+    # As the wrapper does: a product head cannot read a weight TP splits (passes/fused_loss.py).
+    captured = with_fused_loss(captured, fused_loss_section(measured, captured, enabled=opts.fused_loss,
+                                                            tensor_parallel=tp))
     ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
     tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
-    activations = captured.activations  # type: ignore[attr-defined]
+    activations = captured.activations
     plans, columns = [], []
     for n in sizes:
         # TP x DP over every rank, then (--shard-size) the 3-D mesh: HSDP replicas of shard x TP ranks, a
@@ -551,7 +554,7 @@ def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         raise CLIError(f"--shard-size {s} must divide every --world-size (replicas x shard size); {bad} do not")
     hsdp = build_plan(model, discovery, world_size=s, prefetch_depth=opts.prefetch_depth, memory_budget=budget,
                       mixed_precision=mp, capture=captured)
-    activations = captured.activations  # type: ignore[attr-defined]
+    activations = captured.activations
     out_sizes, out_plans = [], []
     for n, zero3 in zip(sizes, plans, strict=True):
         for plan, shard in ((zero3, n), (hsdp, s)):
