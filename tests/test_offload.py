@@ -335,17 +335,26 @@ def test_optimizer_state_kept_in_memory_is_said_once(tmp_path: Path) -> None:
     assert out["disk"] == [] and out["sgd"] == [], out
 
 
-def _tmpfs_body(tmp: str) -> tuple[list[str], list[str], list[str]]:
-    shm = _offload_warnings(lambda: bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir="/dev/shm"))
+def _tmpfs_body(tmp: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    def wrap_and_step() -> None:  # the half offload's warning too (AdamW's moments stay), at its first step
+        model = bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir="/dev/shm")
+        _train(model, _optimizer("torch", model, tmp), "toy", _batches(1, 1), clip=False)
+
+    both = _offload_warnings(wrap_and_step)
+    shm = [m for m in both if m.startswith("offload_dir=")]
+    kept = [m for m in both if not m.startswith("offload_dir=")]
     adam = _offload_warnings(lambda: bmt.optim.AdamDiskOptimizer([torch.nn.Parameter(torch.ones(4))],
                                                                  offload_dir="/dev/shm"))
     disk = _offload_warnings(lambda: bmt.BMTrainModelWrapper(_build("toy"), offload="disk", offload_dir=tmp))
-    return shm, adam, disk
+    return shm, adam, disk, kept
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
 def test_offload_dir_on_tmpfs_is_said(tmp_path: Path) -> None:
-    shm, adam, disk = run_distributed(_tmpfs_body, 1, str(tmp_path))[0]
+    (shm, adam, disk, kept), other = run_distributed(_tmpfs_body, 2, str(tmp_path))
+    # Said once per node (local rank 0), not by each of its ranks alike; the half offload's warning too.
+    assert other == ([], [], [], []), other
+    assert len(kept) == 1 and kept[0].startswith("AdamW keeps "), kept
     for msg, what in ((shm, "offloaded shards"), (adam, "optimizer state")):
         assert len(msg) == 1 and msg[0].startswith("offload_dir='/dev/shm' is on tmpfs (mounted at /dev/shm)"), msg
         assert f"the {what} written there stay in memory" in msg[0] and "docs/offload.md" in msg[0], msg

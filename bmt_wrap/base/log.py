@@ -40,3 +40,10 @@ def get_logger() -> logging.Logger:
         _logger.setLevel(os.environ.get("BMT_WRAP_LOG_LEVEL", "INFO").upper())
         _logger.propagate = False
     return _logger
+
+
+def says_for_node() -> bool:
+    """Whether this process speaks for its node: torchrun's local rank 0 (or a process not started by it).
+    A warning every rank would give alike (same optimizer, same offload directory) is given once per node
+    instead of once per rank."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"

@@ -27,6 +27,7 @@ import tempfile
 import warnings
 import weakref
 
+from ..base.log import says_for_node
 from ..base.plan import fmt_bytes
 from ..errors import BMTError, OffloadWarning
 
@@ -92,10 +93,11 @@ def filesystem_of(directory: str | os.PathLike[str]) -> tuple[str, str] | None:
 def warn_if_in_memory(directory: str | os.PathLike[str], what: str) -> None:
     """Warn (``OffloadWarning``) when ``directory`` is on a filesystem held in memory, naming it."""
     fs = filesystem_of(directory)
-    if fs is not None and fs[0] in MEMORY_FILESYSTEMS:
+    if fs is not None and fs[0] in MEMORY_FILESYSTEMS and says_for_node():
         warnings.warn(f"offload_dir={os.fspath(directory)!r} is on {fs[0]} (mounted at {fs[1]}), a filesystem "
                       f"held in memory: the {what} written there stay in memory, so offloading them saves "
-                      "nothing. Give offload_dir= a directory on a disk (docs/offload.md)",
+                      "nothing. Give offload_dir= a directory on a disk (docs/offload.md; said by local rank 0 for the "
+                      "node's ranks)",
                       OffloadWarning, stacklevel=4)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ..base.log import says_for_node
 from ..base.plan import fmt_bytes
 from ..errors import OffloadError, OffloadWarning
 from .backing_file import BackingFile
@@ -192,13 +193,13 @@ def check_kept_state(optimizer: torch.optim.Optimizer) -> None:
     if shards and not stepped:
         return  # no state yet: the check waits for a step that makes it
     optimizer.__dict__[_STATE_CHECKED] = True
-    if shards and kept >= KEPT_STATE_WARN_FRACTION * shards:
+    if shards and kept >= KEPT_STATE_WARN_FRACTION * shards and says_for_node():
         warnings.warn(
             f"{type(optimizer).__name__} keeps {fmt_bytes(kept)} of optimizer state in this process's memory, "
             f"{kept / shards:.1f}x the {fmt_bytes(shards)} of parameter shards offload='disk' keeps in a file: "
             "only part of the model's states is offloaded. For Adam use bmt.optim.AdamDiskOptimizer("
             "model.parameters(), offload_dir=...), which keeps its moments (and fp32 masters) in a file too "
-            "(docs/offload.md)", OffloadWarning, stacklevel=4)
+            "(docs/offload.md; said by local rank 0 for the node's ranks)", OffloadWarning, stacklevel=4)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
