@@ -37,9 +37,9 @@ def whole(t: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
     param = t if param is None else param
     if not getattr(param, "_tp_mode", False):
         return full
-    from bmt_wrap.job.distributed import tensor_parallel
+    from bmt_wrap.job.distributed import parallel_layout
 
-    comm = tensor_parallel().tp
+    comm = parallel_layout().tp
     out = torch.empty(comm.world_size * full.numel(), dtype=full.dtype)
     comm.all_gather_into(out, full.contiguous().flatten(), label="test: whole TP tensor")
     slices, dim = list(out.view(comm.world_size, *full.shape)), param._tp_split_dim

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..base.dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
-from ..job.distributed import broadcast_bytes, get_state, shard_placement, tensor_parallel
+from ..job.distributed import broadcast_bytes, get_state, parallel_layout, shard_placement
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
@@ -122,7 +122,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
         files = _file_names(rank, world, save_id)
         placement = shard_placement("save_checkpoint layout")
-        tp = tensor_parallel()
+        tp = parallel_layout()
         tp_ranks = ([0] * world if tp.tp_size == 1
                     else [row[0] for row in agree(None, [tp.tp_rank], what="TP ranks")])
         writers = {e.name: _writers(e, world, placement, tp_ranks) for e in entries}
@@ -334,7 +334,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
             plan = _plan_model(reader, entries)
             optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
             # Each rank's saved RNG state is its own only at the same layout (TP peers draw alike).
-            same_world = reader.world == state.world_size and reader.tp_size == tensor_parallel().tp_size
+            same_world = reader.world == state.world_size and reader.tp_size == parallel_layout().tp_size
             if same_world:
                 reader.state(state.rank)
         except CheckpointError as exc:

@@ -20,7 +20,7 @@ from ..base.plan import WrapPlan
 from ..errors import PlanError, WrapError
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
-from ..runtime.comm import Communicator, RankLayout
+from ..runtime.comm import ParallelLayout
 from ..runtime.engine import Engine, storage_mode
 from ..runtime.gather_function import regathered
 from ..runtime.group import ShardGroup
@@ -74,13 +74,10 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None, *,
-               layout: RankLayout | None = None, tp: Communicator | None = None,
-               whole: Communicator | None = None, offload: str | None = None,
+               layout: ParallelLayout | None = None, offload: str | None = None,
                offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
-    """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it;
-    ``tp``: the tensor-parallel group whose peers hold different slices of the TP-split parameters;
-    ``whole``: the shard x tp ranks the plan's ``over_tp`` buffers are sharded over;
-    ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
+    """Shard ``model`` per ``plan`` in place (over ``layout``'s dp group, with its TP group for TP-split
+    parameters; default: the layout the engine holds) and return it; ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
     (``"host"``)."""
     if is_wrapped(model) or isinstance(model, CheckpointBlock):
         raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
@@ -97,7 +94,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     del sites  # by_name alone holds the originals now, and lets each go once its group holds its shard
     engine = get_engine()
     if layout is not None:
-        engine.adopt_layout(layout, tp, whole)
+        engine.adopt_layout(layout)
     runtime = engine.new_runtime(type(model).__name__)
     runtime.offload = offload_store(engine.comm, offload, offload_dir, engine.device)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}

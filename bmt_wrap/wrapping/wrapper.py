@@ -17,7 +17,7 @@ from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError, WrapError
-from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
+from ..job.distributed import agree, broadcast_bytes, get_state, job_layout, use_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
@@ -27,12 +27,7 @@ from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .offload_option import check_offload
 from .sequence_parallel import adopt_sequence_chain
-from .tensor_parallel import (
-    apply_tensor_parallel,
-    guard_tp_inputs,
-    tensor_parallel_layout,
-    tensor_parallel_section,
-)
+from .tensor_parallel import apply_tensor_parallel, guard_tp_inputs, tensor_parallel_section
 from .verify import attach_verify
 
 
@@ -131,8 +126,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     if memory_budget is not None and state.device.type == "cpu":
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
-        tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
-        layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
+        # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
+        parallel = use_layout(job_layout(mesh, tp_size=tp_size))
+        tp_layout = parallel if parallel.tp_size > 1 else None
+        layout = parallel.dp
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget, "offload": offload}
@@ -166,10 +163,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         if tp is not None:
             apply_tensor_parallel(model, tp, tp_layout.tp)
             guard_tp_inputs(model)
-        apply_plan(model, plan, mixed_precision, layout=layout,
-                   tp=tp_layout.tp if tp_layout is not None else None,
-                   whole=tp_layout.whole if tp_layout is not None else None,
-                   offload=offload, offload_dir=offload_dir)
+        apply_plan(model, plan, mixed_precision, layout=parallel, offload=offload, offload_dir=offload_dir)
         install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first
         attach_verify(model)
