@@ -233,8 +233,12 @@ class Engine:
         """``group`` holds parameters of this rank's pipeline stage only: its norms and values combine over
         the pipe group (the other stages hold ghosts of it, ``ghost_group``)."""
         for b in group.buffers:
-            b.stage = stage
-            self.reducer.staged.append(weakref.ref(b))
+            self.place_buffer(b, stage)
+
+    def place_buffer(self, buffer: FlatBuffer, stage: StagePlacement) -> None:
+        """One buffer's stage (``place_on_stage``), e.g. a tied embedding's, held by two stages."""
+        buffer.stage = stage
+        self.reducer.staged.append(weakref.ref(buffer))
 
     def ghost_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]], stage: StagePlacement,
                     device: torch.device | str, runtime: ModelRuntime | None = None) -> ShardGroup:

@@ -259,21 +259,50 @@ class GradReducer:
 
 
     def _agree_across_stages(self) -> None:
-        """Under pipeline parallelism: a parameter one stage holds gets a ``.grad`` on every stage when it
-        got one there (other stages' is its ghost's, over an empty range), so every rank hands torch's
-        ``clip_grad_norm_`` and optimizers the same list of parameters. One all-reduce over the pipe group."""
+        """Under pipeline parallelism, the stages' share of the end of a backward: a buffer two stages hold
+        (a tied embedding and head) gets the sum of both stages' gradients (one exchange between them), and
+        a parameter held by one stage gets a ``.grad`` on every stage when it got one there (a ghost's over
+        its empty range), so every rank hands torch's ``clip_grad_norm_`` and optimizers the same list of
+        parameters (one all-reduce over the pipe group)."""
         buffers = [b for b in (ref() for ref in self.staged) if b is not None]
         self.staged = [weakref.ref(b) for b in buffers]
         if not buffers:
             return
+        # Every rank holds every stage's buffers (its own, or ghosts): in one order, the same everywhere.
+        buffers.sort(key=lambda b: (b.group_name, b.spec.slots[0].fqn))
+        pp = buffers[0].stage.pp
+        summed = [_sum_with_partners(b) for b in buffers]  # kept alive until the .grad views hold them
         mask = torch.tensor([float(p.grad is not None) for b in buffers for p in b.params], dtype=torch.float32,
                             device=self.device)
-        buffers[0].stage.pp.all_reduce(mask, "max", label="used-parameter mask over the stages")
+        pp.all_reduce(mask, "max", label="used-parameter mask over the stages")
         flags = iter((mask > 0).tolist())
         for b in buffers:
             for i, p in enumerate(b.params):
-                if next(flags) and p.grad is None and not b.stage.here:
+                if next(flags) and p.grad is None:
                     p.grad = b.grad_tensor(i)
+        del summed
+
+
+def _sum_with_partners(buffer: FlatBuffer) -> torch.Tensor | None:
+    """The sum of this buffer's gradient shard and that of the other stages holding it (point to point;
+    the lower stage sends first). None for a buffer only one stage holds."""
+    stage = buffer.stage
+    assert stage is not None
+    if not stage.shared_with:
+        return None
+    grad = buffer.ensure_grad_shard()
+    theirs = torch.empty_like(grad)
+    for peer in stage.shared_with:
+        pair = sorted((stage.pp.rank, peer))
+        label = f"{buffer.group_name} gradient shared by stages {pair[0]} and {pair[1]}"
+        if stage.pp.rank < peer:
+            stage.pp.send(grad, peer, label=label)
+            stage.pp.recv(theirs, peer, label=label)
+        else:
+            stage.pp.recv(theirs, peer, label=label)
+            stage.pp.send(grad, peer, label=label)
+        grad.add_(theirs)
+    return grad
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from ..base.plan import ShardGroupSpec
 from ..errors import PipelineError, UninitializedParameterError, WrapError
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
-from .flat_buffer import FlatBuffer
+from .flat_buffer import FlatBuffer, GhostBuffer
 from .module_params import Location, put
 from .offload import release_pages
 
@@ -93,6 +93,11 @@ class ShardGroup:
     def gathered(self) -> bool:
         """True while gathered or gathering."""
         return self.state is not GroupState.RELEASED
+
+    @property
+    def ghost(self) -> bool:
+        """True for another pipeline stage's group as this rank holds it: parameters over empty ranges."""
+        return all(isinstance(b, GhostBuffer) for b in self.buffers)
 
     @property
     def trainable(self) -> bool:
@@ -177,7 +182,7 @@ class ShardGroup:
         return values
 
     def _check_on_this_stage(self) -> None:
-        other = next((b.stage for b in self.buffers if b.stage is not None and not b.stage.here), None)
+        other = next((b.stage for b in self.buffers if b.stage is not None and not b.stage.held_here), None)
         if other is not None:
             raise PipelineError(
                 f"{self.name!r} belongs to pipeline stage {other.owner}, and this rank runs stage {other.pp.rank}: "

@@ -7,7 +7,7 @@ group. ``SendActivations`` sends a micro-batch's activations forward and, in bac
 gradients; ``RecvActivations`` is its other end. Each carries the micro-batch index, so gloo tells the
 transfers of one pair apart by tag, and the order check names both sides when stages disagree.
 
-No torch.fx here: the wrapper's pass decides where stages are cut (``passes/pipeline.py``).
+Where stages are cut is decided by the pure pass (``passes/pipeline.py``); this module only moves data.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ HEADER_INTS = 64
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64)
 _FORWARD, _BACKWARD = 0, 1
+
+
+def forward_tag(micro: int) -> int:
+    """The tag of micro-batch ``micro``'s activations."""
+    return tag_of(micro, _FORWARD)
 
 
 def tag_of(micro: int, direction: int) -> int:
@@ -48,15 +53,41 @@ def encode_header(tensors: Sequence[torch.Tensor], requires_grad: Sequence[bool]
     return torch.tensor(header + [0] * (HEADER_INTS - len(header)), dtype=torch.int64)
 
 
+#: A header whose count is this says the sender's forward failed: no tensors follow.
+FAILED = -1
+
+
 def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
-    """(dtype, requires_grad, shape) of each tensor a header describes."""
+    """(dtype, requires_grad, shape) of each tensor a header describes; ``StageFailed`` for a failure's."""
     values = header.tolist()
+    if values[0] == FAILED:
+        raise StageFailed("the previous pipeline stage failed in its forward (its rank raised the error)")
     out, pos = [], 1
     for _ in range(values[0]):
         dtype, grad, ndim = values[pos:pos + 3]
         out.append((_DTYPES[dtype], bool(grad), tuple(values[pos + 3:pos + 3 + ndim])))
         pos += 3 + ndim
     return out
+
+
+class StageFailed(PipelineError):
+    """What a stage receives in place of activations when the stage before it failed."""
+
+
+def send_failure(comm: Communicator, dst: int, tag: int, label: str, device: torch.device | str = "cpu") -> None:
+    """Tell rank ``dst`` that this stage's forward failed, where it expects a transfer (no tensors follow)."""
+    header = torch.zeros(HEADER_INTS, dtype=torch.int64, device=device)
+    header[0] = FAILED
+    comm.send(header, dst, tag=tag, label=f"{label} header")
+
+
+def drain(comm: Communicator, src: int, tag: int, label: str, device: torch.device | str = "cpu") -> None:
+    """Receive and drop what rank ``src`` sends with ``send_tensors`` (or ``send_failure``): a stage that
+    failed still takes its inputs, so the stage before it never waits for a receiver that left."""
+    try:
+        recv_tensors(comm, src, tag, label, device)
+    except StageFailed:
+        pass
 
 
 def send_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], dst: int, tag: int, label: str,

@@ -164,6 +164,8 @@ class ShardLayout:
             comm.all_reduce(t, op, label=f"{what} of sharded {self.name}")
         stage = self.stage
         if stage is not None:
+            if not stage.here:  # another holder of a shared buffer answers for it: count its part once
+                t.fill_(0 if op == "sum" else math.inf if op == "min" else -math.inf)
             stage.pp.all_reduce(t, op, label=f"{what} of {self.name} over the stages")
 
     @property
@@ -547,6 +549,7 @@ def _combine_pp_parts(parts: torch.Tensor, tensors: list, p: float) -> None:
         return
     pp = tensors[staged[0]]._layout.stage.pp
     sub = parts.reshape(-1)[staged].clone()
+    sub[[not tensors[i]._layout.stage.here for i in staged]] = 0  # a shared buffer counts on its owner only
     pp.all_reduce(sub, "max" if math.isinf(p) else "sum", label=f"norms of {len(staged)} tensor(s) over the stages")
     parts.reshape(-1)[staged] = sub
 

@@ -111,8 +111,22 @@ class StagePlacement:
 
     pp: Communicator
     owner: int
+    # Every stage holding the values (a tied embedding and head: the first and last); () means ``(owner,)``.
+    # Each holds its shards and its own gradient, summed between them at the end of a backward; only the
+    # owner's count in norms and answer for values.
+    holders: tuple[int, ...] = ()
 
     @property
     def here(self) -> bool:
         """True on the ranks of the owning stage."""
         return self.pp.rank == self.owner
+
+    @property
+    def held_here(self) -> bool:
+        """True where this stage holds the values (the owner, or another holder of a shared buffer)."""
+        return self.pp.rank in (self.holders or (self.owner,))
+
+    @property
+    def shared_with(self) -> tuple[int, ...]:
+        """The other stages holding the values beside this one (a shared buffer's gradient partners)."""
+        return tuple(s for s in self.holders if s != self.pp.rank) if self.held_here else ()

@@ -1,0 +1,209 @@
+"""Pipeline parallelism in the one-liner: ``BMTrainModelWrapper(model, pp_size=P)`` trains like plain PyTorch
+in one process, driven by the loop users write (``model(...)``, ``loss.backward()``, ``opt.step()`` on every
+rank), each rank holding only its stage's share, and bad input fails every rank with a named error.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import models
+import pytest
+import torch
+from dist_harness import COMM_TIMEOUT, run_distributed
+from parity import lm_batches, train_side_by_side
+from torch import nn
+
+import bmt_wrap as bmt
+from bmt_wrap import passes
+from bmt_wrap.errors import InitError, ModelMismatchError, PipelineError, PlanError
+from bmt_wrap.passes.pipeline import balanced_split, plan_pipeline
+
+
+def use_pipeline(pipe_size: int) -> None:
+    """The job's layout as ``init_distributed(pipe_size=P)`` makes it (data slices follow it at once)."""
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=pipe_size)
+
+
+def _llama_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, :3] = -100  # ignored tokens: the micro-batches' losses must still sum to the batch's mean
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
+    """One model trained side by side with plain PyTorch (3 steps); the test's own checks raise inside."""
+    if kind == "llama":
+        build, loss_fn = models.llama, _llama_loss
+        batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
+        batches[1][0][0, -1] = 7  # another batch on the second step
+    else:
+        build, loss_fn = (lambda: models.ToyGPT(n_layers=4, tie=kind == "tied")), None
+        batches = lm_batches(3, 8, seq=8, vocab=models.VOCAB)
+    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, **(wrap_kwargs or {})), batches,
+                                optimizer=optimizer, loss_fn=loss_fn,
+                                data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
+    gc.collect()  # the wrapped model goes before the next one takes the engine
+    return {"losses": result["losses"], "ref": result["ref_losses"]}
+
+
+# ---- parity -------------------------------------------------------------------------------------------------
+def _pp2_body() -> list[dict]:
+    use_pipeline(2)
+    return [_train("toy", "sgd"), _train("tied", "sgd", {"pp_microbatches": 4}), _train("llama", "adamw")]
+
+
+def test_pp2_trains_like_plain_pytorch() -> None:
+    # toy GPT (SGD: gradients and parameters elementwise), its tied-embedding variant (the weight on both
+    # stages, gradients summed), transformers' Llama with labels (AdamW), all within DESIGN.md's tolerances
+    results = run_distributed(_pp2_body, 2)
+    assert results[0] == results[1]  # both stages return the whole batch's loss
+
+
+def _pp2_dp2_and_pp4_body() -> list[dict]:
+    use_pipeline(2)
+    out = [_train("toy", "adamw"), _train("llama", "sgd")]
+    use_pipeline(4)
+    out.append(_train("toy", "sgd", {"pp_size": 4}))  # the wrapper's keyword agrees with init_distributed's
+    return out
+
+
+def test_pp2_dp2_and_pp4_train_like_plain_pytorch() -> None:
+    results = run_distributed(_pp2_dp2_and_pp4_body, 4)
+    assert all(r == results[0] for r in results)
+
+
+# ---- what each rank holds --------------------------------------------------------------------------------
+def _held_body() -> dict:
+    use_pipeline(2)
+    torch.manual_seed(0)
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, dim=64), pp_microbatches=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, targets = lm_batches(1, 4, seq=8, vocab=models.VOCAB)[0]
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
+    loss = model(ids.chunk(n)[r], targets.chunk(n)[r])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    # An independent count: the storages every parameter, gradient and optimizer state tensor views.
+    storages: dict[int, int] = {}
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel():
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    stage = model.plan.pipeline.stages[model._bmt_pipeline.stage]
+    return {"held": sum(storages.values()), "share": 4 * stage.param_bytes / n,  # params, grads, two moments
+            "names": [name for name, _ in model.named_parameters()],
+            "shapes": [tuple(p.shape) for p in model.parameters()], "loss": float(loss)}
+
+
+def test_each_rank_holds_its_stages_share_and_every_parameter_looks_whole() -> None:
+    results = run_distributed(_held_body, 4)
+    plain = models.ToyGPT(n_layers=4, dim=64)
+    for r in results:
+        assert r["held"] <= 1.05 * r["share"], r
+        assert r["names"] == [n for n, _ in plain.named_parameters()]
+        assert r["shapes"] == [tuple(p.shape) for p in plain.parameters()]
+    assert len({r["loss"] for r in results}) == 2  # one loss per data-parallel slice, the same on both stages
+
+
+# ---- bad input fails every rank, named, at once ------------------------------------------------------------
+class _ExplodingBlock(models.Block):
+    explode = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.explode:
+            raise ValueError(f"boom on rank {bmt.rank()}")
+        return super().forward(x)
+
+
+def _exploding() -> nn.Module:
+    model = models.ToyGPT(n_layers=4)
+    model.layers = nn.ModuleList(_ExplodingBlock() for _ in range(4))
+    return model
+
+
+def _raises(fn) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+def _errors_body() -> dict:
+    ids, targets = lm_batches(1, 4, seq=8, vocab=models.VOCAB)[0]
+    out = {"world": _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_size=3)),
+           "blocks": _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=3), pp_size=4))}
+    gc.collect()
+    use_pipeline(2)
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
+    out["batch"] = _raises(lambda: model(ids[:3], targets[:3]))
+    gc.collect()
+    torch.manual_seed(0)
+    exploding = bmt.BMTrainModelWrapper(_exploding())
+    # A block of the last stage raises (on both of its data-parallel ranks, as a stage's own code does: a
+    # rank failing alone leaves its data-parallel peers in their next ZeRO gather until the timeout, as
+    # without pipelines); stage 0 is sending it micro-batches.
+    exploding.layers[3].explode = bmt.config["pipe_rank"] == 1
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
+    out["stage"] = _raises(lambda m=exploding: m(ids.chunk(n)[r], targets.chunk(n)[r]))
+    del exploding
+    gc.collect()
+    depth = 4 if bmt.rank() < 2 else 5  # ranks that built different models
+    out["models"] = _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=depth)))
+    return out
+
+
+def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
+    results = run_distributed(_errors_body, 4)
+    for rank, r in enumerate(results):
+        assert r["world"][0] == InitError.__name__ and "pipe_size x tp_size" in r["world"][1], r["world"]
+        assert r["blocks"][0] == PipelineError.__name__ and "3 block(s)" in r["blocks"][1], r["blocks"]
+        assert r["batch"][0] == PipelineError.__name__ and "micro-batches" in r["batch"][1], r["batch"]
+        name, message, seconds = r["stage"]
+        if rank == 2:
+            assert name == "ValueError" and "boom on rank 2" in message, r["stage"]
+        else:  # every other rank stops and names it
+            assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
+        assert seconds < 30, r["stage"]
+        assert r["models"][0] == ModelMismatchError.__name__, r["models"]
+
+
+# ---- the plan's pipeline section (pure) ----------------------------------------------------------------------
+def test_stages_are_balanced_contiguous_runs_of_blocks() -> None:
+    assert balanced_split([1, 1, 1, 1], 2) == [2]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [1]
+    assert balanced_split([1, 1, 1, 1, 1, 1], 3) == [2, 4]
+    model = models.ToyGPT(n_layers=4, tie=True)
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery)
+    plan = passes.build_plan(model, discovery, world_size=2, capture=cap)
+    section = plan_pipeline(model, plan, 2, 4, cap.graph)
+    assert [s.blocks for s in section.stages] == [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
+    assert section.stages[0].root == ["pos", "embed.weight"] and section.root_source == "graph"
+    assert section.stages[1].root == ["embed.weight", "ln_f.weight", "ln_f.bias"]  # the tied head's weight
+    assert section.root_sets()[-1] == ((0, 1), ["embed.weight"])
+    assert section.bubble() == pytest.approx(1 / 5)
+    plan.pipeline = section
+    again = type(plan).from_json(plan.to_json())
+    assert again.pipeline == section and "pipeline: 2 stages, 4 micro-batches" in str(again)
+    # transformers' Llama is not fx-traceable: module order places its root parameters until the first call
+    llama = models.llama()
+    discovery = passes.discover_blocks(llama)
+    plan = passes.build_plan(llama, discovery, world_size=1, capture=passes.capture(llama, discovery))
+    section = plan_pipeline(llama, plan, 2, 2)
+    assert section.root_source == "registration"
+    assert section.stages[0].root == ["model.embed_tokens.weight"]
+    assert section.stages[1].root == ["model.norm.weight", "lm_head.weight"]
+    with pytest.raises(PipelineError, match="2 block"):
+        plan_pipeline(llama, plan, 3, 2)
+    with pytest.raises(PlanError, match="example_inputs="):
+        wrong = plan_pipeline(llama, plan, 2, 2)
+        wrong.stages[0].root, wrong.stages[1].root = wrong.stages[1].root, wrong.stages[0].root
+        passes.check_root_order(wrong, passes.capture(llama, discovery, {"input_ids": models.token_ids(2)}).graph,
+                                plan)
