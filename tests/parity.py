@@ -279,10 +279,11 @@ def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 64, seed: int 
 
 
 def train_managed(model: nn.Module, mgr: Any, batches: list[tuple[torch.Tensor, ...]], steps: range) -> list[float]:
-    """``steps`` of ``batches`` through an ``OptimManager``, each rank on its slice; the rank-mean losses."""
+    """``steps`` of ``batches`` through an ``OptimManager``, each data-parallel rank on its slice (the stages of
+    a pipeline on the same one); the rank-mean losses."""
     import bmt_wrap as bmt
 
-    n, r = bmt.world_size(), bmt.rank()
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
     losses = []
     for step in steps:
         idx, tgt = batches[step]

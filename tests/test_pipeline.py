@@ -207,3 +207,145 @@ def test_stages_are_balanced_contiguous_runs_of_blocks() -> None:
         wrong.stages[0].root, wrong.stages[1].root = wrong.stages[1].root, wrong.stages[0].root
         passes.check_root_order(wrong, passes.capture(llama, discovery, {"input_ids": models.token_ids(2)}).graph,
                                 plan)
+
+
+# ---- everything that reads parameters -------------------------------------------------------------------------
+def _readers_body(tmp: str) -> dict:
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    use_pipeline(2)
+    out = {}
+    torch.manual_seed(0)
+    ref = models.ToyGPT(n_layers=4, tie=True)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    # state_dict() and bmt.save: whole tensors under the original names, from every stage
+    state = model.state_dict()
+    out["state_dict"] = list(state) == list(ref.state_dict()) and all(
+        torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    bmt.save(model, f"{tmp}/model.safetensors")
+    torch.manual_seed(5)
+    other = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, tie=True))
+    bmt.load(other, f"{tmp}/model.safetensors")
+    out["load"] = all(torch.equal(other.state_dict()[k], v) for k, v in ref.state_dict().items())
+    # DCP's sharded state dict: each stage's ranks write their shards, a fresh model reads them back
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, targets = lm_batches(1, 2, vocab=models.VOCAB)[0]
+    model(ids, targets).backward()
+    opt.step()
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/dcp")
+    full = {k: v.detach().cpu() for k, v in get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True))[0].items()}
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other(ids, targets).backward()
+    opt2.step()
+    msd2, osd2 = get_state_dict(other, opt2)
+    loaded = {"model": msd2, "optim": osd2}
+    dcp.load(loaded, checkpoint_id=f"{tmp}/dcp")
+    set_state_dict(other, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    full2 = get_state_dict(other, opt2, options=StateDictOptions(full_state_dict=True))[0]
+    out["dcp"] = all(torch.equal(full[k], full2[k].cpu()) for k in full)
+    del model, other, opt, opt2
+    gc.collect()
+    # generate(): every forward without gradients runs whole, the last stage's logits shared, each stage's
+    # own layers filling its KV cache
+    llama = models.llama()
+    wrapped = bmt.BMTrainModelWrapper(copy.deepcopy(llama))
+    prompt = models.token_ids(batch=2, seq=5)
+    out["generate"] = torch.equal(llama.generate(prompt, max_new_tokens=4, do_sample=False),
+                                  wrapped.generate(prompt, max_new_tokens=4, do_sample=False))
+    del wrapped
+    gc.collect()
+    # fused_loss=True: the last stage's head and loss run as one chunked op
+    fused = _train("llama", "sgd", {"fused_loss": True})
+    out["fused"] = fused["losses"]
+    return out
+
+
+def test_state_dict_save_load_dcp_generate_and_fused_loss_read_every_stage(tmp_path) -> None:
+    results = run_distributed(_readers_body, 2, str(tmp_path))
+    for r in results:
+        assert {k: v for k, v in r.items() if k != "fused"} == {
+            "state_dict": True, "load": True, "dcp": True, "generate": True}, r
+    assert results[0]["fused"] == results[1]["fused"]
+
+
+def _no_sync_body() -> str:
+    import copy
+
+    from parity import compare_grads
+
+    use_pipeline(2)
+    torch.manual_seed(0)
+    ref = models.ToyGPT(n_layers=4, tie=True)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
+    for i, (ids, targets) in enumerate(lm_batches(3, 4, vocab=models.VOCAB)):
+        ref(ids, targets).div(3).backward()
+        local = (ids.chunk(n)[r], targets.chunk(n)[r])
+        if i < 2:  # two micro-steps accumulate unreduced, the third reduces all three
+            with model.no_sync():
+                model(*local).div(3).backward()
+        else:
+            model(*local).div(3).backward()
+    compare_grads(ref, model, "after a no_sync window")
+    return "ok"
+
+
+def test_no_sync_accumulates_like_plain_pytorch_at_pp2_dp2() -> None:
+    assert run_distributed(_no_sync_body, 4) == ["ok"] * 4
+
+
+# ---- sharded checkpoints resume at other layouts ------------------------------------------------------------
+SAVE_AT, STEPS = 2, 4
+
+
+def _managed(pipe_size: int, seed: int) -> tuple[nn.Module, object]:
+    use_pipeline(pipe_size)
+    torch.manual_seed(seed)
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, tie=True))
+    mgr = bmt.optim.OptimManager(loss_scale=2.0 ** 10)
+    mgr.add_optimizer(bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1))
+    return model, mgr
+
+
+def _ckpt_save_body(tmp: str, pipe_size: int) -> list[float]:
+    from parity import train_managed
+
+    model, mgr = _managed(pipe_size, 0)
+    train_managed(model, mgr, lm_batches(STEPS, 4), range(SAVE_AT))
+    bmt.save_checkpoint(f"{tmp}/ckpt", model, mgr, step=SAVE_AT)
+    losses = train_managed(model, mgr, lm_batches(STEPS, 4), range(SAVE_AT, STEPS))
+    bmt.save(model, f"{tmp}/final.safetensors")
+    return losses
+
+
+def _ckpt_load_body(tmp: str, pipe_size: int, expected: list[float]) -> float:
+    import safetensors
+    from parity import ADAMW_REL, LOSS_RTOL, train_managed, whole
+
+    model, mgr = _managed(pipe_size, 1)  # another init: everything must come from the checkpoint
+    bmt.load_checkpoint(f"{tmp}/ckpt", model, mgr)
+    losses = train_managed(model, mgr, lm_batches(STEPS, 4), range(SAVE_AT, STEPS))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=LOSS_RTOL, atol=0)
+    worst = 0.0
+    with safetensors.safe_open(f"{tmp}/final.safetensors", "pt") as f:
+        for name, p in model.named_parameters():
+            want = f.get_tensor(name)
+            rel = float((whole(p) - want).norm() / want.norm().clamp_min(1e-12))
+            assert rel <= ADAMW_REL, f"{name}: relative difference {rel:.2e}"
+            worst = max(worst, rel)
+    return worst
+
+
+def test_sharded_checkpoints_resume_across_pipeline_layouts(tmp_path) -> None:
+    # pp2 x dp2 -> pp2 (2 ranks) and -> one rank; pp1 (dp2) -> pp2
+    expected = run_distributed(_ckpt_save_body, 4, str(tmp_path / "a"), 2)[0]
+    run_distributed(_ckpt_load_body, 2, str(tmp_path / "a"), 2, expected)
+    run_distributed(_ckpt_load_body, 1, str(tmp_path / "a"), 1, expected)
+    expected = run_distributed(_ckpt_save_body, 2, str(tmp_path / "b"), 1)[0]
+    run_distributed(_ckpt_load_body, 2, str(tmp_path / "b"), 2, expected)

@@ -27,6 +27,7 @@ from ..base.plan import ROOT, ShardGroupSpec, WrapPlan
 from ..errors import PipelineError, PipelineInputMismatchError, PlanError, UnsupportedError
 from ..job.distributed import agree, get_state
 from ..job.tp_inputs import _digest
+from ..loss.lazy_logits import LazyLogits
 from ..passes.capture import to_meta
 from ..passes.pipeline import stage_root_spec
 from ..runtime.active_engine import get_engine
@@ -281,7 +282,9 @@ def _accepts_num_items(model: nn.Module, forward: Any) -> bool:
 
 def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accepts_items: bool,
                args: tuple, kwargs: dict) -> Any:
-    micros = runtime.section.microbatches
+    # Micro-batches pipeline a training step's backward; a forward without gradients (generate's steps,
+    # whose KV cache one call fills for the whole batch) runs the batch whole.
+    micros = runtime.section.microbatches if torch.is_grad_enabled() else 1
     batch = _batch_size(args, kwargs)
     _check_inputs(runtime, args, kwargs, batch, micros)
     calls = [_micro_call(args, kwargs, batch, micros, m) for m in range(micros)]
@@ -314,7 +317,18 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
     # A stage whose forward raised took its inputs and told the next stage instead of sending, so every
     # stage reaches this all-reduce: each raises the failing rank's error.
     agree(failure, what="pipeline forward", error_type=PipelineError)
-    return _combine(runtime, outputs, run.tokens, [batch // micros] * micros, batch, items is not None)
+    out = _combine(runtime, outputs, run.tokens, [batch // micros] * micros, batch, items is not None)
+    return _own_objects(out, kwargs) if not runtime.last_stage else out
+
+
+def _own_objects(out: Any, kwargs: dict) -> Any:
+    """On a stage that did not compute the output: an object the caller passed in and the output hands back
+    (generate's KV cache, which this stage's own layers filled) is this stage's own."""
+    if isinstance(out, dict):
+        for key, value in kwargs.items():
+            if key in out and out[key] is None and value is not None and not isinstance(value, torch.Tensor):
+                out[key] = value
+    return out
 
 
 def _settle(runtime: PipelineRuntime, run: _Run, m: int) -> None:
@@ -427,13 +441,18 @@ def _set_loss(out: Any, loss: torch.Tensor) -> Any:
 
 def _join(outputs: list[Any], rows: list[int], batch: int) -> Any:
     """The micro-batches' outputs as one: tensors of the micro-batches' rows concatenated, scalars weighted by
-    each micro-batch's share of the batch, other values the last micro-batch's; objects (a KV cache) dropped."""
+    each micro-batch's share of the batch, other values the last micro-batch's; objects (a KV cache) and the
+    fused loss's lazy logits dropped. One micro-batch's output is returned as it is."""
+    if len(outputs) == 1:
+        return outputs[0]
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[-1][1]
     joined = []
     for i, last in enumerate(flat[-1][0]):
         parts = [f[0][i] for f in flat]
-        if isinstance(last, torch.Tensor) and last.dim() > 0 and all(
+        if isinstance(last, LazyLogits):  # fused_loss=True: joining them would compute them whole
+            joined.append(None)
+        elif isinstance(last, torch.Tensor) and last.dim() > 0 and all(
                 p.shape[0] == r for p, r in zip(parts, rows, strict=True)):
             joined.append(torch.cat(parts))
         elif isinstance(last, torch.Tensor) and last.dim() == 0 and last.is_floating_point():
