@@ -82,10 +82,14 @@ def _held_body() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids, targets = lm_batches(1, 4, seq=8, vocab=models.VOCAB)[0]
     n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
-    loss = model(ids.chunk(n)[r], targets.chunk(n)[r])
-    loss.backward()
+    with bmt.get_state().comm.trace() as ops:
+        loss = model(ids.chunk(n)[r], targets.chunk(n)[r])
+        loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+    own = model.plan.pipeline.stages[model._bmt_pipeline.stage].blocks
+    # A stage's blocks are gathered once for the step and their gradients reduced once, whatever M is.
+    per_block = {b: sorted(op for op, label, _ in ops if label == b) for b in own}
     # An independent count: the storages every parameter, gradient and optimizer state tensor views.
     storages: dict[int, int] = {}
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
@@ -97,7 +101,7 @@ def _held_body() -> dict:
     stage = model.plan.pipeline.stages[model._bmt_pipeline.stage]
     return {"held": sum(storages.values()), "share": 4 * stage.param_bytes / n,  # params, grads, two moments
             "names": [name for name, _ in model.named_parameters()],
-            "shapes": [tuple(p.shape) for p in model.parameters()], "loss": float(loss)}
+            "shapes": [tuple(p.shape) for p in model.parameters()], "loss": float(loss), "per_block": per_block}
 
 
 def test_each_rank_holds_its_stages_share_and_every_parameter_looks_whole() -> None:
@@ -107,6 +111,7 @@ def test_each_rank_holds_its_stages_share_and_every_parameter_looks_whole() -> N
         assert r["held"] <= 1.05 * r["share"], r
         assert r["names"] == [n for n, _ in plain.named_parameters()]
         assert r["shapes"] == [tuple(p.shape) for p in plain.parameters()]
+        assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
     assert len({r["loss"] for r in results}) == 2  # one loss per data-parallel slice, the same on both stages
 
 
@@ -225,6 +230,8 @@ def _readers_body(tmp: str) -> dict:
     state = model.state_dict()
     out["state_dict"] = list(state) == list(ref.state_dict()) and all(
         torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    with bmt.gathered(model):  # every stage's parameters whole, on every rank
+        out["gathered"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     bmt.save(model, f"{tmp}/model.safetensors")
     torch.manual_seed(5)
     other = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, tie=True))
@@ -266,11 +273,11 @@ def _readers_body(tmp: str) -> dict:
     return out
 
 
-def test_state_dict_save_load_dcp_generate_and_fused_loss_read_every_stage(tmp_path) -> None:
+def test_state_dict_gathered_save_load_dcp_generate_and_fused_loss_read_every_stage(tmp_path) -> None:
     results = run_distributed(_readers_body, 2, str(tmp_path))
     for r in results:
         assert {k: v for k, v in r.items() if k != "fused"} == {
-            "state_dict": True, "load": True, "dcp": True, "generate": True}, r
+            "state_dict": True, "gathered": True, "load": True, "dcp": True, "generate": True}, r
     assert results[0]["fused"] == results[1]["fused"]
 
 

@@ -76,14 +76,14 @@ class PipelinePlan:
                    stages=[PipelineStage(**s) for s in raw["stages"]])
 
 
-def pipeline_text(section: PipelinePlan, shard_size: int = 1) -> list[str]:
+def pipeline_text(section: PipelinePlan) -> list[str]:
     """The section as ``str(plan)`` and ``bmt-wrap dump`` show it: one line per stage."""
     lines = [f"pipeline: {section.size} stages, {section.microbatches} micro-batches, {section.schedule} "
              f"(bubble {section.bubble():.0%}); root parameters' stages from the {section.root_source}"]
     for i, s in enumerate(section.stages):
         blocks = f"{s.blocks[0]} .. {s.blocks[-1]}" if len(s.blocks) > 2 else ", ".join(s.blocks)
         root = f"; root: {', '.join(s.root)}" if s.root else ""
-        lines.append(f"  stage {i}: {len(s.blocks)} block(s) {blocks}{root}; "
-                     f"{s.param_bytes // max(shard_size, 1):,} parameter bytes per rank")
+        lines.append(f"  stage {i}: {len(s.blocks)} block(s) {blocks}{root}; {s.param_bytes:,} parameter bytes "
+                     "(unsharded)")
     lines += [f"  note: {n}" for n in section.notes]
     return lines

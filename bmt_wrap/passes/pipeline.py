@@ -11,13 +11,25 @@ registration order, which the first call's capture then checks (``check_root_ord
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from torch import fx, nn
 
 from ..base.dtypes import itemsize
 from ..base.pipeline_plan import PipelinePlan, PipelineStage
-from ..base.plan import ROOT, FlatBufferSpec, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
+from ..base.plan import (
+    ROOT,
+    FlatBufferSpec,
+    MemoryEstimate,
+    ParamInfo,
+    ShardGroupSpec,
+    WrapPlan,
+    fmt_bytes,
+    layout_buffers,
+)
 from ..errors import PipelineError, PlanError
+from .activations import ActivationProfile
+from .estimate import estimate, gathered_traffic, held_gathered
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
@@ -163,3 +175,88 @@ def stage_root_spec(root: ShardGroupSpec, names: Iterable[str]) -> ShardGroupSpe
 def _aliases(root: ShardGroupSpec | None) -> dict[str, str]:
     """Every name of a root parameter (aliases too) -> its canonical name."""
     return {n: s.fqn for _, s in (root.slots() if root is not None else []) for n in s.names}
+
+
+@dataclass
+class StageEstimate:
+    """One stage's bytes per rank and per step under the one-liner's GPipe loop (``wrapping/pipeline.py``:
+    a stage's blocks gathered once per step, their gradients summed over the micro-batches and reduced once)."""
+
+    stage: int
+    blocks: int
+    zero: MemoryEstimate  # ZeRO-3 over the stage's data-parallel ranks: shards, pooled gathers, traffic
+    gathered_step: int  # the stage's blocks held gathered through the step (and their full gradients summed)
+    boundary_in: int | None  # bytes one micro-batch's activations from the previous stage take (None: unknown)
+    boundary_out: int | None  # to the next stage
+    held_gpipe: int | None  # received activations GPipe holds until their backward: all M micro-batches'
+    held_1f1b: int | None  # 1F1B holds at most (P - stage) of them
+    p2p: int | None  # bytes this rank sends and receives per step (activations forward, gradients back)
+    zero_traffic: int = 0  # the stage's all-gathers (each group once per step) and reduce-scatters per rank
+
+    @property
+    def total(self) -> int:
+        """Memory per rank at the step's peak: shards, the held gathered blocks and their summed gradients,
+        the root group and activations (GPipe's received ones included)."""
+        root = self.zero.gathered  # the root group (the blocks' pooled buffers are the held ones here)
+        return (self.zero.params + self.zero.grads + self.zero.optimizer + 2 * self.gathered_step + root
+                + (self.zero.activations or 0) + (self.held_gpipe or 0))
+
+
+def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
+                      activations: ActivationProfile | None = None) -> list[StageEstimate]:
+    """Each stage's ``StageEstimate`` with ``shard_size`` data-parallel ranks per stage; activations (the
+    whole local batch's, cut into ``section.microbatches``) give the boundaries and what the schedules hold."""
+    root = plan.group(ROOT) if any(g.is_root for g in plan.groups) else None
+    inputs = {c.block: c.input_bytes for c in (activations.calls if activations is not None else [])}
+    blocks = [b for s in section.stages for b in s.blocks]
+    m, p = section.microbatches, section.size
+    out = []
+    for i, s in enumerate(section.stages):
+        groups = [plan.group(b) for b in s.blocks]
+        if root is not None and s.root:
+            groups.insert(0, stage_root_spec(root, s.root))
+        sub = WrapPlan(groups=groups, prefetch_depth=plan.prefetch_depth, order=list(s.blocks))
+        own = None
+        if activations is not None:
+            own = ActivationProfile(activations.root_bytes if i in (0, p - 1) else 0,
+                                    [c for c in activations.calls if c.block in s.blocks], activations.object_bytes)
+        zero = estimate(sub, shard_size, own)
+        zero.gathered = sum(held_gathered(g, shard_size) for g in groups if g.is_root)
+        step = sum(held_gathered(g, shard_size) for g in groups if not g.is_root)
+        # What crosses a boundary: the inputs of the next stage's first block (its hidden states, and
+        # whatever else it reads that the first stage computed), one micro-batch's worth.
+        first = blocks.index(s.blocks[0])
+        b_in = inputs.get(s.blocks[0]) // m if i > 0 and s.blocks[0] in inputs else None if i > 0 else 0
+        nxt = blocks[first + len(s.blocks)] if i < p - 1 else None
+        b_out = (inputs[nxt] // m if nxt in inputs else None) if nxt is not None else 0
+        known = b_in is not None and b_out is not None
+        out.append(StageEstimate(
+            i, len(s.blocks), zero, step, b_in, b_out,
+            held_gpipe=m * b_in if b_in is not None else None,
+            held_1f1b=min(m, p - i) * b_in if b_in is not None else None,
+            p2p=2 * m * (b_in + b_out) if known else None,
+            zero_traffic=sum(gathered_traffic(g, shard_size) for g in groups) + zero.comm_reduce_scatter))
+    return out
+
+
+def pipeline_report(section: PipelinePlan, stages: list[StageEstimate]) -> list[str]:
+    """The stage table ``bmt-wrap plan --pp-size`` prints."""
+    def b(n: int | None) -> str:
+        return fmt_bytes(n) if n is not None else "?"
+
+    lines = [f"pipeline: {section.size} stages x {section.microbatches} micro-batches, {section.schedule}; "
+             f"bubble (P-1)/(M+P-1) = {section.bubble():.1%}",
+             f"  {'stage':<6}{'blocks':>7}{'shards':>12}{'held/step':>12}{'activations':>13}"
+             f"{'GPipe holds':>13}{'1F1B holds':>12}{'p2p/step':>11}{'ZeRO/step':>11}{'total':>11}"]
+    for e in stages:
+        z = e.zero
+        lines.append(f"  {e.stage:<6}{e.blocks:>7}{b(z.params + z.grads + z.optimizer):>12}{b(e.gathered_step):>12}"
+                     f"{b(z.activations):>13}{b(e.held_gpipe):>13}{b(e.held_1f1b):>12}{b(e.p2p):>11}"
+                     f"{b(e.zero_traffic):>11}{b(e.total):>11}")
+    lines.append("  shards: parameters, gradients and Adam state per rank; held/step: the stage's blocks gathered "
+                 "for the step (and as much again for their summed gradients in backward); p2p: activations "
+                 "and their gradients sent and received per rank per step")
+    if any(e.p2p is None for e in stages):
+        lines.append("  note: activation and point-to-point bytes need an input shape (--input)")
+    return lines
+

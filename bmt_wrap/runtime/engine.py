@@ -85,6 +85,9 @@ class Engine:
         # The explicit API's blocks and bare parameters have no model to belong to: they share this one.
         self.explicit = self.new_runtime("explicit API")
         self.phase = Phase.IDLE
+        # Set by a pipeline's forward for micro-batches whose backward another one's follows: their block
+        # calls accumulate gradients, the last one's reduce them (BlockCall.defer_reduce).
+        self.defer_reduce = False
         self.nested: list[Phase] = []  # BLOCK or RECOMPUTE per block whose own code is running
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
@@ -398,6 +401,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
+        call.defer_reduce = self.defer_reduce
         call.call_index = self._runtime(group).prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
@@ -444,9 +448,9 @@ class Engine:
         self._acquire(call.group, prefetcher.backward_call(call.call_index), prefetcher.ahead)
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]],
-                           only: int | None = None) -> None:
+                           only: int | None = None, defer: bool = False) -> None:
         """Flatten per-slot gradients of each trainable buffer (or of buffer ``only``) and start their
-        reduce-scatter."""
+        reduce-scatter (``defer``: accumulate them for a later call of the group in this backward)."""
         self._enter_backward()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
             if only is not None and i != only:
@@ -460,7 +464,7 @@ class Engine:
             if not any(used) and self.world_size == 1:
                 continue
             dtype = buf.grad_dtype
-            syncing = self.local_grads.syncing(group)
+            syncing = self.local_grads.syncing(group) and not defer
             if syncing:
                 self.reducer.make_room()
             full, release = self._full_grad_buffer(group, i, dtype)

@@ -12,6 +12,7 @@ Where stages are cut is decided by the pure pass (``passes/pipeline.py``); this 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,26 +91,47 @@ def drain(comm: Communicator, src: int, tag: int, label: str, device: torch.devi
         pass
 
 
+#: Seconds this process spent in transfers between stages (waiting for a peer, or moving data) since the
+#: last ``reset_transfer_time``: a stage's idle time, what a schedule's bubble costs (benchmarks/pipeline.py).
+_TRANSFER_SECONDS = [0.0]
+
+
+def transfer_time() -> float:
+    """Seconds spent in transfers between stages since ``reset_transfer_time``."""
+    return _TRANSFER_SECONDS[0]
+
+
+def reset_transfer_time() -> None:
+    """Start counting ``transfer_time`` again."""
+    _TRANSFER_SECONDS[0] = 0.0
+
+
 def send_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], dst: int, tag: int, label: str,
                  requires_grad: Sequence[bool] | None = None) -> None:
     """Send a header, then each tensor, to rank ``dst`` of ``comm``."""
+    start = time.perf_counter()
     device = tensors[0].device if tensors else torch.device("cpu")
     comm.send(encode_header(tensors, requires_grad).to(device), dst, tag=tag, label=f"{label} header")
     for t in tensors:
         comm.send(t.detach().contiguous().reshape(-1), dst, tag=tag, label=label)
+    _TRANSFER_SECONDS[0] += time.perf_counter() - start
 
 
 def recv_tensors(comm: Communicator, src: int, tag: int, label: str,
                  device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, bool]]:
     """Receive what ``send_tensors`` sent from rank ``src`` of ``comm``: each tensor and its requires_grad."""
+    start = time.perf_counter()
     header = torch.empty(HEADER_INTS, dtype=torch.int64, device=device)
-    comm.recv(header, src, tag=tag, label=f"{label} header")
-    out = []
-    for dtype, grad, shape in decode_header(header):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        comm.recv(t.view(-1), src, tag=tag, label=label)
-        out.append((t, grad))
-    return out
+    try:
+        comm.recv(header, src, tag=tag, label=f"{label} header")
+        out = []
+        for dtype, grad, shape in decode_header(header):
+            t = torch.empty(shape, dtype=dtype, device=device)
+            comm.recv(t.view(-1), src, tag=tag, label=label)
+            out.append((t, grad))
+        return out
+    finally:
+        _TRANSFER_SECONDS[0] += time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,7 @@ def anchor(device: torch.device | str) -> torch.Tensor:
 def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor] | None, src: int, label: str,
                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Rank ``src``'s ``tensors`` on every rank of ``comm`` (a header, then each tensor); others pass None."""
+    start = time.perf_counter()
     header = encode_header(tensors).to(device) if tensors is not None else \
         torch.empty(HEADER_INTS, dtype=torch.int64, device=device)
     comm.broadcast(header, src, label=f"{label} header")
@@ -179,6 +202,7 @@ def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor] | None
         t = tensors[i].detach().contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
         comm.broadcast(t.view(-1), src, label=label)
         out.append(t)
+    _TRANSFER_SECONDS[0] += time.perf_counter() - start
     return out
 
 

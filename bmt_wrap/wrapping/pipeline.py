@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import pickle
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,7 @@ class PipelineRuntime:
         # The block whose output this stage receives: the previous stage's last.
         self.boundary = blocks[blocks.index(self.first) - 1] if self.stage > 0 else None
         self.ghost_params: list[tuple[nn.Module, str, torch.Size, torch.dtype]] = []
+        self.held: list[ShardGroup] = []  # this stage's blocks, gathered for the step in progress
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PipelineRuntime:
         return self  # a communicator is not copied with the model (meta skeletons, reference copies)
@@ -297,10 +299,15 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
     outputs, run = [], _Run()
     failure: Exception | None = None
     runtime.run = run
+    engine = get_engine()
+    _hold(runtime, model)
     try:
         with installed(placeholders):
             for m, (a, k) in enumerate(calls):
                 run.micro = m
+                # Micro-batch 0's backward runs last (autograd's order): the others only accumulate their
+                # blocks' gradients, and its reduce-scatter carries the step's sum.
+                engine.defer_reduce = m > 0 and torch.is_grad_enabled()
                 if items is not None:
                     k = {**k, "num_items_in_batch": items}
                 if failure is None:
@@ -314,6 +321,9 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
                     _settle(runtime, run, m)
     finally:
         runtime.run = None
+        engine.defer_reduce = False
+        if not (torch.is_grad_enabled() and failure is None):
+            _release(runtime)
     # A stage whose forward raised took its inputs and told the next stage instead of sending, so every
     # stage reaches this all-reduce: each raises the failing rank's error.
     agree(failure, what="pipeline forward", error_type=PipelineError)
@@ -329,6 +339,45 @@ def _own_objects(out: Any, kwargs: dict) -> Any:
             if key in out and out[key] is None and value is not None and not isinstance(value, torch.Tensor):
                 out[key] = value
     return out
+
+
+def _hold(runtime: PipelineRuntime, model: nn.Module) -> None:
+    """Gather this stage's blocks once for the step (torchtitan's choice under pipelining): every
+    micro-batch's forward and recompute then communicates nothing; released when the backward ends."""
+    _release(runtime)  # a backward that raised left them held
+    engine = get_engine()
+    finalize = engine.reducer.on_finalize  # earlier steps' releases (run, or of models that are gone)
+    finalize[:] = [f for f in finalize if not (isinstance(f, _ReleaseAtEnd) and f.runtime() in (None, runtime))]
+    groups = [model.get_submodule(b)._bmt_group for b in runtime.section.stages[runtime.stage].blocks]
+    for g in groups:
+        g.start_gather()
+    for g in groups:
+        g.wait_gathered()
+        g.in_use += 1
+    runtime.held = groups
+    engine.reducer.on_finalize.append(_ReleaseAtEnd(weakref.ref(runtime)))
+
+
+@dataclass
+class _ReleaseAtEnd:
+    """The end of a backward gives back what ``_hold`` gathered; weak, so a dropped model goes."""
+
+    runtime: weakref.ref[PipelineRuntime]
+
+    def __call__(self) -> None:
+        runtime = self.runtime()
+        if runtime is not None:
+            _release(runtime)
+
+
+def _release(runtime: PipelineRuntime) -> None:
+    """Give back what ``_hold`` gathered (once)."""
+    held, runtime.held = runtime.held, []
+    for g in held:
+        g.in_use -= 1
+        if g.in_use == 0:
+            g.release()
+            g.recycle()
 
 
 def _settle(runtime: PipelineRuntime, run: _Run, m: int) -> None:
