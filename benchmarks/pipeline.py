@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
     for flag, value in DEFAULTS.items():
         if flag not in argv:
             argv += [flag, value]
-    args = parse_args(__doc__, [], argv)
+    args = parse_args(__doc__, ["bmt_wrapper", "bmt_wrapper_pp2"], argv)
     env = environment(args.mmap_threshold)
     runs: dict[tuple[str, int | None], list[list[dict]]] = {c: [] for c in CONFIGS}
     for i in range(args.rounds):

@@ -156,6 +156,7 @@ class PipelineRuntime:
         self.boundary = blocks[blocks.index(self.first) - 1] if self.stage > 0 else None
         self.ghost_params: list[tuple[nn.Module, str, torch.Size, torch.dtype]] = []
         self.held: list[ShardGroup] = []  # this stage's blocks, gathered for the step in progress
+        self.structures: dict[Any, Any] = {}  # ghosts' meta outputs by call (``_meta_output``)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PipelineRuntime:
         return self  # a communicator is not copied with the model (meta skeletons, reference copies)
@@ -206,15 +207,32 @@ def _placeholder(x: Any, device: torch.device) -> Any:
 
 
 def _meta_output(runtime: PipelineRuntime, name: str, args: tuple, kwargs: dict) -> Any:
-    """What module ``name``'s forward returns for these arguments, run on the meta skeleton."""
+    """What module ``name``'s forward returns for these arguments, run on the meta skeleton once per kind
+    of call: the same arguments' shapes, dtypes and plain values give the same structure (a meta run costs
+    a block's Python, once per micro-batch and ghost otherwise)."""
+    key = (name, _call_key((args, kwargs)))
+    cached = runtime.structures.get(key)
+    if cached is not None:
+        return cached
     module = runtime.skeleton.get_submodule(name)
     try:
         with torch.no_grad():
-            return module(*to_meta(args), **to_meta(kwargs))
+            out = module(*to_meta(args), **to_meta(kwargs))
     except Exception as exc:
         raise PipelineError(f"{name!r} belongs to another pipeline stage, and its output's shape could not be "
                             f"computed on the meta device ({type(exc).__name__}: {exc}); a stage needs every "
                             "earlier module's output structure to run the model's own code") from exc
+    if all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in pytree.tree_leaves(out)):
+        runtime.structures[key] = out  # an output holding objects (a cache) is made afresh each time
+    return out
+
+
+def _call_key(tree: Any) -> Any:
+    """What a call's output structure can depend on: its tensors' shapes and dtypes, its plain values and
+    the types of its other objects."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return str(spec), tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+                            else x if isinstance(x, _PLAIN) else type(x) for x in leaves)
 
 
 def _ghost_forward(runtime: PipelineRuntime, name: str) -> Any:
