@@ -401,19 +401,21 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
     state = get_state()
     if mesh in state.layouts:
         return state.layouts[mesh]
-    made: dict[tuple[int, ...], Communicator] = {}  # one communicator per set of ranks (a stage of dp x 1 x 1)
+    # One communicator per set of ranks and scope: the same ranks under two axes (shard x tp of one shard
+    # rank is the TP group) count their traffic apart.
+    made: dict[tuple[tuple[int, ...], str], Communicator] = {}
 
     def along(axes: tuple[str, ...], scope: str) -> Communicator:
         ranks = mesh.group(state.rank, axes)
         if axes == ("shard",) and ranks == tuple(range(state.world_size)):
             return state.comm  # ZeRO-3 over the whole job: the job's own communicator (one rank: counted too)
-        if ranks not in made:
+        if (ranks, scope) not in made:
             if len(ranks) == 1:
-                made[ranks] = SingleProcessCommunicator(state.timeout)
+                made[ranks, scope] = SingleProcessCommunicator(state.timeout)
             else:
                 groups = {g: dist.new_group(list(g)) for g in mesh.groups(axes)}  # every rank, every group
-                made[ranks] = state.comm.subgroup_counted(ranks, groups[ranks], scope)
-        return made[ranks]
+                made[ranks, scope] = state.comm.subgroup_counted(ranks, groups[ranks], scope)
+        return made[ranks, scope]
 
     shard_scope = "shard" if mesh.replicate > 1 else "dp"
     # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage.
