@@ -3,7 +3,7 @@
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T [--sequence-parallel]] [--input SPEC ...] [-v]
-    bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
+    bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--input SPEC ...]
@@ -27,8 +27,9 @@ with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping and the shards made while its
 originals go; none with ``--streaming``, the model built on the meta device and loaded) and training's
-(the plan's estimate plus the root group's backward). With ``--grow KW`` the factory takes ``KW=k`` and
-the answer is the largest ``k`` that fits.
+(the largest of its phases, with the activations of ``--input``'s batch, which it needs), and a margin of
+that count for its known error. With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest
+``k`` that fits.
 ``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
 rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
@@ -76,7 +77,16 @@ from .base.plan import (
     summary_line,
 )
 from .errors import BMTError, CLIError, MemoryBudgetError, PipelineError, PlanError
-from .passes.capacity import ProcessPeak, largest_fitting, optimizer_on_disk, process_peak, training_phases
+from .passes.capacity import (
+    MARGIN,
+    MARGIN_REASON,
+    ProcessPeak,
+    largest_fitting,
+    optimizer_on_disk,
+    process_peak,
+    training_phases,
+    with_peak,
+)
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -285,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the traffic as all-gathers and reduce-scatters along the sequence)")
     plan.add_argument("--memory", default=None, metavar="SIZE",
                       help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank "
-                           "and whether it fits (one --world-size)")
+                           "and whether it fits (one --world-size; needs --input, for the activations)")
     plan.add_argument("--grow", default=None, metavar="KW",
                       help="with --memory: the factory's keyword to grow (e.g. n_layers); answers its "
                            "largest value that fits")
@@ -338,6 +348,13 @@ def _capacity(opts: argparse.Namespace) -> str:
     n = opts.world_size[0]
     limit = parse_bytes(opts.memory, "--memory")
     inputs = parse_inputs(opts.input)
+    if inputs is None:
+        # Without them the step's activations count as nothing: a 2-rank Llama of width 256 was answered
+        # 86 layers under 2 GiB and peaked 17% over it.
+        raise CLIError("--memory answers for a training step, whose activations depend on its input: give one "
+                       "rank's batch as the training loop calls the model, e.g. --input input_ids=int64[4,512] "
+                       "--input labels=int64[4,512] (NAME=DTYPE[SHAPE] per argument, DTYPE[SHAPE] for a "
+                       "positional one)")
     baseline = (ProcessBaseline(parse_bytes(opts.baseline, "--baseline")) if opts.baseline
                 else warm_baseline(opts, inputs))
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
@@ -363,7 +380,7 @@ def _capacity(opts: argparse.Namespace) -> str:
             est, io[k] = optimizer_on_disk(plan, est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
                          beside=baseline.per_layer * (k - 1) if k is not None else 0,
-                         wrapping_baseline=baseline.before_training)
+                         wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
         params = sum(g.param_numel() for g in plan.groups)
         disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
@@ -374,16 +391,14 @@ def _capacity(opts: argparse.Namespace) -> str:
                      f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
         phases = training_phases(plan, est)
         at = max(phases, key=phases.__getitem__)
-        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
+        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.found else ""
         beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
-        training = f"training {fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward"
-        if p.wrapping_baseline is None:
-            split = (f"process baseline {fmt_bytes(p.baseline)} + {beside}max(wrapping {fmt_bytes(p.wrapping)}, "
-                     f"{training}, at its peak: {at})")
-        else:  # wrapping comes before the first step, which leaves the rest of the baseline for good
-            split = (f"{beside}max(wrapping {fmt_bytes(p.wrapping)} + the process before its first step "
-                     f"{fmt_bytes(p.wrapping_baseline)}, {training}, at its peak: {at}, + the process baseline "
-                     f"{fmt_bytes(p.baseline)})")
+        margin = (f" + margin {fmt_bytes(p.margin)} ({p.margin_fraction:.0%} of the count: {MARGIN_REASON})"
+                  if p.margin_fraction else "")
+        # Every term of the sum, so that it adds up as printed (docs/design.md "Capacity").
+        split = (f"{beside}max(wrapping {fmt_bytes(p.wrapping)} + the process before its first step "
+                 f"{fmt_bytes(p.before_first_step)}, training {fmt_bytes(p.training)} at its peak ({at}) + the "
+                 f"process baseline {fmt_bytes(p.baseline)}){margin}")
         return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
     if opts.grow:
@@ -396,7 +411,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         k = None
         chosen, detail, phases = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
-              "value": k, "peak_per_rank": chosen.total, "baseline": chosen.baseline,
+              "value": k, "peak_per_rank": chosen.total, "counted_per_rank": chosen.counted,
+              "margin": chosen.margin, "margin_fraction": chosen.margin_fraction, "baseline": chosen.baseline,
               "baseline_before_training": chosen.wrapping_baseline,
               "beside_per_layer": baseline.per_layer, "beside": chosen.beside, "wrapping": chosen.wrapping,
               "fits": chosen.total <= limit // n,
@@ -531,7 +547,7 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
                               capture=captured, tensor_parallel=tp)
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
-            plan.estimates = {str(shard): est}
+            plan.estimates = {str(shard): with_peak(plan, est)}
             plans.append(plan)
             columns.append(n)
     sizes = columns
@@ -593,7 +609,7 @@ def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     for n, zero3 in zip(sizes, plans, strict=True):
         for plan, shard in ((zero3, n), (hsdp, s)):
             column = copy.copy(plan)
-            column.estimates = {f"{n}/{shard}": estimate_mesh(plan, n, shard, s, activations)}
+            column.estimates = {f"{n}/{shard}": with_peak(plan, estimate_mesh(plan, n, shard, s, activations))}
             out_sizes.append(n)
             out_plans.append(column)
     return out_sizes, out_plans

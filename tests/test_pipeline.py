@@ -167,7 +167,7 @@ def _errors_body() -> dict:
 def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
     results = run_distributed(_errors_body, 4)
     for rank, r in enumerate(results):
-        assert r["world"][0] == InitError.__name__ and "pipe_size x tp_size" in r["world"][1], r["world"]
+        assert r["world"][0] == InitError.__name__ and "pp_size x tp_size" in r["world"][1], r["world"]
         assert r["blocks"][0] == PipelineError.__name__ and "3 block(s)" in r["blocks"][1], r["blocks"]
         assert r["batch"][0] == PipelineError.__name__ and "micro-batches" in r["batch"][1], r["batch"]
         name, message, seconds = r["stage"]
