@@ -41,11 +41,13 @@ def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
     else:
         build, loss_fn = (lambda: models.ToyGPT(n_layers=4, tie=kind == "tied")), None
         batches = lm_batches(3, 8, seq=8, vocab=models.VOCAB)
-    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, **(wrap_kwargs or {})), batches,
-                                optimizer=optimizer, loss_fn=loss_fn,
+    wrapped: list[nn.Module] = []
+    result = train_side_by_side(build, lambda m: wrapped.append(bmt.BMTrainModelWrapper(m, **(wrap_kwargs or {})))
+                                or wrapped[0], batches, optimizer=optimizer, loss_fn=loss_fn,
                                 data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
+    split = sum(getattr(p, "_tp_split_dim", None) is not None for p in wrapped.pop().parameters())
     gc.collect()  # the wrapped model goes before the next one takes the engine
-    return {"losses": result["losses"], "ref": result["ref_losses"]}
+    return {"losses": result["losses"], "ref": result["ref_losses"], "tp_split": split}
 
 
 # ---- parity -------------------------------------------------------------------------------------------------
@@ -72,6 +74,53 @@ def _pp2_dp2_and_pp4_body() -> list[dict]:
 def test_pp2_dp2_and_pp4_train_like_plain_pytorch() -> None:
     results = run_distributed(_pp2_dp2_and_pp4_body, 4)
     assert all(r == results[0] for r in results)
+
+
+def _pp2_tp2_body(tmp: str) -> dict:
+    import copy
+
+    from parity import LOSS_RTOL, compare_grads
+    from safetensors.torch import load_file
+    from test_tp_plan import TOY_PLAN
+
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2, tp_size=2)
+    out = {"toy": _train("toy", "adamw", {"tp_plan": TOY_PLAN}), "llama": _train("llama", "adamw"),
+           "tied": _train("tied", "sgd", {"tp_plan": TOY_PLAN, "pp_microbatches": 4})}
+    # state_dict() and bmt.save: whole tensors (TP slices joined, other stages' from their holders); the
+    # layout named by a ("pp", "dp", "tp") device mesh this time
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    ref = models.ToyGPT(n_layers=4)
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), mesh=mesh, tp_plan=TOY_PLAN)
+    state = model.state_dict()
+    out["state_dict"] = list(state) == list(ref.state_dict()) and all(
+        torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    bmt.save(model, f"{tmp}/model.safetensors")
+    saved = load_file(f"{tmp}/model.safetensors")
+    out["save"] = sorted(saved) == sorted(ref.state_dict()) and all(
+        torch.equal(saved[k], v) for k, v in ref.state_dict().items())
+    # clip_grad_norm_ over every stage and TP slice: the whole model's norm, and the clipped gradients
+    ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
+    model(ids, targets).backward()
+    ref(ids, targets).backward()
+    norm, ref_norm = (torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (model, ref))
+    torch.testing.assert_close(norm, ref_norm, rtol=LOSS_RTOL, atol=0)
+    compare_grads(ref, model, "after clip_grad_norm_")
+    out["norm"] = float(norm)
+    return out
+
+
+def test_pp2_tp2_trains_like_plain_pytorch_and_reads_whole_tensors(tmp_path) -> None:
+    # Each stage's TP pair splits its blocks (toy GPT: a user plan; Llama with labels: its own plan; the tied
+    # toy: its shared embedding/head split by vocabulary rows on both end stages) and ZeRO-3 shards them;
+    # losses, whole gradients and parameters after 3 AdamW (tied: SGD) steps equal plain PyTorch.
+    results = run_distributed(_pp2_tp2_body, 4, str(tmp_path))
+    for r in results:
+        assert r["state_dict"] and r["save"], r
+        assert all(r[k]["tp_split"] > 0 for k in ("toy", "llama", "tied")), r  # TP did split each model
+        assert all(r[k] == results[0][k] for k in ("toy", "llama", "tied", "norm"))
 
 
 # ---- what each rank holds --------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     root_group: ShardGroup | None = None
     sync_from: int | None = 0
     if stages is not None:
-        sync_from_rank0(plan.groups, by_name)  # each stage then keeps its own, from rank 0's values
+        sync_from_rank0(plan.groups, by_name, stages.layout.tp_rank, stages.layout.tp_size)  # then each stage keeps its own
         sync_from = None
     for spec in plan.groups:
         if spec.is_root and stages is not None:
