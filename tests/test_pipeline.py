@@ -32,10 +32,17 @@ def _llama_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss
 
 
+def _llama4() -> nn.Module:
+    """``models.llama()`` with 4 layers, one per stage at pp4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return models.seeded(lambda: LlamaForCausalLM(LlamaConfig(**{**models._hf_small(), "num_hidden_layers": 4})))
+
+
 def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
     """One model trained side by side with plain PyTorch (3 steps); the test's own checks raise inside."""
-    if kind == "llama":
-        build, loss_fn = models.llama, _llama_loss
+    if kind in ("llama", "llama4"):
+        build, loss_fn = models.llama if kind == "llama" else _llama4, _llama_loss
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
         batches[1][0][0, -1] = 7  # another batch on the second step
     else:
@@ -53,21 +60,22 @@ def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
 # ---- parity -------------------------------------------------------------------------------------------------
 def _pp2_body() -> list[dict]:
     use_pipeline(2)
-    return [_train("toy", "sgd"), _train("tied", "sgd", {"pp_microbatches": 4}), _train("llama", "adamw")]
+    return [_train("toy", "adamw"), _train("tied", "sgd", {"pp_microbatches": 4}), _train("llama", "adamw")]
 
 
 def test_pp2_trains_like_plain_pytorch() -> None:
-    # toy GPT (SGD: gradients and parameters elementwise), its tied-embedding variant (the weight on both
-    # stages, gradients summed), transformers' Llama with labels (AdamW), all within DESIGN.md's tolerances
+    # toy GPT (AdamW), its tied-embedding variant (the weight on both stages, gradients summed; SGD: parameters
+    # elementwise), transformers' Llama with labels (AdamW), all within DESIGN.md's tolerances
     results = run_distributed(_pp2_body, 2)
     assert results[0] == results[1]  # both stages return the whole batch's loss
 
 
 def _pp2_dp2_and_pp4_body() -> list[dict]:
     use_pipeline(2)
-    out = [_train("toy", "adamw"), _train("llama", "sgd")]
+    out = [_train("toy", "adamw"), _train("llama", "adamw")]
     use_pipeline(4)
-    out.append(_train("toy", "sgd", {"pp_size": 4}))  # the wrapper's keyword agrees with init_distributed's
+    out.append(_train("toy", "adamw", {"pp_size": 4}))  # the wrapper's keyword agrees with init_distributed's
+    out.append(_train("llama4", "adamw"))
     return out
 
 
@@ -224,8 +232,8 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
             assert name == "ValueError" and "boom on rank 2" in message, r["stage"]
         else:  # every other rank stops and names it
             assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
-        assert seconds < 30, r["stage"]
         assert r["models"][0] == ModelMismatchError.__name__, r["models"]
+        assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "models")), r  # no hang
 
 
 # ---- the plan's pipeline section (pure) ----------------------------------------------------------------------
