@@ -6,7 +6,7 @@
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
-    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -19,7 +19,8 @@ every rank, each with its traffic split into intra-node and inter-node bytes for
 ``--pp-size P [--microbatches M]`` plans ``BMTrainModelWrapper(model, pp_size=P, pp_microbatches=M)``: the
 stage split, each stage's bytes per rank (shards, its blocks held gathered for the step, activations and the
 received activations GPipe holds, 1F1B's bound beside), the bubble (P-1)/(M+P-1) and the point-to-point
-and ZeRO bytes per rank per step (with --input for the activations); ``dump --pp-size P`` shows the stages.
+and ZeRO bytes per rank per step (with --input for the activations); with ``--tp-size T`` the stages' blocks
+are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
@@ -433,9 +434,9 @@ def _capacity(opts: argparse.Namespace) -> str:
 
 def _run(opts: argparse.Namespace) -> str:
     if opts.pp_size is not None and (opts.command == "plan" and (
-            opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None)):
-        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 inside each: drop --memory, --tp-size and "
-                       "--shard-size (their answers do not count stages yet)")
+            opts.memory is not None or opts.shard_size is not None or opts.sequence_parallel)):
+        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop --memory, "
+                       "--shard-size and --sequence-parallel (their answers do not count stages yet)")
     if opts.microbatches is not None and opts.pp_size is None:
         raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
@@ -562,34 +563,40 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
 
 def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
                budget: int | None, mp: MixedPrecision | None) -> str:
-    """``--pp-size P``: per world size N, P stages of ZeRO-3 over N/P ranks each (``plan``: the stage table;
-    ``dump``: the graph and the plan with its pipeline section)."""
-    p = opts.pp_size
-    bad = [n for n in sizes if p < 1 or n % p]
+    """``--pp-size P``: per world size N, P stages of ZeRO-3 over N/P ranks each, or with ``--tp-size T`` over
+    N/(P T) data-parallel ranks with TP inside (``plan``: the stage table; ``dump``: the graph and the plan with
+    its pipeline section)."""
+    p, t = opts.pp_size, getattr(opts, "tp_size", None) or 1
+    bad = [n for n in sizes if p < 1 or t < 1 or n % (p * t)]
     if bad:
-        raise CLIError(f"--pp-size {p} must divide every --world-size (stages x data-parallel size); {bad} do not")
+        what = "stages x TP size x data-parallel size" if t > 1 else "stages x data-parallel size"
+        raise CLIError(f"--pp-size {p}{f' x --tp-size {t}' if t > 1 else ''} must divide every --world-size "
+                       f"({what}); {bad} do not")
     m = opts.microbatches or p
     graph = captured.graph if captured.method != "none" else None  # type: ignore[attr-defined]
+    tp = plan_tensor_parallel(model, t, discovery) if t > 1 else None  # type: ignore[arg-type]
     lines, plans = [], []
     for n in sizes:
-        plan = build_plan(model, discovery, world_size=n // p, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
-                          memory_budget=budget, mixed_precision=mp, capture=captured)
+        dp = n // (p * t)
+        plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
+                          memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
             plan.pipeline = plan_pipeline(model, plan, p, m, graph)
         except (PipelineError, PlanError) as exc:
             raise CLIError(f"--pp-size {p}: {exc}") from None
         plans.append(plan)
         if opts.command == "plan":
-            lines += [f"N={n}: {p} stages x data-parallel {n // p}: {summary_line(plan)}",
+            lines += [f"N={n}: {p} stages x {f'TP {t} x ' if t > 1 else ''}data-parallel {dp}: {summary_line(plan)}",
                       *pipeline_report(plan.pipeline, estimate_pipeline(
-                          plan, plan.pipeline, n // p, captured.activations))]  # type: ignore[attr-defined]
+                          plan, plan.pipeline, dp, captured.activations))]  # type: ignore[attr-defined]
     if opts.command == "dump":
         drawn = schedule_graph(captured, plans[0])
         if opts.format == "text":
             return render_text(drawn, plans[0], opts.verbose)
         return {"json": render_json, "dot": render_dot}[opts.format](drawn, plans[0])
     psi = sum(g.param_numel() for g in plans[0].groups)
-    return "\n".join([f"{opts.model}: {psi:,} parameters, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
+    per = " per TP rank" if tp is not None else ""
+    return "\n".join([f"{opts.model}: {psi:,} parameters{per}, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
                       *lines, *pipeline_text(plans[0].pipeline)[1:]])
 
 

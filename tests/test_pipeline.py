@@ -18,7 +18,7 @@ from torch import nn
 import bmt_wrap as bmt
 from bmt_wrap import passes
 from bmt_wrap.errors import InitError, ModelMismatchError, PipelineError, PlanError
-from bmt_wrap.passes.pipeline import balanced_split, plan_pipeline
+from bmt_wrap.passes.pipeline import balanced_split, estimate_pipeline, plan_pipeline
 
 
 def use_pipeline(pipe_size: int) -> None:
@@ -117,6 +117,12 @@ def _pp2_tp2_body(tmp: str) -> dict:
     torch.testing.assert_close(norm, ref_norm, rtol=LOSS_RTOL, atol=0)
     compare_grads(ref, model, "after clip_grad_norm_")
     out["norm"] = float(norm)
+    # what this rank holds (parameters, gradients, AdamW's moments) against its stage's share per TP rank,
+    # the figure bmt-wrap plan --pp-size 2 --tp-size 2 prints
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    z = estimate_pipeline(model.plan, model.plan.pipeline, 1)[model._bmt_pipeline.stage].zero
+    out["held"] = (_held_bytes(model, opt), z.params + z.grads + z.optimizer)
     return out
 
 
@@ -127,6 +133,8 @@ def test_pp2_tp2_trains_like_plain_pytorch_and_reads_whole_tensors(tmp_path) -> 
     results = run_distributed(_pp2_tp2_body, 4, str(tmp_path))
     for r in results:
         assert r["state_dict"] and r["save"], r
+        held, share = r["held"]
+        assert 0.9 * share <= held <= 1.05 * share, r["held"]
         assert all(r[k]["tp_split"] > 0 for k in ("toy", "llama", "tied")), r  # TP did split each model
         assert all(r[k] == results[0][k] for k in ("toy", "llama", "tied", "norm"))
 
@@ -147,16 +155,8 @@ def _held_body() -> dict:
     own = model.plan.pipeline.stages[model._bmt_pipeline.stage].blocks
     # A stage's blocks are gathered once for the step and their gradients reduced once, whatever M is.
     per_block = {b: sorted(op for op, label, _ in ops if label == b) for b in own}
-    # An independent count: the storages every parameter, gradient and optimizer state tensor views.
-    storages: dict[int, int] = {}
-    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel():
-            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     stage = model.plan.pipeline.stages[model._bmt_pipeline.stage]
-    return {"held": sum(storages.values()), "share": 4 * stage.param_bytes / n,  # params, grads, two moments
+    return {"held": _held_bytes(model, opt), "share": 4 * stage.param_bytes / n,  # params, grads, two moments
             "names": [name for name, _ in model.named_parameters()],
             "shapes": [tuple(p.shape) for p in model.parameters()], "loss": float(loss), "per_block": per_block}
 
@@ -170,6 +170,18 @@ def test_each_rank_holds_its_stages_share_and_every_parameter_looks_whole() -> N
         assert r["shapes"] == [tuple(p.shape) for p in plain.parameters()]
         assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
     assert len({r["loss"] for r in results}) == 2  # one loss per data-parallel slice, the same on both stages
+
+
+def _held_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """An independent count: the bytes of the storages every parameter, gradient and optimizer state views."""
+    storages: dict[int, int] = {}
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel():
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 # ---- bad input fails every rank, named, at once ------------------------------------------------------------
