@@ -134,7 +134,7 @@ def test_pp2_tp2_trains_like_plain_pytorch_and_reads_whole_tensors(tmp_path) -> 
     for r in results:
         assert r["state_dict"] and r["save"], r
         held, share = r["held"]
-        assert 0.9 * share <= held <= 1.05 * share, r["held"]
+        assert 0.97 * share <= held <= 1.05 * share, r["held"]
         assert all(r[k]["tp_split"] > 0 for k in ("toy", "llama", "tied")), r  # TP did split each model
         assert all(r[k] == results[0][k] for k in ("toy", "llama", "tied", "norm"))
 
