@@ -331,6 +331,13 @@ def _readers_body(tmp: str) -> dict:
     # own layers filling its KV cache
     llama = models.llama()
     wrapped = bmt.BMTrainModelWrapper(copy.deepcopy(llama))
+    # bmt.save of a transformers model split over the stages: transformers' from_pretrained reads it whole
+    if bmt.rank() == 0:  # bmt.save writes on rank 0, and agrees before any rank reads
+        llama.config.save_pretrained(f"{tmp}/hf")
+    bmt.save(wrapped, f"{tmp}/hf/model.safetensors")
+    loaded = type(llama).from_pretrained(f"{tmp}/hf").state_dict()
+    out["from_pretrained"] = list(loaded) == list(llama.state_dict()) and all(
+        torch.equal(loaded[k], v) for k, v in llama.state_dict().items())
     prompt = models.token_ids(batch=2, seq=5)
     out["generate"] = torch.equal(llama.generate(prompt, max_new_tokens=4, do_sample=False),
                                   wrapped.generate(prompt, max_new_tokens=4, do_sample=False))
@@ -346,7 +353,8 @@ def test_state_dict_gathered_save_load_dcp_generate_and_fused_loss_read_every_st
     results = run_distributed(_readers_body, 2, str(tmp_path))
     for r in results:
         assert {k: v for k, v in r.items() if k != "fused"} == {
-            "state_dict": True, "gathered": True, "load": True, "dcp": True, "generate": True}, r
+            "state_dict": True, "gathered": True, "load": True, "dcp": True, "from_pretrained": True,
+            "generate": True}, r
     assert results[0]["fused"] == results[1]["fused"]
 
 
