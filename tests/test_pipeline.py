@@ -123,16 +123,24 @@ def _pp2_tp2_body(tmp: str) -> dict:
     opt.step()
     z = estimate_pipeline(model.plan, model.plan.pipeline, 1)[model._bmt_pipeline.stage].zero
     out["held"] = (_held_bytes(model, opt), z.params + z.grads + z.optimizer)
+    del model, opt
+    gc.collect()
+    # generate(): the reference's greedy tokens, the Llama's layers split over each stage's TP pair
+    llama = models.llama()
+    wrapped = bmt.BMTrainModelWrapper(copy.deepcopy(llama))
+    prompt = models.token_ids(batch=2, seq=5)
+    out["generate"] = torch.equal(llama.generate(prompt, max_new_tokens=4, do_sample=False),
+                                  wrapped.generate(prompt, max_new_tokens=4, do_sample=False))
     return out
 
 
-def test_pp2_tp2_trains_like_plain_pytorch_and_reads_whole_tensors(tmp_path) -> None:
+def test_pp2_tp2_trains_like_plain_pytorch_reads_whole_tensors_and_generates(tmp_path) -> None:
     # Each stage's TP pair splits its blocks (toy GPT: a user plan; Llama with labels: its own plan; the tied
     # toy: its shared embedding/head split by vocabulary rows on both end stages) and ZeRO-3 shards them;
     # losses, whole gradients and parameters after 3 AdamW (tied: SGD) steps equal plain PyTorch.
     results = run_distributed(_pp2_tp2_body, 4, str(tmp_path))
     for r in results:
-        assert r["state_dict"] and r["save"], r
+        assert r["state_dict"] and r["save"] and r["generate"], r
         held, share = r["held"]
         assert 0.97 * share <= held <= 1.05 * share, r["held"]
         assert all(r[k]["tp_split"] > 0 for k in ("toy", "llama", "tied")), r  # TP did split each model
