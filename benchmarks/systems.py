@@ -83,6 +83,16 @@ def bmt_wrapper_tp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module
     return bmt.BMTrainModelWrapper(model, tp_size=2, tp_plan=plan)
 
 
+#: Systems with pipeline stages, and their count (the worker slices data by ``bmt.data_parallel_rank()``).
+PIPE_SIZES = {"bmt_wrapper_pp2": 2}
+
+
+def bmt_wrapper_pp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
+    """The one-liner with two pipeline stages (ZeRO-3 over each stage's data-parallel ranks), GPipe over
+    ``$BMT_PP_MICROBATCHES`` micro-batches (default 4)."""
+    return bmt.BMTrainModelWrapper(model, pp_size=2, pp_microbatches=int(os.environ.get("BMT_PP_MICROBATCHES", "4")))
+
+
 def ddp_need(model: nn.Module, wl: Workload, example: Batch) -> int:
     """Bytes per rank DDP holds, by the plan's own measure: a whole replica's parameters, gradients and AdamW
     state, and every block's activations kept (DDP never recomputes) at this rank's batch shape."""
@@ -133,10 +143,10 @@ SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
     "single": single, "ddp": ddp, "fsdp2": fsdp2, "fsdp2_offload": fsdp2_offload, "fsdp1": fsdp1,
     "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
-    "bmt_wrapper_tp2": bmt_wrapper_tp2, "bmt_wrapper_disk": bmt_wrapper,
+    "bmt_wrapper_tp2": bmt_wrapper_tp2, "bmt_wrapper_disk": bmt_wrapper, "bmt_wrapper_pp2": bmt_wrapper_pp2,
 }
 #: Systems that bring their own optimizer (the others train with ``torch.optim.AdamW(lr=1e-4, fused=True)``).
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {"bmt_wrapper_disk": adam_on_disk}
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
 OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2",
-        "bmt_wrapper_disk")
+        "bmt_wrapper_disk", "bmt_wrapper_pp2")

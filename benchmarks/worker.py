@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from systems import OPTIMIZERS, OURS, SYSTEMS, TP_SIZES
+from systems import OPTIMIZERS, OURS, PIPE_SIZES, SYSTEMS, TP_SIZES
 from workloads import WORKLOADS
 
 import bmt_wrap as bmt
 from bmt_wrap import passes
+from bmt_wrap.runtime.pipeline import reset_transfer_time, transfer_time
 
 
 def _barrier() -> None:
@@ -29,12 +30,13 @@ def _barrier() -> None:
 
 
 def _step_comm_bytes() -> int:
-    return sum(v["bytes"] for v in bmt.comm_stats().values())
+    # Bytes a rank sends: collectives' algorithmic bytes, and point to point what it sent (not received).
+    return sum(v["bytes"] for op, v in bmt.comm_stats().items() if op != "recv")
 
 
 def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_batch: int) -> dict:
     """Train ``steps + warmup`` steps; return this rank's measurements."""
-    bmt.init_distributed(seed=0)
+    bmt.init_distributed(seed=0, pipe_size=PIPE_SIZES.get(system, 1))
     rank, n = bmt.rank(), bmt.world_size()
     wl = WORKLOADS[workload]
     model = wl.build(seq)
@@ -44,15 +46,18 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     # TP peers compute one batch together: the data is split over the data-parallel ranks only.
     tp = TP_SIZES.get(system, 1)
     dp_rank, dp = rank // tp, n // tp
+    if system in PIPE_SIZES:  # the stages of a pipeline take the same slice
+        dp_rank, dp = bmt.data_parallel_rank(), bmt.data_parallel_size()
     share = global_batch // dp
     rows = slice(None) if dp == 1 else slice(dp_rank * share, (dp_rank + 1) * share)
     model = SYSTEMS[system](model, wl, (batches[0][0][rows], batches[0][1][rows]))
     opt = (OPTIMIZERS[system](model) if system in OPTIMIZERS
            else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-    times, losses, comm = [], [], []
+    times, losses, comm, idle = [], [], [], []
     for i, (idx, tgt) in enumerate(batches):
         _barrier()
         bmt.reset_comm_stats()
+        reset_transfer_time()
         t0 = time.perf_counter()
         loss = wl.loss(model, idx[rows], tgt[rows])
         loss.backward()
@@ -64,6 +69,7 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
         if i >= warmup:
             times.append(elapsed)
             comm.append(step_bytes)
+            idle.append(transfer_time())  # pipeline stages: waiting for (or moving) activations
     plan = getattr(model, "plan", None)
     estimate = plan.estimates.get(str(dp)) if plan is not None else None
     if plan is not None and plan.tensor_parallel is not None:  # TP traffic needs the batch's token count
@@ -73,7 +79,8 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             "comm_bytes": sum(comm) / len(comm) if system in OURS and comm else None,
             "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes,
             "kept": _kept(plan), "disk_io": vars(opt.last_step_io) if hasattr(opt, "last_step_io") else None,
-            "offload_reads": _offload_reads(model)}
+            "offload_reads": _offload_reads(model),
+            "stage": bmt.parallel_layout().pp_rank, "idle": idle}
 
 
 def _offload_reads(model: torch.nn.Module) -> dict | None:

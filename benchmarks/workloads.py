@@ -50,6 +50,11 @@ def _toy_small(seq: int) -> nn.Module:
     return ToyGPT(ToyGPTConfig(vocab=4096, d_model=512, n_layers=4, n_heads=8, seq=seq))
 
 
+def _toy_deep(seq: int) -> nn.Module:
+    torch.manual_seed(0)
+    return ToyGPT(ToyGPTConfig(vocab=4096, d_model=256, n_layers=24, n_heads=4, seq=seq))
+
+
 def _toy_explicit(model: nn.Module) -> nn.Module:
     explicit = ToyGPTExplicit(model.cfg)
     explicit.load_state_dict(model.state_dict())  # full tensors in; every rank keeps its slices
@@ -88,6 +93,8 @@ WORKLOADS: dict[str, Workload] = {
                         _toy, "blocks", 8192, _toy_loss, _toy_explicit, lambda idx, tgt: ((idx, tgt), {})),
     "toy-gpt-small": Workload("toy-gpt-small", "toy GPT: 4 blocks x d_model 512, vocab 4096, untied head",
                               _toy_small, "blocks", 4096, _toy_loss, None, lambda idx, tgt: ((idx, tgt), {})),
+    "toy-gpt-24": Workload("toy-gpt-24", "toy GPT: 24 blocks x d_model 256, vocab 4096, untied head",
+                           _toy_deep, "blocks", 4096, _toy_loss, None, lambda idx, tgt: ((idx, tgt), {})),
     "gpt2": Workload("gpt2", "transformers GPT-2 small config: 12 blocks x 768, vocab 50257, tied",
                      _gpt2, "transformer.h", 50257, _hf_loss),
     "llama": Workload("llama", "transformers Llama config: 6 blocks x 1024 (GQA 16/4), vocab 32000",

@@ -6,6 +6,7 @@
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -15,6 +16,11 @@ before wrapping: low-precision shards, the optimizer's fp32 masters); ``--mixed-
 ``mixed_precision=bmt.MixedPrecision(param_dtype=...)`` (fp32 shards, gathers and compute in that dtype).
 ``--shard-size S`` adds, per world size, HSDP with shards over S ranks (one node) beside ZeRO-3 over
 every rank, each with its traffic split into intra-node and inter-node bytes for nodes of S ranks.
+``--pp-size P [--microbatches M]`` plans ``BMTrainModelWrapper(model, pp_size=P, pp_microbatches=M)``: the
+stage split, each stage's bytes per rank (shards, its blocks held gathered for the step, activations and the
+received activations GPipe holds, 1F1B's bound beside), the bubble (P-1)/(M+P-1) and the point-to-point
+and ZeRO bytes per rank per step (with --input for the activations); with ``--tp-size T`` the stages' blocks
+are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
@@ -61,6 +67,7 @@ from .base._compat import pytree
 from .base.dtypes import to_dtype
 from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
+from .base.pipeline_plan import pipeline_text
 from .base.plan import (
     WrapPlan,
     fmt_bytes,
@@ -70,7 +77,7 @@ from .base.plan import (
     shown_notes,
     summary_line,
 )
-from .errors import BMTError, CLIError, MemoryBudgetError, PlanError
+from .errors import BMTError, CLIError, MemoryBudgetError, PipelineError, PlanError
 from .passes.capacity import (
     MARGIN,
     MARGIN_REASON,
@@ -85,6 +92,7 @@ from .passes.capture import Call, Capture, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
 from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
+from .passes.pipeline import estimate_pipeline, pipeline_report, plan_pipeline
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
@@ -260,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fuse the projection to the vocabulary with its cross-entropy (fused_loss=True); "
                              "without it the plan shows the logits' bytes and what fusing would save (give "
                              "--input with labels, e.g. --input input_ids=int64[1,512] --input labels=int64[1,512])")
+    common.add_argument("--pp-size", type=int, default=None, metavar="P",
+                        help="plan pipeline stages (pp_size=P): the stage split, each stage's bytes per rank, the "
+                             "bubble and the point-to-point bytes (dump shows the stages)")
+    common.add_argument("--microbatches", type=int, default=None, metavar="M",
+                        help="with --pp-size: micro-batches per step (pp_microbatches=M; default P)")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also show expected fallbacks (fx failing on a model torch.export then captures)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -420,6 +433,12 @@ def _capacity(opts: argparse.Namespace) -> str:
 
 
 def _run(opts: argparse.Namespace) -> str:
+    if opts.pp_size is not None and (opts.command == "plan" and (
+            opts.memory is not None or opts.shard_size is not None or opts.sequence_parallel)):
+        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop --memory, "
+                       "--shard-size and --sequence-parallel (their answers do not count stages yet)")
+    if opts.microbatches is not None and opts.pp_size is None:
+        raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
         if opts.tp_size is not None or opts.shard_size is not None:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
@@ -456,12 +475,14 @@ def _run(opts: argparse.Namespace) -> str:
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
     captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
-    if opts.command == "plan" and opts.tp_size is not None:  # its fused-loss section needs the TP plan
-        return _tp_report(model, measured, discovery, opts, sizes, captured, inputs, budget, mp)
+    if opts.command == "plan" and opts.tp_size is not None and opts.pp_size is None:  # its fused-loss section
+        return _tp_report(model, measured, discovery, opts, sizes, captured, inputs, budget, mp)  # needs TP's plan
     section = fused_loss_section(measured, captured, enabled=opts.fused_loss)
     captured = with_fused_loss(captured, section)  # the plan counts the pair's (or the fused op's) bytes
     if section.fused:  # dump draws its node
         captured = replace(captured, graph=fuse_loss(captured.graph, measured, enabled=True)[0])
+    if opts.pp_size is not None:
+        return _pp_report(model, discovery, opts, sizes, captured, budget, mp)
     plans, over = [], []
     for n in sizes:
         try:
@@ -541,6 +562,45 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
     return "\n".join([_plan_report(opts, sizes, plans), *section]
                      + ([] if tokens else ["note: TP traffic needs --input (token ids) for its token count"])
                      + (["note: activations are estimated unsplit (an upper bound under TP)"] if activations else []))
+
+
+def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
+               budget: int | None, mp: MixedPrecision | None) -> str:
+    """``--pp-size P``: per world size N, P stages of ZeRO-3 over N/P ranks each, or with ``--tp-size T`` over
+    N/(P T) data-parallel ranks with TP inside (``plan``: the stage table; ``dump``: the graph and the plan with
+    its pipeline section)."""
+    p, t = opts.pp_size, getattr(opts, "tp_size", None) or 1
+    bad = [n for n in sizes if p < 1 or t < 1 or n % (p * t)]
+    if bad:
+        what = "stages x TP size x data-parallel size" if t > 1 else "stages x data-parallel size"
+        raise CLIError(f"--pp-size {p}{f' x --tp-size {t}' if t > 1 else ''} must divide every --world-size "
+                       f"({what}); {bad} do not")
+    m = opts.microbatches or p
+    graph = captured.graph if captured.method != "none" else None  # type: ignore[attr-defined]
+    tp = plan_tensor_parallel(model, t, discovery) if t > 1 else None  # type: ignore[arg-type]
+    lines, plans = [], []
+    for n in sizes:
+        dp = n // (p * t)
+        plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
+                          memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
+        try:
+            plan.pipeline = plan_pipeline(model, plan, p, m, graph)
+        except (PipelineError, PlanError) as exc:
+            raise CLIError(f"--pp-size {p}: {exc}") from None
+        plans.append(plan)
+        if opts.command == "plan":
+            lines += [f"N={n}: {p} stages x {f'TP {t} x ' if t > 1 else ''}data-parallel {dp}: {summary_line(plan)}",
+                      *pipeline_report(plan.pipeline, estimate_pipeline(
+                          plan, plan.pipeline, dp, captured.activations))]  # type: ignore[attr-defined]
+    if opts.command == "dump":
+        drawn = schedule_graph(captured, plans[0])
+        if opts.format == "text":
+            return render_text(drawn, plans[0], opts.verbose)
+        return {"json": render_json, "dot": render_dot}[opts.format](drawn, plans[0])
+    psi = sum(g.param_numel() for g in plans[0].groups)
+    per = " per TP rank" if tp is not None else ""
+    return "\n".join([f"{opts.model}: {psi:,} parameters{per}, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
+                      *lines, *pipeline_text(plans[0].pipeline)[1:]])
 
 
 def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],

@@ -131,12 +131,20 @@ class TPInputMismatchError(TensorParallelError):
     """The ranks of one tensor-parallel group were given different inputs (they must share each batch)."""
 
 
+class PipelineError(BMTError):
+    """Pipeline parallelism cannot run as asked, or a stage failed (raised on every rank of the pipeline)."""
+
+
+class PipelineInputMismatchError(PipelineError):
+    """The stages of one pipeline were given different inputs (they must share each batch)."""
+
+
 class CLIError(BMTError):
     """Bad command-line input."""
 
 
 class UnsupportedError(BMTError, NotImplementedError):
-    """A BMTrain feature bmt_wrap does not implement (pipeline parallelism, NCCL handles)."""
+    """A BMTrain feature bmt_wrap does not implement (NCCL handles, ...)."""
 
 
 class BlockListError(WrapError, AssertionError):

@@ -47,8 +47,8 @@ def wholes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]
     out: list[torch.Tensor] = [t.detach() for t, _ in pairs]
     batches: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, (t, _) in enumerate(pairs):
-        if isinstance(t, ShardedTensor) and not t.numel():
-            out[i] = t.full_tensor()  # nothing to gather
+        if isinstance(t, ShardedTensor) and (not t.numel() or t.shard_layout.stage is not None):
+            out[i] = t.full_tensor()  # nothing to gather, or another pipeline stage may hold it (a broadcast)
         elif isinstance(t, ShardedTensor):
             batches.setdefault((id(t.shard_layout.buffer.comm), t.dtype), []).append(i)
     for idx in batches.values():
@@ -91,9 +91,9 @@ def _gathered(tensors: list[ShardedTensor]) -> list[torch.Tensor]:
 def _tp_joined(fulls: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each TP rank's slice ``fulls[i]`` of the split parameter ``params[i]`` joined over the TP group, in one
     all-gather; a strided split (a fused q/k/v) holds each rank's share of every block: joined block by block."""
-    from bmt_wrap.job.distributed import tensor_parallel
+    from bmt_wrap.job.distributed import parallel_layout
 
-    comm = tensor_parallel().tp
+    comm = parallel_layout().tp
     flat = torch.cat([f.contiguous().flatten() for f in fulls])
     out = torch.empty(comm.world_size * flat.numel(), dtype=flat.dtype)
     comm.all_gather_into(out, flat, label="test: whole TP tensor")
@@ -340,10 +340,11 @@ def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 64, seed: int 
 
 
 def train_managed(model: nn.Module, mgr: Any, batches: list[tuple[torch.Tensor, ...]], steps: range) -> list[float]:
-    """``steps`` of ``batches`` through an ``OptimManager``, each rank on its slice; the rank-mean losses."""
+    """``steps`` of ``batches`` through an ``OptimManager``, each data-parallel rank on its slice (the stages of
+    a pipeline on the same one); the rank-mean losses."""
     import bmt_wrap as bmt
 
-    n, r = bmt.world_size(), bmt.rank()
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
     losses = []
     for step in steps:
         idx, tgt = batches[step]

@@ -1,4 +1,5 @@
-"""The communicator: every collective on real gloo groups of 1, 2 and 4 ranks, sync and async."""
+"""The communicator: every collective on real gloo groups of 1, 2 and 4 ranks, sync and async, and the
+point-to-point transfers pipelines use."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_harness import DistributedTestError, run_distributed
 from hypothesis import given
 from hypothesis import strategies as st
@@ -249,3 +251,88 @@ def test_harness_propagates_rank_tracebacks() -> None:
 def _fail_on_rank_one() -> None:
     if bmt.rank() == 1:
         raise ValueError("boom on rank 1")
+
+
+# ---- point to point ------------------------------------------------------------------------------------------
+def _send_recv_body() -> dict:
+    c = comm()
+    r, n = c.rank, c.world_size
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    out = {}
+    # A ring of async transfers with two tags each. Each pair posts them in the same order on both ends
+    # (even ranks send first, odd ranks receive first), as the interface asks.
+    got = [torch.empty(3, dtype=torch.float64) for _ in range(2)]
+    sends = [lambda t=t: c.send(torch.full((3,), float(10 * r + t), dtype=torch.float64), nxt, tag=t,
+                                async_op=True, label="ring") for t in range(2)]
+    recvs = [lambda t=t: c.recv(got[t], prv, tag=t, async_op=True, label="ring") for t in range(2)]
+    handles = [post() for post in (sends + recvs if r % 2 == 0 else recvs + sends)]
+    for h in handles:
+        h.wait()
+    out["ring"] = [g.tolist() for g in got]
+    # Within a sub-group, peers are its own ranks.
+    if n == 4:
+        pair = tuple(range(r - r % 2, r - r % 2 + 2))
+        sub = c.subgroup_counted(pair, _pair_group(pair), "pp")
+        x = torch.arange(4, dtype=torch.float32) + r
+        if sub.rank == 0:
+            sub.send(x, 1, tag=7, label="pair")
+        else:
+            sub.recv(x, 0, tag=7, label="pair")
+        out["pair"] = x.tolist()
+        out["scoped"] = c.by_scope()["pp"]["send" if sub.rank == 0 else "recv"]
+    # Bad peers and tags are refused before any communication.
+    with pytest.raises(CommError, match="not another rank"):
+        c.send(torch.zeros(1), r)
+    with pytest.raises(CommError, match="tag"):
+        c.recv(torch.zeros(1), prv, tag=1 << 16)
+    return out
+
+
+_PAIR_GROUPS: dict = {}
+
+
+def _pair_group(pair: tuple[int, int]):  # every rank creates both pairs' groups, in order
+    if not _PAIR_GROUPS:
+        _PAIR_GROUPS.update({p: dist.new_group(list(p)) for p in [(0, 1), (2, 3)]})
+    return _PAIR_GROUPS[pair]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_send_and_recv_match_by_pair_and_tag(world_size: int) -> None:
+    results = run_distributed(_send_recv_body, world_size)
+    for r, got in enumerate(results):
+        prv = (r - 1) % world_size
+        assert got["ring"] == [[10.0 * prv + t] * 3 for t in range(2)], got
+        if world_size == 4:
+            assert got["pair"] == [float(r - r % 2 + i) for i in range(4)]  # the pair's first rank's values
+            assert got["scoped"] == {"calls": 1, "bytes": 16}
+
+
+def _p2p_mismatch_body() -> str:
+    c = comm()
+    c.timeout = timedelta(seconds=20)
+    try:
+        if c.rank == 0:
+            c.send(torch.zeros(4), 1, tag=3, label="stage 0 output")
+        else:
+            c.recv(torch.zeros(4), 0, tag=4, label="stage 0 output")  # another micro-batch's tag
+    except CollectiveMismatchError as exc:
+        assert "tag 3" in str(exc) and "tag 4" in str(exc), str(exc)
+        return "mismatch"
+    return "no error"
+
+
+def test_a_send_and_recv_that_disagree_name_both_sides() -> None:
+    assert run_distributed(_p2p_mismatch_body, 2) == ["mismatch", "mismatch"]
+
+
+def test_single_process_sends_to_itself_through_a_mailbox() -> None:
+    c = CountingCommunicator(SingleProcessCommunicator())
+    c.send(torch.arange(3.0), 0, tag=2)
+    c.send(torch.arange(3.0) + 1, 0, tag=2)
+    got = torch.empty(3)
+    c.recv(got, 0, tag=2)
+    assert got.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(CommError, match="takes 2"):
+        c.recv(torch.empty(2), 0, tag=2)
+    assert c.snapshot()["send"] == {"calls": 2, "bytes": 24}

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from toy import ToyGPT
 
 import bmt_wrap as bmt
-from bmt_wrap.distributed import rank_layout
+from bmt_wrap.distributed import build_layout, job_layout
 from bmt_wrap.errors import MeshError
 from bmt_wrap.passes import estimate_mesh
 
@@ -66,7 +66,7 @@ def _one_step_stats(use_mesh: bool) -> dict:
     torch.manual_seed(0)
     mesh = _mesh() if use_mesh else None
     model = bmt.BMTrainModelWrapper(ToyGPT(), mesh=mesh)
-    layout = rank_layout(mesh)
+    layout = build_layout(job_layout(mesh)).dp
     x, y = lm_batches(1, 2 * bmt.world_size())[0]
     n, r = bmt.world_size(), bmt.rank()
     bmt.reset_comm_stats()

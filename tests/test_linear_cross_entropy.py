@@ -157,10 +157,10 @@ def _vocab_parallel_body(smoothing: float, reduction: str) -> list[float]:
     from dist_harness import COMM_TIMEOUT
 
     import bmt_wrap as bmt
-    from bmt_wrap.job.distributed import tensor_parallel
+    from bmt_wrap.job.distributed import parallel_layout
 
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=2)
-    comm = tensor_parallel().tp
+    comm = parallel_layout().tp
     h, w, b, t = _shifted_case(4, bias=True)
     kw = {"reduction": reduction, "label_smoothing": smoothing, "epilogue": lce.softcap(2.0)}
     ref_loss, (ref_h, ref_w, ref_b) = _run(False, h, w, b, t, **dict(kw))

@@ -90,7 +90,7 @@ def _bytes_body(name: str) -> dict:
     run(model, *local).backward()  # the first step fixes the schedule; count the second
     bmt.reset_comm_stats()
     run(model, *local).backward()
-    layout = bmt.distributed.tensor_parallel().dp
+    layout = bmt.distributed.parallel_layout().dp
     est = passes.estimate_mesh(model.plan, WORLD, SHARD, SHARD * TP, tokens=local[0].numel(),
                                shard_rank=layout.shard_rank)
     return {"counted": bmt.comm_stats(by_group=True), "est": est}

@@ -21,13 +21,14 @@ def use_tp(tp_size: int) -> None:
 # ---- topology ---------------------------------------------------------------------------------------------
 def _topology_body(tp_size: int) -> dict:
     use_tp(tp_size)
-    layout = bmt.tensor_parallel()
+    layout = bmt.parallel_layout()
     keys = ("tp_size", "tp_rank", "tp_zero_size", "tp_zero_rank", "zero_size", "zero_rank")
     out = {k: bmt.config[k] for k in keys}
     topo = bmt.config["topology"]
     out.update(tp_id=topo.tp_id, tp_idx=topo.tp_idx, tp_comm=bmt.nccl.commCount(bmt.config["tp_comm"]),
                tp_zero_comm=bmt.nccl.commRank(bmt.config["tp_zero_comm"]),
-               layout=(layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank))
+               layout=(layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank),
+               data=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
     # Who the TP peers and the dp group are, by a collective over each.
     r = torch.tensor([float(bmt.rank())])
     peers = bmt.distributed.all_gather(r, comm=bmt.config["tp_comm"]).flatten().tolist()
@@ -46,7 +47,7 @@ def test_topology_follows_bmtrain_layout(tp_size: int) -> None:
         assert got == {"tp_size": tp_size, "tp_rank": tp_rank, "tp_zero_size": dp, "tp_zero_rank": dp_rank,
                        "zero_size": world, "zero_rank": rank, "tp_id": tp_rank, "tp_idx": dp_rank,
                        "tp_comm": tp_size, "tp_zero_comm": dp_rank,
-                       "layout": (tp_size, tp_rank, dp, dp_rank),
+                       "layout": (tp_size, tp_rank, dp, dp_rank), "data": (dp_rank, dp),
                        "peers": [dp_rank * tp_size + i for i in range(tp_size)],
                        "column": [i * tp_size + tp_rank for i in range(dp)]}
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import PlanError
 from .dtypes import align_elems, dtype_name, itemsize
 from .fused_loss_plan import FusedLossPlan
+from .pipeline_plan import PipelinePlan, pipeline_text
 from .tp_plan import TensorParallelPlan, tp_text
 
 PLAN_VERSION = 1
@@ -286,6 +287,7 @@ class WrapPlan:
     fused_loss: FusedLossPlan | None = None  # the vocabulary projection and its cross-entropy (None: not looked for)
     # "disk": shards and gradient shards in a file per rank; "host": in host memory (estimates count so)
     offload: str | None = None
+    pipeline: PipelinePlan | None = None  # the stages each block and root parameter runs on (None: one stage)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -343,7 +345,8 @@ class WrapPlan:
                        tensor_parallel=(TensorParallelPlan.from_dict(raw["tensor_parallel"])
                                         if raw.get("tensor_parallel") else None),
                        fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
-                       offload=raw.get("offload"))
+                       offload=raw.get("offload"),
+                       pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -520,6 +523,8 @@ def tables(plan: WrapPlan) -> list[str]:
         lines += tp_text(plan.tensor_parallel)
     if plan.fused_loss is not None:
         lines += fused_loss_text(plan.fused_loss)
+    if plan.pipeline is not None:
+        lines += pipeline_text(plan.pipeline)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines

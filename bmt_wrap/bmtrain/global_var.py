@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import BMTError
 from ..job import distributed
-from ..runtime.comm import TensorParallelLayout
+from ..runtime.comm import ParallelLayout
 
 
 def _state_or(read: Callable[[distributed.DistState], Any], default: Any) -> Callable[[], Any]:
@@ -24,32 +24,95 @@ def _state_or(read: Callable[[distributed.DistState], Any], default: Any) -> Cal
     return get
 
 
-def _tp_or(read: Callable[[TensorParallelLayout], Any], default: Any) -> Callable[[], Any]:
-    return _state_or(lambda _: read(distributed.tensor_parallel()), default)
+def _tp_or(read: Callable[[ParallelLayout], Any], default: Any) -> Callable[[], Any]:
+    return _state_or(lambda _: read(distributed.parallel_layout()), default)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """BMTrain's ``config["topology"]``: ``tp_id`` is the rank in the TP group, ``tp_idx`` which TP group
-    (also the rank in the data-parallel group, ``tp_zero_id``)."""
+    """BMTrain's ``config["topology"]``, read from the job's layout (``bmt.parallel_layout()``).
 
+    ``stage_id`` is this rank's pipeline stage of ``stages``, ``pipe_idx`` its place within the stage (its
+    pipe group is the ranks at that place in every stage); ``tp_id`` is its rank in the TP group and
+    ``tp_idx`` which TP group (``rank // tp_size``). The ``*_zero_*`` pairs name the ZeRO groups as BMTrain
+    does: ``pp_zero`` the ranks of one stage, ``tp_zero`` and ``pp_tp_zero`` the data-parallel ranks of a
+    TP rank (here always within one stage), ``zero`` the whole job."""
+
+    rank: int
+    stages: int
+    stage_id: int
+    pipe_idx: int
     tp_id: int
     tp_idx: int
+    dp_rank: int
+    tp_size: int
+
+    @property
+    def pp_zero_id(self) -> int:
+        """Rank within the stage."""
+        return self.pipe_idx
+
+    @property
+    def pp_zero_idx(self) -> int:
+        """Which stage (its ZeRO group)."""
+        return self.stage_id
 
     @property
     def tp_zero_id(self) -> int:
-        """Rank in the data-parallel (tp_zero) group."""
-        return self.tp_idx
+        """Rank in the data-parallel group of this TP rank."""
+        return self.dp_rank
 
     @property
     def tp_zero_idx(self) -> int:
         """Which data-parallel group: the one of the ranks with this ``tp_id``."""
         return self.tp_id
 
+    @property
+    def pp_tp_zero_id(self) -> int:
+        """Rank in the data-parallel group of this stage and TP rank (BMTrain's ``pp_tp_zero``)."""
+        return self.dp_rank
+
+    @property
+    def pp_tp_zero_idx(self) -> int:
+        """Which such group."""
+        return self.stage_id * self.tp_size + self.tp_id
+
+    @property
+    def zero_id(self) -> int:
+        """Rank in the whole job."""
+        return self.rank
+
+    @property
+    def zero_idx(self) -> int:
+        """The whole job is one group."""
+        return 0
+
+    @property
+    def next_rank(self) -> int:
+        """The next stage's index, or -1 on the last stage."""
+        return self.stage_id + 1 if self.stage_id < self.stages - 1 else -1
+
+    @property
+    def prev_rank(self) -> int:
+        """The previous stage's index, or -1 on the first stage."""
+        return self.stage_id - 1 if self.stage_id > 0 else -1
+
     def get_group_rank(self, group_name: str) -> int:
-        """This rank's index in group ``"tp"``, ``"tp_zero"`` or ``"zero"`` (BMTrain's method)."""
-        state = distributed.get_state()
-        return {"tp": self.tp_id, "tp_zero": self.tp_idx, "zero": state.rank, "pipe": 0}[group_name]
+        """This rank's index in group ``"pipe"``, ``"zero"``, ``"tp"`` or ``"tp_zero"`` (BMTrain's method)."""
+        return {"pipe": self.stage_id, "zero": self.rank, "tp": self.tp_id, "tp_zero": self.tp_zero_id,
+                "pp_zero": self.pp_zero_id}[group_name]
+
+    def get_group_id(self, group_name: str) -> int:
+        """Which group of kind ``group_name`` this rank is in (BMTrain's method)."""
+        return {"pipe": self.pipe_idx, "zero": self.zero_idx, "tp": self.tp_idx, "tp_zero": self.tp_zero_idx,
+                "pp_zero": self.pp_zero_idx}[group_name]
+
+
+def _topology(t: ParallelLayout) -> Topology:
+    state = distributed.get_state()
+    stage_size = state.world_size // t.pp_size
+    return Topology(state.rank, t.pp_size, t.pp_rank, state.rank % stage_size, t.tp_rank, state.rank // t.tp_size,
+                    t.dp_rank, t.tp_size)
 
 
 _DERIVED: dict[str, Callable[[], Any]] = {
@@ -61,18 +124,25 @@ _DERIVED: dict[str, Callable[[], Any]] = {
     "comm": _state_or(lambda s: s.comm, None),
     "device": _state_or(lambda s: s.device, None),
     "zero_level": lambda: 3,  # per block here (CheckpointBlock(zero_level=)); 3 is BMTrain's default
-    # No pipeline parallelism: one stage. Tensor parallelism: BMTrain's layout (tp_rank = rank % tp_size).
-    "pipe_size": lambda: 1,
-    "pipe_rank": lambda: 0,
+    # Pipeline stages and tensor parallelism: BMTrain's layout (stage = rank // (world / pipe_size),
+    # tp_rank = rank % tp_size), read from the one description of the job's ranks.
+    "pipe_size": _tp_or(lambda t: t.pp_size, 1),
+    "pipe_rank": _tp_or(lambda t: t.pp_rank, 0),
+    "pipe_enabled": _tp_or(lambda t: t.pp_size > 1, False),
+    "pipe_comm": _tp_or(lambda t: t.pp, None),
+    "micros": _state_or(lambda s: s.micro_batches or distributed.parallel_layout().pp_size, 1),
+    "pp_zero_comm": _tp_or(lambda t: t.stage if t.stage is not None else distributed.get_state().comm, None),
+    "pp_tp_zero_comm": _tp_or(lambda t: t.dp.shard, None),
     "tp_size": _tp_or(lambda t: t.tp_size, 1),
     "tp_rank": _tp_or(lambda t: t.tp_rank, 0),
     "tp_comm": _tp_or(lambda t: t.tp, None),
-    "zero_size": _state_or(lambda s: s.world_size, 1),
+    "zero_size": _state_or(lambda s: s.world_size // distributed.parallel_layout().pp_size, 1),
     "zero_rank": _state_or(lambda s: s.rank, 0),
+    "zero_comm": _state_or(lambda s: s.comm, None),
     "tp_zero_size": _tp_or(lambda t: t.dp_size, 1),
     "tp_zero_rank": _tp_or(lambda t: t.dp_rank, 0),
     "tp_zero_comm": _tp_or(lambda t: t.dp.shard, None),
-    "topology": _tp_or(lambda t: Topology(t.tp_rank, t.dp_rank), None),
+    "topology": _tp_or(_topology, None),
 }
 
 

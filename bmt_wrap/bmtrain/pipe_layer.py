@@ -1,5 +1,5 @@
-"""BMTrain's ``bmtrain.pipe_layer`` module path (one pipeline stage only)."""
+"""BMTrain's ``bmtrain.pipe_layer`` module path."""
 
-from ..explicit.block import PipelineTransformerBlockList
+from ..explicit.pipeline import PipelineTransformerBlockList
 
 __all__ = ["PipelineTransformerBlockList"]

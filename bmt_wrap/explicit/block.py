@@ -1,5 +1,5 @@
-"""BMTrain's block lists: ``TransformerBlockList``, ``PipelineTransformerBlockList`` and the
-``BlockReference`` a module given twice becomes. The blocks themselves, ``CheckpointBlock`` (``Block``),
+"""BMTrain's block lists: ``TransformerBlockList`` and the ``BlockReference`` a module given twice becomes
+(``PipelineTransformerBlockList`` is in ``pipeline.py``). The blocks themselves, ``CheckpointBlock`` (``Block``),
 are made in place by ``wrapping/bound_block.py``, the binding the wrapper gives each discovered block too.
 """
 
@@ -17,7 +17,7 @@ from ..wrapping.bound_block import CheckpointBlock
 from ..wrapping.grad_sync import no_sync
 from ..wrapping.sharded_module import install_state_hooks
 
-__all__ = ["Block", "BlockReference", "CheckpointBlock", "PipelineTransformerBlockList", "TransformerBlockList"]
+__all__ = ["Block", "BlockReference", "CheckpointBlock", "TransformerBlockList"]
 
 Block = CheckpointBlock
 
@@ -110,13 +110,3 @@ class BlockReference(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the referenced block."""
         return self.block(*args, **kwargs)
-
-
-class PipelineTransformerBlockList(TransformerBlockList):
-    """BMTrain's pipeline block list with one pipeline stage (the only one bmt_wrap has).
-
-    It runs as a ``TransformerBlockList``; as in BMTrain, blocks passed in must be made with
-    ``mode="PIPE"``. ``init_distributed(pipe_size>1)`` raises, so no job has more than one stage.
-    """
-
-    _block_mode = "PIPE"

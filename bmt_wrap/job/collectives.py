@@ -1,4 +1,5 @@
-"""Collectives on tensors of any shape, differentiable as BMTrain's ``bmt.distributed`` ops are.
+"""Collectives on tensors of any shape, differentiable as BMTrain's ``bmt.distributed`` ops are, and
+BMTrain's point-to-point ``send_activations`` / ``recv_activations`` between pipeline stages.
 
 ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``broadcast`` run through the job's communicator
 (gloo on CPU, NCCL on GPUs), so they interleave safely with the engine's own traffic. Gradients follow
@@ -16,6 +17,7 @@ import torch
 from ..errors import CommError, UnsupportedError
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator
+from ..runtime.pipeline import recv_tensors, send_tensors
 
 #: Reductions every op here accepts ("prod" is computed from a gather: no backend reduces with it).
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -160,3 +162,17 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", comm: Communicator | None =
 def broadcast(x: torch.Tensor, root: int, comm: Communicator | None = None) -> torch.Tensor:
     """Rank ``root``'s ``x`` on every rank; differentiable (each input gets the summed gradient)."""
     return _Broadcast.apply(x, root, communicator(comm))
+
+
+def send_activations(hidden_state: torch.Tensor, next_rank: int, comm: Communicator) -> None:
+    """Send ``hidden_state`` to rank ``next_rank`` of ``comm`` (BMTrain's: ``bmt.config["pipe_comm"]`` and
+    a stage index), which takes it with ``recv_activations``: a small header (dtype, shape), then the data."""
+    send_tensors(communicator(comm), [hidden_state], next_rank, 0, "bmt.distributed.send_activations")
+
+
+def recv_activations(prev_rank: int, comm: Communicator) -> torch.Tensor:
+    """What rank ``prev_rank`` of ``comm`` sent with ``send_activations``, as a new tensor of its dtype and
+    shape on this rank's device."""
+    device = get_engine().device
+    (got, _), = recv_tensors(communicator(comm), prev_rank, 0, "bmt.distributed.send_activations", device)
+    return got

@@ -23,16 +23,17 @@ import torch.distributed as dist
 from .. import errors
 from ..base._compat import default_store, release_group_defaults, release_mesh_groups
 from ..base.log import get_logger, set_rank_source
-from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError, UnsupportedError
+from ..base.mesh import AXES, MeshLayout
+from ..errors import NOT_INITIALIZED, BMTError, InitError, MeshError, NotInitializedError
 from ..runtime.comm import (
     Communicator,
     CountingCommunicator,
     CupyNcclCommunicator,
     FingerprintCommunicator,
     GlooCommunicator,
+    ParallelLayout,
     RankLayout,
     SingleProcessCommunicator,
-    TensorParallelLayout,
     TorchCommunicator,
     cupy_available,
 )
@@ -60,12 +61,12 @@ class DistState:
     group: weakref.ref[dist.ProcessGroup] = field(repr=False)
     requested: tuple = field(repr=False, default=())
     owns_group: bool = False  # init_distributed created it, so shutdown() destroys it
-    # Rank layouts built from device meshes, by the mesh's ranks: each mesh's sub-group communicators once.
-    layouts: dict[tuple, RankLayout] = field(repr=False, default_factory=dict)
-    tp_size: int = 1  # init_distributed(tp_size=): ranks each tensor-parallel layer is split over
-    tp_replicas: int = 1  # under a 3-D mesh= with TP: HSDP replicas of the (shard x tp) model
-    # Tensor-parallel layouts by (tp_size, replicas), each built once (its sub-group communicators and mesh).
-    tp_layouts: dict[tuple[int, int], TensorParallelLayout] = field(repr=False, default_factory=dict)
+    # Each rank layout's communicators, built once (job_layout / build_layout: a test process switches layouts).
+    layouts: dict[MeshLayout, ParallelLayout] = field(repr=False, default_factory=dict)
+    # init_distributed(pipe_size=, tp_size=)'s layout, and the one models are sharded over now (None: that one).
+    default: MeshLayout = field(default_factory=MeshLayout)
+    active: MeshLayout | None = None
+    micro_batches: int | None = None  # init_distributed(num_micro_batches=): a pipeline block list's; None: P
 
 
 _STATE: DistState | None = None
@@ -113,28 +114,32 @@ def _resolve_backend(backend: str) -> str:
 
 def init_distributed(seed: int | None = 0, backend: str = "auto",
                      timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
-                     tp_size: int = 1) -> DistState:
+                     tp_size: int = 1, num_micro_batches: int | None = None) -> DistState:
     """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
 
-    ``tp_size`` is BMTrain's: T adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``)
-    and ZeRO shards over the ``world / T`` ranks of the same ``tp_rank`` (``tensor_parallel()``).
-    ``pipe_size`` is BMTrain's too: 1 (or ``-1``, no pipeline) is the only value.
+    ``pipe_size`` and ``tp_size`` are BMTrain's: the job's ranks form ``pipe_size`` pipeline stages of
+    ``world / pipe_size`` consecutive ranks (``stage = rank // (world / P)``; ``-1`` means 1), and within a
+    stage ``tp_size`` adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``); ZeRO shards
+    over the ranks of one stage with the same ``tp_rank`` (``parallel_layout()``; docs/design.md, "The
+    rank layout"). Called again with the same seed, backend and timeout, it only changes these sizes.
     ``seed=None`` seeds nothing: torch, numpy and random stay as they are (the script seeds them itself).
     """
     global _STATE
-    _check_pipe_size(pipe_size)
+    pipe_size = 1 if pipe_size == -1 else pipe_size
     seed = _check_seed(seed)
+    if num_micro_batches is not None and (not isinstance(num_micro_batches, int) or num_micro_batches < 1):
+        raise InitError(f"init_distributed(num_micro_batches={num_micro_batches!r}): a positive int, or None for "
+                        "pipe_size micro-batches")
     requested = (seed, backend, timeout)
     if _STATE is not None:
         if _STATE.requested != requested:
             raise InitError(f"init_distributed was already called with (seed, backend, timeout)="
                             f"{_STATE.requested}; calling it again with {requested} is not supported. "
                             "Call it once, at start-up.")
-        _use_tensor_parallel(tp_size)
+        _use_default(_sized(_STATE.world_size, pipe_size, tp_size, wrapper=False))
+        _STATE.micro_batches = num_micro_batches
         return _STATE
-    if not isinstance(tp_size, int) or tp_size < 1 or _env_int("WORLD_SIZE", 1) % tp_size:
-        raise InitError(f"init_distributed(tp_size={tp_size!r}): the world size {_env_int('WORLD_SIZE', 1)} "
-                        f"must be a multiple of tp_size (a positive int); use a tp_size that divides it")
+    default = _sized(_env_int("WORLD_SIZE", 1), pipe_size, tp_size, wrapper=False)
 
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -188,13 +193,13 @@ def init_distributed(seed: int | None = 0, backend: str = "auto",
     _STATE = DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                        backend=resolved, seed=seed, timeout=timeout, debug=debug,
                        comm=CountingCommunicator(backend_comm), requested=requested,
-                       group=weakref.ref(dist.group.WORLD), owns_group=owns)
+                       group=weakref.ref(dist.group.WORLD), owns_group=owns, micro_batches=num_micro_batches)
     # The runtime gets its communicator from here; it never reads this module's state.
     from ..runtime.active_engine import install_engine
     from ..runtime.engine import Engine  # the engine pulls in autograd machinery: load on use
 
     install_engine(Engine(_STATE.comm, device, debug=debug))
-    _use_tensor_parallel(tp_size)
+    _use_default(default)
     get_logger().debug("initialised: %s", _STATE)
     return _STATE
 
@@ -208,12 +213,11 @@ def _load_group_capturing_modules() -> None:
     import torch.distributed.nn  # noqa: F401
 
 
-def _check_pipe_size(pipe_size: int) -> None:
-    if pipe_size not in (1, -1):
-        raise UnsupportedError(
-            f"init_distributed(pipe_size={pipe_size}): bmt_wrap has no pipeline parallelism, only ZeRO-3 "
-            "data parallelism (with tensor parallelism by tp_size=). Use pipe_size=1 (every rank holds a 1/N "
-            "shard of every layer; memory per rank falls with the number of ranks as with BMTrain's ZeRO).")
+def _use_default(mesh: MeshLayout) -> None:
+    """Make ``mesh`` init_distributed's layout and the one models are sharded over (a collective the first
+    time: its sub-groups are built)."""
+    use_layout(mesh)
+    get_state().default = mesh
 
 
 def _check_seed(seed: Any) -> int | None:
@@ -241,9 +245,9 @@ def _stop_comm_thread() -> bool:
     mesh sub-groups' first; False if one is stuck in a collective."""
     if _STATE is None:
         return True
-    comms = [c for layout in _STATE.layouts.values() for c in (layout.shard, layout.replicate) if c is not None]
-    comms += [c for tp in _STATE.tp_layouts.values() for c in (tp.tp, tp.dp.shard, tp.dp.replicate)
-              if c is not None and c is not _STATE.comm]
+    comms = [c for layout in _STATE.layouts.values()
+             for c in (layout.tp, layout.dp.shard, layout.dp.replicate, layout.whole, layout.pp, layout.stage)
+             if c is not None and c is not _STATE.comm]
     closed = True
     for comm in [*comms, _STATE.comm]:
         inner = comm
@@ -269,10 +273,9 @@ def shutdown() -> None:
 
     group = _STATE.group
     if _stop_comm_thread():
-        # The engine and the TP layouts hold sub-group communicators, and a mesh dim over every rank (tp_size
-        # = world size) is the default group itself: drop them before freeing it.
+        # The engine and the layouts hold sub-group communicators: drop them before freeing the group.
         install_engine(None)
-        _STATE.tp_layouts.clear()
+        _STATE.layouts.clear()
         if _STATE.owns_group and dist.is_initialized() and dist.group.WORLD is group():
             dist.destroy_process_group()
         if not dist.is_initialized() or dist.group.WORLD is not group():
@@ -301,162 +304,186 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
         "bmt.init_distributed().", where)
 
 
-# ---- the rank layout: the one place that reads a device mesh ------------------------------------------------
-MESH_DIMS = ("replicate", "shard")
+# ---- the rank layout: the one place that reads keywords and device meshes ------------------------------------
+# Axis names a device mesh may carry, outermost first ("dp" is the shard axis of a ("dp", "tp") mesh).
+MESH_NAMES = ("pp", "replicate", "shard", "dp", "tp")
+_SCOPES = {"tp": "tp", "replicate": "replicate", "pp": "pp"}
 
 
-def rank_layout(mesh: Any = None) -> RankLayout:
-    """This rank's shard and replicate groups for ``mesh`` (a collective on first use of a mesh).
+def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | None = None) -> MeshLayout:
+    """The rank layout ``mesh=``, ``tp_size=`` and ``pp_size=`` ask for, checked on every rank alike (a
+    collective for a device mesh: every rank must have built the same one).
 
-    None, or a 1-D mesh over every rank: ZeRO-3 over the whole job. A 2-D ``DeviceMesh`` with dims
-    (replicate, shard), FSDP2's convention: parameters sharded over the shard dim (ranks in one row),
-    replicated across the replicate dim (one column). Checked on every rank before any group is built.
+    Without a mesh: ``init_distributed``'s layout, with ``tp_size``/``pp_size`` in place of its own where
+    given. A ``DeviceMesh`` names its dims among ``pp``, ``replicate``, ``shard`` (``dp``) and ``tp``, in that
+    order; unnamed, 1-D is ZeRO-3 over it and 2-D (replicate, shard) is HSDP. Only a (replicate, shard) mesh
+    may place ranks in any order; the others list them in the default order (``base/mesh.py``).
     """
     state = get_state()
     if mesh is None:
-        return tensor_parallel().dp
-    if state.tp_size > 1:
-        raise MeshError(f"mesh= with init_distributed(tp_size={state.tp_size}): models are sharded over the "
-                        "data-parallel group that tp_size= defines; leave mesh= out")
-    ranks = _mesh_ranks(mesh, state.world_size)
-    key = (tuple(map(tuple, ranks)), tuple(mesh.mesh_dim_names or ()))
-    digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
-    seen = agree(None, [digest], what="device mesh", error_type=MeshError)
+        default = state.default
+        tp = default.tp if tp_size is None else tp_size
+        pp = default.pp if pp_size is None else pp_size
+        return _sized(state.world_size, pp, tp, wrapper=True)
+    problem, layout = None, None
+    try:
+        layout = _read_mesh(mesh, state, tp_size, pp_size)
+    except MeshError as exc:
+        problem = exc
+    # Every rank's verdict and its mesh's digest: a rank whose mesh is wrong, or built differently from
+    # rank 0's, fails every rank here instead of leaving the others in the first collective over it.
+    digest = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+    seen = agree(problem, [digest], what="device mesh", error_type=MeshError)
     if any(row != [digest] for row in seen):
         other = next(r for r, row in enumerate(seen) if row != [digest])
-        raise MeshError(f"the device mesh differs across ranks (rank {state.rank} has {key[0]}, names "
-                        f"{key[1]}; rank {other} differs): build it identically on every rank, e.g. "
-                        "init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')).")
-    if ranks == [list(range(state.world_size))]:
-        return RankLayout(state.comm)
-    if key not in state.layouts:
-        row = next(r for r in ranks if state.rank in r)
-        column = [r[row.index(state.rank)] for r in ranks]
-        # Shard group first, then replicate, on every rank: NCCL backends build them in that order.
-        shard = state.comm.subgroup_counted(tuple(row), _mesh_group(mesh, 1, row), "shard")
-        replicate = None
-        if len(column) > 1:
-            replicate = state.comm.subgroup_counted(tuple(column), _mesh_group(mesh, 0, column), "replicate")
-        state.layouts[key] = RankLayout(shard, replicate)
-    return state.layouts[key]
-
-
-# ---- tensor parallelism: the TP group and the data-parallel group ZeRO shards over ---------------------------
-TP_MESH_DIMS = ("dp", "tp")
-MESH_3D_DIMS = ("replicate", "shard", "tp")
-
-
-def tensor_parallel() -> TensorParallelLayout:
-    """This rank's tensor-parallel layout (``init_distributed(tp_size=)`` or a TP ``mesh=``; else the plain one)."""
-    state = get_state()
-    return state.tp_layouts.get((state.tp_size, state.tp_replicas)) or _tp_layout(state, 1, 1)
-
-
-def mesh_tensor_parallel(mesh: Any, tp_size: int | None) -> TensorParallelLayout | None:
-    """The TP layout ``mesh=`` and ``tp_size=`` ask for (a collective on first use), or None when ``mesh=``
-    is HSDP's or ZeRO's without TP (``rank_layout`` reads it then).
-
-    A ("dp", "tp") mesh, or a ("replicate", "shard", "tp") mesh: HSDP across the replicate dim, ZeRO-3
-    within a shard group, TP within a node. Either way TP peers are adjacent ranks (``tp_rank = rank % T``,
-    BMTrain's layout), then shard ranks, then replicas. ``tp_size`` alone: init_distributed's when None.
-    """
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
-    if mesh is not None and names not in (TP_MESH_DIMS, MESH_3D_DIMS):
-        if tp_size not in (None, 1):
-            raise MeshError(f"tp_size={tp_size} with a {names or 'unnamed'} mesh= (HSDP): name the TP dim in the "
-                            "mesh instead, init_device_mesh(device, (replicas, shard_size, tp_size), "
-                            "mesh_dim_names=('replicate', 'shard', 'tp')), and leave tp_size= out")
-        return None
-    replicas = 1
-    if mesh is not None:
-        t = mesh.size(mesh.ndim - 1)
-        if tp_size not in (None, t):
-            raise MeshError(f"tp_size={tp_size} differs from the mesh's 'tp' dimension ({t}); pass one")
-        if mesh.mesh.flatten().tolist() != list(range(get_state().world_size)):
-            raise MeshError(f"a {names} mesh must put TP peers on adjacent ranks, then shard ranks, then "
-                            "replicas (BMTrain's layout: tp_rank = rank % T), i.e. init_device_mesh(device, "
-                            f"{'(world // T, T)' if len(names) == 2 else '(replicas, shard_size, T)'}, "
-                            f"mesh_dim_names={names})")
-        if len(names) == 3:
-            replicas = mesh.size(0)
-            if t == 1:
-                raise MeshError("a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor "
-                                "parallelism: pass a 2-D mesh with mesh_dim_names=('replicate', 'shard')")
-        tp_size = t
-    if tp_size is None:
-        return tensor_parallel()
-    call = f"BMTrainModelWrapper(..., {'mesh=...' if mesh is not None else f'tp_size={tp_size!r}'})"
-    return use_tensor_parallel(tp_size, replicas, call=call)
-
-
-def _tp_layout(state: DistState, tp_size: int, replicas: int) -> TensorParallelLayout:
-    """The layout for ``tp_size`` and ``replicas`` (HSDP replicas of the shard x tp model), built once per
-    pair (a collective on every rank the first time)."""
-    key = (tp_size, replicas)
-    if key in state.tp_layouts:
-        return state.tp_layouts[key]
-    if key == (1, 1):
-        layout = TensorParallelLayout(SingleProcessCommunicator(state.timeout), RankLayout(state.comm))
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shard_size = state.world_size // (tp_size * replicas)
-        # BMTrain's layout: TP peers adjacent (the mesh's last dim is runs of tp_size ranks), then shard
-        # ranks; replicas are the outermost dim (FSDP2's HSDP order: one replica per node group).
-        shape, names = ((shard_size, tp_size), TP_MESH_DIMS) if replicas == 1 else \
-            ((replicas, shard_size, tp_size), MESH_3D_DIMS)
-        mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
-        tp_rank, shard_rank = state.rank % tp_size, (state.rank // tp_size) % shard_size
-        first = state.rank - tp_rank - shard_rank * tp_size  # this replica's rank 0
-        row = tuple(state.rank - tp_rank + i for i in range(tp_size))
-        column = tuple(first + i * tp_size + tp_rank for i in range(shard_size))
-        across = tuple(i * shard_size * tp_size + state.rank - first for i in range(replicas))
-        # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate.
-        tp = state.comm.subgroup_counted(row, mesh.get_group("tp"), "tp")
-        shard_scope = "dp" if replicas == 1 else "shard"
-        shard = state.comm.subgroup_counted(column, mesh.get_group(names[-2]), shard_scope) if shard_size > 1 \
-            else SingleProcessCommunicator(state.timeout)
-        replicate = state.comm.subgroup_counted(across, mesh.get_group("replicate"), "replicate") \
-            if replicas > 1 else None
-        # The ranks of this replica (shard x tp), which parameters every TP peer holds whole are sharded
-        # over (#38 item 5); counted with the shard group's traffic, the ZeRO axis. Every rank creates
-        # every replica's group, in replica order (torch's new_group is a collective over the world).
-        per_replica = shard_size * tp_size
-        groups = [dist.new_group(list(range(i * per_replica, (i + 1) * per_replica))) for i in range(replicas)]
-        mine = tuple(range(first, first + per_replica))
-        whole = state.comm.subgroup_counted(mine, groups[state.rank // per_replica], shard_scope)
-        layout = TensorParallelLayout(tp, RankLayout(shard, replicate), whole)
-    state.tp_layouts[key] = layout
+        raise MeshError(f"the device mesh differs across ranks (rank {state.rank} has {mesh.mesh.tolist()}, names "
+                        f"{tuple(mesh.mesh_dim_names or ())}; rank {other} differs): build it identically on every "
+                        "rank, e.g. init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', "
+                        "'shard')).")
+    assert layout is not None
     return layout
 
 
-def _use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> None:
-    """Make ``tp_size`` (and ``replicas``) the job's TP layout: new shard groups are built over its dp group.
-    ``call`` is the user's call that asked for it, for messages (default: ``init_distributed``'s)."""
-    state = get_state()
-    call = call or f"init_distributed(tp_size={tp_size!r})"
-    if not isinstance(tp_size, int) or tp_size < 1 or state.world_size % tp_size:
-        raise InitError(f"{call}: the world size {state.world_size} must be a multiple of tp_size (a positive "
+def _sized(world: int, pp: int, tp: int, wrapper: bool) -> MeshLayout:
+    """The default-order layout of ``pp`` stages and ``tp``-rank TP groups, or ``InitError`` naming the call
+    that asked for it (the wrapper's ``pp_size=``/``tp_size=`` or ``init_distributed``'s)."""
+    pp_key = "pp_size" if wrapper else "pipe_size"
+
+    def call(**given: Any) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        return f"BMTrainModelWrapper(..., {args})" if wrapper else f"init_distributed({args})"
+
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
+        raise InitError(f"{call(tp_size=tp)}: the world size {world} must be a multiple of tp_size (a positive "
                         "int); use a tp_size that divides it")
-    from ..runtime.active_engine import get_engine
-
-    engine = get_engine()
-    layout = _tp_layout(state, tp_size, replicas)
-    if engine.groups and engine.layout != layout.dp:
-        raise InitError(f"{call}: tensor parallelism over {tp_size} ranks x {replicas} replica(s) while models "
-                        f"sharded under tp_size={state.tp_size} x {state.tp_replicas} replica(s) live: call "
-                        "init_distributed once, at start-up, before building any model, and wrap every model "
-                        "with the same tp_size= and mesh=")
-    state.tp_size, state.tp_replicas = tp_size, replicas
-    engine.adopt_layout(layout.dp, layout.tp, layout.whole)
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1 or world % (pp * tp):
+        raise InitError(f"{call(**{pp_key: pp, 'tp_size': tp})}: the world size {world} must be a multiple of "
+                        f"{pp_key} x tp_size (a positive int); use sizes whose product divides it")
+    return MeshLayout.of(world, pp=pp, tp=tp)
 
 
-def use_tensor_parallel(tp_size: int, replicas: int = 1, call: str | None = None) -> TensorParallelLayout:
-    """``init_distributed(tp_size=)`` after start-up (``BMTrainModelWrapper(model, tp_size=T)``, or ``replicas``
-    HSDP replicas under a 3-D ``mesh=``): make it the job's TP layout and return it; a collective on first use.
-    ``call`` names the user's call in errors (default: ``init_distributed``)."""
-    _use_tensor_parallel(tp_size, replicas, call)
-    return tensor_parallel()
+def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | None) -> MeshLayout:
+    """``mesh`` as a ``MeshLayout``, or ``MeshError`` saying what to build instead (no collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = state.world_size
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: "
+                        "build one with init_device_mesh('cpu' or 'cuda', (replicas, shard_size), "
+                        "mesh_dim_names=('replicate', 'shard'))")
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names and mesh.ndim > 2:
+        raise MeshError(f"mesh= has {mesh.ndim} unnamed dims; bmt_wrap takes a 1-D mesh (ZeRO-3 over it), a 2-D "
+                        "(replicate, shard) mesh (HSDP), a 2-D (dp, tp) mesh or a 3-D (replicate, shard, tp) mesh "
+                        "(HSDP x TP), with a 'pp' dim first for pipeline stages. Name the dims so, or flatten the "
+                        "others into them.")
+    names = names or (("shard",) if mesh.ndim == 1 else ("replicate", "shard"))
+    axes = tuple("shard" if n == "dp" else n for n in names)
+    if (mesh.ndim > 1 and (any(n not in MESH_NAMES for n in names) or list(axes) != sorted(axes, key=AXES.index)
+                           or len(set(axes)) != len(axes) or ("dp" in names and "replicate" in names))):
+        raise MeshError(f"this mesh names its dims {names}; bmt_wrap reads dims named 'pp', 'replicate', 'shard' "
+                        "(or 'dp' without 'replicate') and 'tp', outermost first: FSDP2's order for HSDP is "
+                        "mesh_dim_names=('replicate', 'shard') with the shard dim last (ranks of one node in a "
+                        "row); ('dp', 'tp') or ('replicate', 'shard', 'tp') add TP, and a 'pp' dim goes first.")
+    sizes = dict(zip(axes, mesh.mesh.shape, strict=True)) if mesh.ndim > 1 else {"shard": mesh.mesh.numel()}
+    grid = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if sorted(grid) != list(range(world)):
+        raise MeshError(f"mesh= covers ranks {sorted(grid)[:8]}{' ...' if len(grid) > 8 else ''} ({len(grid)} "
+                        f"ranks), but the job has {world}: the mesh must cover every rank exactly once "
+                        f"(replicas x shard_size = {world}).")
+    if mesh.ndim == 1 and grid != list(range(world)):
+        raise MeshError(f"a 1-D mesh= must list the ranks in order (0..{world - 1}), got {grid}: it means ZeRO-3 "
+                        "over the whole job, whose shards follow the rank order. Pass mesh=None.")
+    if axes == ("replicate", "shard", "tp") and sizes["tp"] == 1:
+        raise MeshError("a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor parallelism: pass "
+                        "a 2-D mesh with mesh_dim_names=('replicate', 'shard')")
+    hsdp_only = set(axes) <= {"replicate", "shard"}
+    if not hsdp_only and grid != list(range(world)):
+        raise MeshError(f"a {names} mesh must list ranks in order: TP peers on adjacent ranks, then shard ranks, "
+                        "then replicas, then stages (BMTrain's layout: tp_rank = rank % T, stage = rank // "
+                        f"(world / P)), i.e. init_device_mesh(device, {tuple(mesh.mesh.shape)}, "
+                        f"mesh_dim_names={names})")
+    for key, given, axis, form in (("tp_size", tp_size, "tp", "('replicate', 'shard', 'tp')"),
+                                   ("pp_size", pp_size, "pp", "('pp', 'replicate', 'shard')")):
+        if axis in sizes and given not in (None, sizes[axis]):
+            raise MeshError(f"{key}={given} differs from the mesh's {axis!r} dimension ({sizes[axis]}); pass one")
+        if axis not in sizes and given not in (None, 1):
+            raise MeshError(f"{key}={given} with a {names} mesh=: name the {axis!r} dim in the mesh instead, "
+                            f"init_device_mesh(device, (..., {given}), mesh_dim_names={form}), and leave {key}= out")
+        default = state.default.size(axis)
+        if axis not in sizes and default > 1:
+            call = "tp_size" if axis == "tp" else "pipe_size"
+            raise MeshError(f"mesh= with init_distributed({call}={default}): models are laid out over the "
+                            f"groups that {call}= defines; leave mesh= out, or name a {axis!r} dim in the mesh")
+    return MeshLayout(**{a: int(sizes.get(a, 1)) for a in AXES}, grid=tuple(grid))
+
+
+def build_layout(mesh: MeshLayout) -> ParallelLayout:
+    """This rank's communicators for ``mesh``, built once per layout (a collective the first time: every
+    rank creates every group, in the same order)."""
+    state = get_state()
+    if mesh in state.layouts:
+        return state.layouts[mesh]
+    # One communicator per set of ranks and scope: the same ranks under two axes (shard x tp of one shard
+    # rank is the TP group) count their traffic apart.
+    made: dict[tuple[tuple[int, ...], str], Communicator] = {}
+
+    def along(axes: tuple[str, ...], scope: str) -> Communicator:
+        ranks = mesh.group(state.rank, axes)
+        if axes == ("shard",) and ranks == tuple(range(state.world_size)):
+            return state.comm  # ZeRO-3 over the whole job: the job's own communicator (one rank: counted too)
+        if (ranks, scope) not in made:
+            if len(ranks) == 1:
+                made[ranks, scope] = SingleProcessCommunicator(state.timeout)
+            else:
+                groups = {g: dist.new_group(list(g)) for g in mesh.groups(axes)}  # every rank, every group
+                made[ranks, scope] = state.comm.subgroup_counted(ranks, groups[ranks], scope)
+        return made[ranks, scope]
+
+    shard_scope = "shard" if mesh.replicate > 1 else "dp"
+    # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage.
+    tp = along(("tp",), "tp")
+    shard = along(("shard",), shard_scope)
+    replicate = along(("replicate",), "replicate") if mesh.replicate > 1 else None
+    whole = along(("shard", "tp"), shard_scope) if mesh.tp > 1 else None
+    pp = along(("pp",), "pp") if mesh.pp > 1 else None
+    stage = along(("replicate", "shard", "tp"), "stage") if mesh.pp > 1 else None
+    layout = ParallelLayout(mesh, state.rank, tp, RankLayout(shard, replicate), whole, pp, stage)
+    state.layouts[mesh] = layout
+    return layout
+
+
+def use_layout(mesh: MeshLayout) -> ParallelLayout:
+    """Make ``mesh`` the layout models are sharded over from now on (the engine adopts it; refused while
+    models of another layout live) and return its communicators."""
+    from ..runtime.active_engine import get_engine  # the engine loads autograd machinery: load on use
+
+    layout = build_layout(mesh)
+    get_engine().adopt_layout(layout)
+    get_state().active = mesh
+    return layout
+
+
+def parallel_layout() -> ParallelLayout:
+    """This rank's place in the job's layout: its communicators along every axis (``init_distributed``'s
+    ``pipe_size=``/``tp_size=``, or what the last wrapped model asked for). Not a collective."""
+    state = get_state()
+    return build_layout(state.active or state.default)
+
+
+#: Its name before pipeline parallelism (issue 28): the same layout, read for its TP group.
+tensor_parallel = parallel_layout
+
+
+def data_parallel_rank() -> int:
+    """Which slice of the global batch this rank takes: TP peers and the stages of one pipeline take the
+    same one (``data_parallel_size()`` slices in all)."""
+    return parallel_layout().dp_rank
+
+
+def data_parallel_size() -> int:
+    """How many slices the global batch is cut into (ranks / (pipeline stages x TP size))."""
+    return parallel_layout().dp_size
 
 
 def _active_layout() -> RankLayout:
@@ -472,7 +499,7 @@ def writes_for_all() -> bool:
     if layout.replicate is None:
         return get_state().rank == 0
     # Under HSDP x TP each TP peer of that replica's shard rank 0 holds it too: one of them writes.
-    return layout.shard_rank == 0 and layout.replica_rank == 0 and tensor_parallel().tp_rank == 0
+    return layout.shard_rank == 0 and layout.replica_rank == 0 and parallel_layout().tp_rank == 0
 
 
 def in_first_replica() -> bool:
@@ -488,49 +515,6 @@ def shard_placement(what: str) -> list[tuple[int, int]] | None:
         return None
     table = agree(None, [layout.shard_rank, layout.replica_rank], what=what)
     return [(shard, replica) for shard, replica in table]
-
-
-def _mesh_ranks(mesh: Any, world: int) -> list[list[int]]:
-    """The mesh's ranks as rows of shard groups (one row for a 1-D mesh); raises ``MeshError`` unless
-    it is a 1-D or (replicate, shard) 2-D mesh over every rank."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise MeshError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: "
-                        "build one with init_device_mesh('cpu' or 'cuda', (replicas, shard_size), "
-                        "mesh_dim_names=('replicate', 'shard'))")
-    names = tuple(mesh.mesh_dim_names or ())
-    grid = mesh.mesh.tolist()
-    if mesh.ndim == 1:
-        rows = [grid]
-    elif mesh.ndim == 2:
-        if names and names != MESH_DIMS:
-            raise MeshError(f"a 2-D mesh's dims are (replicate, shard), FSDP2's order; this mesh names them "
-                            f"{names}. Build it with mesh_dim_names=('replicate', 'shard') and the shard "
-                            "dim last (ranks of one node in a row).")
-        rows = grid
-    else:
-        raise MeshError(f"mesh= has {mesh.ndim} dims {names or ''}; bmt_wrap takes a 1-D mesh (ZeRO-3 over it), "
-                        "a 2-D (replicate, shard) mesh (HSDP), a 2-D (dp, tp) mesh or a 3-D (replicate, shard, "
-                        "tp) mesh (HSDP x TP). Name the dims so, or flatten the others into them.")
-    flat = sorted(r for row in rows for r in row)
-    if flat != list(range(world)):
-        raise MeshError(f"mesh= covers ranks {flat[:8]}{' ...' if len(flat) > 8 else ''} ({len(flat)} ranks), but "
-                        f"the job has {world}: the mesh must cover every rank exactly once "
-                        f"(replicas x shard_size = {world}).")
-    if mesh.ndim == 1 and grid != list(range(world)):
-        raise MeshError(f"a 1-D mesh= must list the ranks in order (0..{world - 1}), got {grid}: it means ZeRO-3 "
-                        "over the whole job, whose shards follow the rank order. Pass mesh=None.")
-    return rows
-
-
-def _mesh_group(mesh: Any, dim: int, ranks: list[int]) -> dist.ProcessGroup:
-    """The mesh's process group along ``dim`` that holds this rank, checked to be ``ranks``."""
-    group = mesh.get_group(dim)
-    if dist.get_process_group_ranks(group) != ranks:
-        raise MeshError(f"the mesh's group along dim {dim} holds ranks {dist.get_process_group_ranks(group)}, "
-                        f"expected {ranks}")
-    return group
 
 
 def comm() -> CountingCommunicator:
@@ -654,7 +638,8 @@ def agree(error: BaseException | str | None, payload: list[int] | None = None, w
     raise cls(message)
 
 
-_COLLECTIVES = frozenset({"all_gather", "all_reduce", "broadcast", "reduce_scatter"})
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "broadcast", "reduce_scatter", "send_activations",
+                          "recv_activations"})
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ import torch
 
 from ..runtime.tp_marks import tp_blocks, tp_full_shape, tp_slice, tp_split_dim, tp_split_parts
 from ..runtime.tp_ops import gather_tp_slices
-from .distributed import tensor_parallel
+from .distributed import parallel_layout
 
 
 def whole_shape(p: torch.Tensor) -> torch.Size:
@@ -24,7 +24,7 @@ def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     strided split: within each block); a collective over the TP group for a TP-split ``p`` (every TP peer
     must call it), else ``local``."""
     dim = tp_split_dim(p)
-    layout = tensor_parallel()
+    layout = parallel_layout()
     if dim is None or layout.tp_size == 1:
         return local
     parts = tp_split_parts(p)
@@ -36,7 +36,7 @@ def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """This TP rank's slice of ``whole`` for a TP-split ``p`` (no communication), else ``whole``."""
     dim = tp_split_dim(p)
-    layout = tensor_parallel()
+    layout = parallel_layout()
     if dim is None or layout.tp_size == 1:
         return whole
     return tp_slice(whole, dim, layout.tp_rank, layout.tp_size, tp_split_parts(p))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import BMTError, UnsupportedError
-from ..job.distributed import tensor_parallel
+from ..job.distributed import parallel_layout
 from ..kernels import cupy_usable
 from . import cupy_rows, torch_rows
 from .vocab_parallel import vocab_parallel_rows
@@ -78,7 +78,7 @@ class FusedCrossEntropy(torch.nn.Module):
                            f"{tuple(target.shape)}: flatten first, e.g. loss(logits.view(-1, C), labels.view(-1))")
         target = target.long().contiguous()
         valid = target != self.ignore_index
-        comm = tensor_parallel().tp if self.parallel else None
+        comm = parallel_layout().tp if self.parallel else None
         classes = input.shape[1] * (comm.world_size if comm is not None else 1)
         if input.device.type == "cpu" and bool(((target < 0) | (target >= classes))[valid].any()):
             raise BMTError(f"a target is outside [0, {classes}) and is not ignore_index={self.ignore_index}")

@@ -7,6 +7,8 @@ the whole; a parameter every rank holds in full (marked replicated) contributes 
 Under HSDP every replica holds the same shards, so each rank's shards count 1/replicas: the one
 all-reduce still spans the job (as does the inf/nan flag, where a replica's verdict is its shard's).
 Under tensor parallelism, TP peers hold the same shards of parameters none of them splits: 1/T each.
+Under pipeline parallelism a stage's parameters are held by that stage only (the others' ranges are
+empty); what every stage holds (the explicit API's layers outside a pipeline block list) counts 1/P.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from ..base._compat import foreach_mul_
 from ..base.dtypes import LOW_PRECISION
 from ..errors import OptimizerError
-from ..job.distributed import current_state, tensor_parallel
+from ..job.distributed import current_state, parallel_layout
 from ..runtime.active_engine import get_engine
 from ..runtime.sharded_tensor import local_view
 from ..runtime.tp_marks import tp_split_dim
@@ -37,10 +39,13 @@ class GradParts:
     sharded: list[torch.Tensor]  # shards: together the whole gradient (under HSDP, once per replica)
     replicated: list[torch.Tensor]  # held whole on every rank
     tp_whole: list[torch.Tensor] = field(default_factory=list)  # shards every TP peer holds alike
+    # Under pipeline parallelism, shards every stage holds alike (as ``sharded`` and ``tp_whole`` are held)
+    every_stage: list[torch.Tensor] = field(default_factory=list)
+    every_stage_tp_whole: list[torch.Tensor] = field(default_factory=list)
 
     def all(self) -> list[torch.Tensor]:
         """Every range, of every kind."""
-        return self.sharded + self.replicated + self.tp_whole
+        return self.sharded + self.replicated + self.tp_whole + self.every_stage + self.every_stage_tp_whole
 
 
 class GradRanges:
@@ -52,14 +57,17 @@ class GradRanges:
     def __call__(self, params: Iterable[torch.Tensor]) -> GradParts:
         """Split the gradients present by how they are held, each kind merged into covering views."""
         parts = GradParts([], [], [])
-        tp = tp_size() > 1
+        tp, pp = tp_size() > 1, pp_size() > 1
         for p in params:
             grad = None if p.grad is None else local_view(p.grad)
             if grad is not None and grad.numel() > 0:
+                stages = pp and held_by_every_stage(p)
                 kind = parts.replicated if is_replicated(p) else \
-                    parts.tp_whole if tp and held_by_tp_peers(p) else parts.sharded
+                    (parts.every_stage_tp_whole if stages else parts.tp_whole) if tp and held_by_tp_peers(p) else \
+                    (parts.every_stage if stages else parts.sharded)
                 kind.append(grad)
-        return GradParts(self._cover(parts.sharded), self._cover(parts.replicated), self._cover(parts.tp_whole))
+        return GradParts(*(self._cover(k) for k in (parts.sharded, parts.replicated, parts.tp_whole,
+                                                    parts.every_stage, parts.every_stage_tp_whole)))
 
     def _cover(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         items = [(g,) for g in grads]
@@ -72,6 +80,13 @@ def held_by_tp_peers(p: torch.Tensor) -> bool:
     layout = getattr(p, "_layout", None)
     buffer = getattr(layout, "buffer", None) if layout is not None else None
     return tp_split_dim(p) is None and not (buffer is not None and buffer.spec.over_tp)
+
+
+def held_by_every_stage(p: torch.Tensor) -> bool:
+    """True for a sharded parameter every pipeline stage holds (no stage placement on its buffer)."""
+    layout = getattr(p, "_layout", None)
+    buffer = getattr(layout, "buffer", None) if layout is not None else None
+    return buffer is not None and getattr(buffer, "stage", None) is None
 
 
 def _world() -> tuple[int, torch.device | None]:
@@ -113,7 +128,12 @@ def _norm_power(t: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 def tp_size() -> int:
     """The job's tensor-parallel size (1 before ``init_distributed``)."""
-    return 1 if current_state() is None else tensor_parallel().tp_size
+    return 1 if current_state() is None else parallel_layout().tp_size
+
+
+def pp_size() -> int:
+    """The job's pipeline stages (1 before ``init_distributed``)."""
+    return 1 if current_state() is None else parallel_layout().pp_size
 
 
 def global_grad_norm(grads: GradParts, norm_type: float) -> torch.Tensor:
@@ -128,12 +148,15 @@ def global_grad_norm(grads: GradParts, norm_type: float) -> torch.Tensor:
     parts = _stack([_norm_power(t, norm_type) for t in grads.sharded], device)
     shared = _stack([_norm_power(t, norm_type) for t in grads.replicated], parts.device)
     tp_whole = _stack([_norm_power(t, norm_type) for t in grads.tp_whole], parts.device)
+    stages = _stack([_norm_power(t, norm_type) for t in grads.every_stage], parts.device)
+    stages_tp = _stack([_norm_power(t, norm_type) for t in grads.every_stage_tp_whole], parts.device)
     if math.isinf(norm_type):
-        local = torch.cat([parts, shared, tp_whole, parts.new_zeros(1)]).max().reshape(1)  # norms are >= 0
+        local = torch.cat([parts, shared, tp_whole, stages, stages_tp, parts.new_zeros(1)]).max().reshape(1)
         if world > 1:
             current_state().comm.all_reduce(local, "max", label="grad norm")
         return local[0]
-    local = (parts.sum() / _replicas() + tp_whole.sum() / (_replicas() * tp_size())
+    r, t, p = _replicas(), tp_size(), pp_size()
+    local = (parts.sum() / r + tp_whole.sum() / (r * t) + stages.sum() / (r * p) + stages_tp.sum() / (r * t * p)
              + shared.sum() / world).reshape(1)
     if world > 1:
         current_state().comm.all_reduce(local, "sum", label="grad norm")

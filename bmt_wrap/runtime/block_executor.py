@@ -50,8 +50,10 @@ class BlockHost(Protocol):
     def acquire_for_backward(self, call: BlockCall) -> None:
         """Gather the call's group for its backward, prefetching what backward reaches next."""
 
-    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]]) -> None:
-        """Start reducing the group's parameter gradients."""
+    def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]],
+                           defer: bool = False) -> None:
+        """Start reducing the group's parameter gradients (``defer``: only accumulate them, a later call of
+        the group in the same backward reduces the sum)."""
 
     def release_after_use(self, group: ShardGroup, backward_follows: bool = True) -> None:
         """The call is done with the group's gathered storage."""
@@ -164,6 +166,9 @@ class BlockCall:
     recomputed: dict[int, torch.Tensor] | None = None
     stage: CallStage = CallStage.FORWARD
     params_done: bool = False  # the BlockParams node ran (its gradients went to the reducer)
+    # A pipeline's micro-batch whose backward runs before another call of the same block in the same
+    # backward: its gradients accumulate, that later call reduces the sum (one reduce-scatter per step).
+    defer_reduce: bool = False
     param_refs: int = 0  # saved tensors viewing the gathered storage that autograd has not asked for yet
     _storage: set[int] = dataclasses.field(default_factory=set)  # data pointers of the gathered buffers
 
@@ -315,7 +320,7 @@ class BlockCall:
         """The ``BlockParams`` node ran: release the storage (unless a saved tensor still views it), reduce."""
         self.params_done = True
         self.try_release()
-        self.engine.reduce_group_grads(self.group, grads)
+        self.engine.reduce_group_grads(self.group, grads, defer=self.defer_reduce)
 
     def try_release(self, end_of_backward: bool = False) -> bool:
         """Give the storage back once nothing autograd may still read views it; True when released."""

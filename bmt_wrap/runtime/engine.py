@@ -23,8 +23,8 @@ from ..base.plan import FlatBufferSpec, ShardGroupSpec
 from ..errors import OffloadError, UnsupportedError
 from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
-from .comm import Communicator, RankLayout
-from .flat_buffer import FlatBuffer
+from .comm import Communicator, ParallelLayout, RankLayout, SingleProcessCommunicator, StagePlacement
+from .flat_buffer import FlatBuffer, GhostBuffer
 from .gather_function import gathered_tensors
 from .grad_reduce import GradReducer
 from .group import ShardGroup, StorageMode
@@ -71,6 +71,7 @@ class Engine:
         self.rank, self.world_size = comm.rank, comm.world_size
         # Which ranks new groups shard over and replicate across; one per process (see adopt_layout).
         self.layout = RankLayout(comm)
+        self.parallel: ParallelLayout | None = None  # the whole rank layout once one was adopted
         self.tp: Communicator | None = None  # the tensor-parallel group, when tp_size > 1 (see adopt_layout)
         self.whole: Communicator | None = None  # under TP: the shard x tp ranks (see adopt_layout)
         self.device = device
@@ -84,6 +85,9 @@ class Engine:
         # The explicit API's blocks and bare parameters have no model to belong to: they share this one.
         self.explicit = self.new_runtime("explicit API")
         self.phase = Phase.IDLE
+        # Set by a pipeline's forward for micro-batches whose backward another one's follows: their block
+        # calls accumulate gradients, the last one's reduce them (BlockCall.defer_reduce).
+        self.defer_reduce = False
         self.nested: list[Phase] = []  # BLOCK or RECOMPUTE per block whose own code is running
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
@@ -101,24 +105,23 @@ class Engine:
         self._runtimes.add(runtime)
         return runtime
 
-    def adopt_layout(self, layout: RankLayout, tp: Communicator | None = None,
-                     whole: Communicator | None = None) -> None:
-        """Build new groups over ``layout``; refused while groups of another layout live (the optimizer's
-        norm and overflow reductions assume one layout for every parameter). ``tp``: the tensor-parallel
-        group whose ranks hold different slices of TP-split parameters (``layout`` is then its dp group);
-        ``whole``: the shard x tp ranks that buffers of parameters every TP peer holds whole are sharded over."""
-        if layout == self.layout:  # the same communicators
-            self.tp = tp if tp is not None and tp.world_size > 1 else None
-            self.whole = whole if self.tp is not None else None
-            return
-        if self.groups:
+    def adopt_layout(self, layout: ParallelLayout) -> None:
+        """Build new groups over ``layout``'s dp group; refused while groups of another layout live (the
+        optimizer's norm and overflow reductions assume one layout for every parameter). Its ``tp``: the
+        tensor-parallel group whose ranks hold different slices of TP-split parameters; its ``whole``: the
+        shard x tp ranks that buffers of parameters every TP peer holds whole are sharded over."""
+        if layout.dp != self.layout and self.groups:
             raise UnsupportedError(
                 f"this process already holds models sharded as {self.layout.describe()}; a model sharded as "
-                f"{layout.describe()} beside them is not supported (gradient norms would mix layouts). Wrap "
+                f"{layout.dp.describe()} beside them is not supported (gradient norms would mix layouts). Wrap "
                 "every model of the process with the same mesh= (or none), or drop the others first.")
-        self.layout = layout
-        self.tp = tp if tp is not None and tp.world_size > 1 else None
-        self.whole = whole if self.tp is not None else None
+        self.parallel = layout
+        self.layout = layout.dp
+        self.tp = layout.tp if layout.tp.world_size > 1 else None
+        self.whole = layout.whole if self.tp is not None else None
+        # Every rank of a stage uses the same groups, so the used-parameter mask is agreed within the stage;
+        # the stages agree on what one stage holds through the pipe group (GradReducer.finalize).
+        self.reducer.mask_comm = layout.stage if layout.stage is not None else self.comm
 
     @property
     def groups(self) -> list[ShardGroup]:
@@ -228,6 +231,41 @@ class Engine:
         runtime = self._runtime_of[group]()
         assert runtime is not None  # a live group's runtime holds it
         return runtime
+
+    def place_on_stage(self, group: ShardGroup, stage: StagePlacement) -> None:
+        """``group`` holds parameters of this rank's pipeline stage only: its norms and values combine over
+        the pipe group (the other stages hold ghosts of it, ``ghost_group``)."""
+        for b in group.buffers:
+            self.place_buffer(b, stage)
+
+    def place_buffer(self, buffer: FlatBuffer, stage: StagePlacement) -> None:
+        """One buffer's stage (``place_on_stage``), e.g. a tied embedding's, held by two stages."""
+        buffer.stage = stage
+        self.reducer.staged.append(weakref.ref(buffer))
+
+    def ghost_group(self, spec: ShardGroupSpec, locations: list[list[list[Location]]], stage: StagePlacement,
+                    device: torch.device | str, runtime: ModelRuntime | None = None) -> ShardGroup:
+        """A group of another pipeline stage as this rank holds it: its parameters (full shapes over empty
+        ranges) put at ``locations``, no storage; ``stage.owner`` holds the values (``place_on_stage``)."""
+        buffers: list[FlatBuffer] = [GhostBuffer(b, spec.name, self._buffer_comm(b).world_size, stage, device)
+                                     for b in spec.buffers]
+        group = ShardGroup(spec, buffers, locations, SingleProcessCommunicator(self.comm.timeout), self.pool,
+                           StorageMode.GRAPH)
+        originals = [[locs[0][0]._parameters.get(locs[0][1]) if locs else None for locs in per_buffer]
+                     for per_buffer in locations]
+        group.restore()
+        for olds, buf in zip(originals, buffers, strict=True):
+            for old, new in zip(olds, buf.params, strict=True):
+                if old is not None and old is not new:
+                    mark_replaced(old, new)
+                    copy_tp_marks(old, new)
+                    if self.tp is not None and tp_split_dim(new) is not None:
+                        new.shard_layout.tp = self.tp
+            self.reducer.staged.append(weakref.ref(buf))
+        runtime = runtime or self.explicit
+        runtime.groups.append(group)
+        self._runtime_of[group] = weakref.ref(runtime)
+        return group
 
     def forget(self, group: ShardGroup) -> None:
         """Drop a group whose parameters moved elsewhere (a standalone parameter adopted by a block)."""
@@ -363,6 +401,7 @@ class Engine:
             finally:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
+        call.defer_reduce = self.defer_reduce
         call.call_index = self._runtime(group).prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:
@@ -409,9 +448,9 @@ class Engine:
         self._acquire(call.group, prefetcher.backward_call(call.call_index), prefetcher.ahead)
 
     def reduce_group_grads(self, group: ShardGroup, grads: list[list[torch.Tensor | None]],
-                           only: int | None = None) -> None:
+                           only: int | None = None, defer: bool = False) -> None:
         """Flatten per-slot gradients of each trainable buffer (or of buffer ``only``) and start their
-        reduce-scatter."""
+        reduce-scatter (``defer``: accumulate them for a later call of the group in this backward)."""
         self._enter_backward()
         for i, (buf, per_slot) in enumerate(zip(group.buffers, grads, strict=True)):
             if only is not None and i != only:
@@ -425,7 +464,7 @@ class Engine:
             if not any(used) and self.world_size == 1:
                 continue
             dtype = buf.grad_dtype
-            syncing = self.local_grads.syncing(group)
+            syncing = self.local_grads.syncing(group) and not defer
             if syncing:
                 self.reducer.make_room()
             full, release = self._full_grad_buffer(group, i, dtype)

@@ -8,7 +8,7 @@ import torch
 
 from ..base.dtypes import to_dtype
 from ..base.plan import FlatBufferSpec
-from .comm import Communicator
+from .comm import Communicator, StagePlacement
 from .param import DistributedParameter, ParamGroup
 from .shard_store import ShardHome
 from .sharded_tensor import ShardedTensor
@@ -46,6 +46,9 @@ class FlatBuffer:
         # and T with the shard ranges of sequence-part gradients, which the average over T peers divided by T.
         self.own_comm: Communicator | None = None
         self.tp_scale: tuple[int, list[tuple[int, int]]] | None = None
+        # Under pipeline parallelism, a buffer of one stage's parameters: that stage (this rank's, or another's
+        # in a GhostBuffer); None for a buffer every stage holds.
+        self.stage: StagePlacement | None = None
         self.local_ranges = [spec.local_range(s, rank, world_size) for s in spec.slots]
         self.params = [DistributedParameter._view_of(self, i, shard[a:b], spec.requires_grad)
                        for i, (a, b) in enumerate(self.local_ranges)]
@@ -175,3 +178,38 @@ class FlatBuffer:
     def fqns(self) -> list[str]:
         """Canonical names of the parameters in this buffer."""
         return [s.fqn for s in self.spec.slots]
+
+
+class GhostBuffer(FlatBuffer):
+    """Another pipeline stage's flat buffer as this rank sees it: each parameter with its full shape over an
+    empty range. Its values live on stage ``stage.owner`` (reductions combine over the pipe group, full
+    values come from that stage); a rank never holds memory for it.
+
+    ``world_size``: the ranks the owner shards it over, which fixes its padded size.
+    """
+
+    def __init__(self, spec: FlatBufferSpec, group_name: str, world_size: int, stage: StagePlacement,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        self.group_name = group_name
+        self.rank, self.world_size = 0, world_size
+        self.dtype = to_dtype(spec.dtype)
+        self.gather_dtype = to_dtype(spec.gather_dtype)
+        self.grad_dtype = to_dtype(spec.grad_dtype)
+        self.full_numel = spec.padded_numel(world_size)
+        self.shard_numel = 0
+        self.shard = torch.empty(0, dtype=self.dtype, device=device)
+        self.home = None
+        self._grad_shard = None
+        self.tp_sum, self.own_comm, self.tp_scale = None, None, None
+        self.stage = stage
+        self.local_ranges = [(0, 0)] * len(spec.slots)
+        self.params = [DistributedParameter._view_of(self, i, self.shard, spec.requires_grad)
+                       for i in range(len(spec.slots))]
+
+    def slot_source_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """Nothing of any slot is held on this stage."""
+        return 0, 0
+
+    def load_full_flat(self, full: torch.Tensor) -> None:
+        """Nothing to keep: the owning stage holds these values."""

@@ -117,6 +117,11 @@ class GradReducer:
     device: torch.device = torch.device("cpu")  # where the communicator takes tensors (NCCL: the GPU)
     on_finalize: list[Callable[[], None]] = field(default_factory=list)
     before_finalize: list[Callable[[], None]] = field(default_factory=list)  # may still call ``reduce``
+    # Where the used-parameter mask is agreed: the ranks that use the same groups (the job; a pipeline stage)
+    mask_comm: Communicator | None = None
+    # Under pipeline parallelism, every buffer placed on one stage, its own and other stages' ghosts, in the
+    # order every rank built them: which of their parameters got a gradient is agreed over the pipe group.
+    staged: list[weakref.ref[FlatBuffer]] = field(default_factory=list)
     _pending: deque = field(default_factory=deque)
     _touched: dict[int, _Touched] = field(default_factory=dict)
     callback_queued: bool = False
@@ -232,8 +237,9 @@ class GradReducer:
             if touched:
                 # float32: USED_MASK_BYTES per parameter, as the plan estimates
                 mask = torch.tensor([u for t in touched for u in t.used], dtype=torch.float32, device=self.device)
-                if self.comm.world_size > 1:
-                    self.comm.all_reduce(mask, "max", label="used-parameter mask")
+                comm = self.mask_comm or self.comm
+                if comm.world_size > 1:
+                    comm.all_reduce(mask, "max", label="used-parameter mask")
                 used = (mask > 0).tolist()
                 pos = 0
                 for t in touched:
@@ -243,12 +249,60 @@ class GradReducer:
                             if p.grad is None or not _is_view_of(p.grad, view):
                                 p.grad = t.buffer.grad_tensor(i)
                         pos += 1
+            self._agree_across_stages()
         finally:
             self._touched.clear()
             self.callback_queued = False
             self._queued = None
             for fn in self.on_finalize:
                 fn()
+
+
+    def _agree_across_stages(self) -> None:
+        """Under pipeline parallelism, the stages' share of the end of a backward: a buffer two stages hold
+        (a tied embedding and head) gets the sum of both stages' gradients (one exchange between them), and
+        a parameter held by one stage gets a ``.grad`` on every stage when it got one there (a ghost's over
+        its empty range), so every rank hands torch's ``clip_grad_norm_`` and optimizers the same list of
+        parameters (one all-reduce over the pipe group)."""
+        buffers = [b for b in (ref() for ref in self.staged) if b is not None]
+        self.staged = [weakref.ref(b) for b in buffers]
+        if not buffers:
+            return
+        # Every rank holds every stage's buffers (its own, or ghosts): in one order, the same everywhere.
+        buffers.sort(key=lambda b: (b.group_name, b.spec.slots[0].fqn))
+        pp = buffers[0].stage.pp
+        summed = [_sum_with_partners(b) for b in buffers]  # kept alive until the .grad views hold them
+        mask = torch.tensor([float(p.grad is not None) for b in buffers for p in b.params], dtype=torch.float32,
+                            device=self.device)
+        pp.all_reduce(mask, "max", label="used-parameter mask over the stages")
+        flags = iter((mask > 0).tolist())
+        for b in buffers:
+            for i, p in enumerate(b.params):
+                if next(flags) and p.grad is None:
+                    p.grad = b.grad_tensor(i)
+        del summed
+
+
+def _sum_with_partners(buffer: FlatBuffer) -> torch.Tensor | None:
+    """The sum of this buffer's gradient shard and that of the other stages holding it (point to point;
+    the lower stage sends first). None for a buffer only one stage holds."""
+    stage = buffer.stage
+    assert stage is not None
+    if not stage.shared_with:
+        return None
+    grad = buffer.ensure_grad_shard()
+    theirs = torch.empty_like(grad)
+    for peer in stage.shared_with:
+        pair = sorted((stage.pp.rank, peer))
+        label = f"{buffer.group_name} gradient shared by stages {pair[0]} and {pair[1]}"
+        if stage.pp.rank < peer:
+            stage.pp.send(grad, peer, label=label)
+            stage.pp.recv(theirs, peer, label=label)
+        else:
+            stage.pp.recv(theirs, peer, label=label)
+            stage.pp.send(grad, peer, label=label)
+        grad.add_(theirs)
+    return grad
 
 
 @torch.no_grad()

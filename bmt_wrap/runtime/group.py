@@ -28,10 +28,10 @@ import torch
 
 from ..base._compat import set_version_counters, tensor_version
 from ..base.plan import ShardGroupSpec
-from ..errors import UninitializedParameterError, WrapError
+from ..errors import PipelineError, UninitializedParameterError, WrapError
 from .buffer_pool import BufferPool
 from .comm import Communicator, Handle
-from .flat_buffer import FlatBuffer
+from .flat_buffer import FlatBuffer, GhostBuffer
 from .module_params import Location, put
 from .offload import release_pages
 
@@ -95,6 +95,11 @@ class ShardGroup:
         return self.state is not GroupState.RELEASED
 
     @property
+    def ghost(self) -> bool:
+        """True for another pipeline stage's group as this rank holds it: parameters over empty ranges."""
+        return all(isinstance(b, GhostBuffer) for b in self.buffers)
+
+    @property
     def trainable(self) -> bool:
         """True if any parameter of the group requires grad now (``requires_grad_`` after wrapping counts)."""
         return any(p.requires_grad for b in self.buffers for p in b.params)
@@ -117,6 +122,7 @@ class ShardGroup:
         if self.state is not GroupState.RELEASED:
             return
         self._check_materialised()
+        self._check_on_this_stage()
         for b in self.buffers:
             if b.home is not None:
                 b.home.store.wait_read(b.shard)
@@ -148,12 +154,16 @@ class ShardGroup:
         self._check_materialised()
         buffers = self.buffers if only is None else [only]
         full = [torch.empty(b.full_numel, dtype=b.dtype, device=b.device) for b in buffers]
+        here = [(f, b) for f, b in zip(full, buffers, strict=True) if b.stage is None or b.stage.here]
         handles = [b.comm.all_gather_into(f, b.home.store.to_device(b.shard) if b.home is not None else b.shard,
                                              async_op=True, label=f"{self.name} values")
-                   for f, b in zip(full, buffers, strict=True)]
+                   for f, b in here]
         for h in handles:
             h.wait()
         release_pages(*(b.shard for b in buffers))
+        for f, b in zip(full, buffers, strict=True):
+            if b.stage is not None:  # one stage holds it (pipeline parallelism): every stage gets its values
+                b.stage.pp.broadcast(f, b.stage.owner, label=f"{self.name} values from stage {b.stage.owner}")
         return full
 
     def read_ahead(self) -> None:
@@ -170,6 +180,14 @@ class ShardGroup:
             for p, view in zip(b.params, b.slot_views(full), strict=True):
                 values[id(p)] = view
         return values
+
+    def _check_on_this_stage(self) -> None:
+        other = next((b.stage for b in self.buffers if b.stage is not None and not b.stage.held_here), None)
+        if other is not None:
+            raise PipelineError(
+                f"{self.name!r} belongs to pipeline stage {other.owner}, and this rank runs stage {other.pp.rank}: "
+                "it holds none of its parameters, so it cannot run it. Under pipeline parallelism a stage runs "
+                "its own blocks only (PipelineTransformerBlockList, or BMTrainModelWrapper(pp_size=) calls them).")
 
     def _check_materialised(self) -> None:
         meta = [f for b in self.buffers if b.shard.is_meta for f in b.fqns()]

@@ -127,10 +127,13 @@ class DistributedParameter(ShardedTensor, nn.Parameter):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole parameter, gathered from every rank (a collective: call it on every rank)."""
-        group = self.shard_group
-        if self._layout.buffer.shard.is_meta:
+        buffer = self._layout.buffer
+        if buffer.shard.is_meta:
             return torch.empty(self.full_shape, dtype=self.dtype, device="meta")
-        return self.gathered_view(group.gather_values()).clone()  # frees the rest
+        # Its own flat buffer only: under pipeline parallelism a stage's groups hold other buffers than the
+        # ghosts other stages hold of them, but each buffer is the same everywhere.
+        full = buffer.group.gather_values(only=buffer)[0]
+        return buffer.slot_views(full)[self._layout.slot].clone()  # frees the rest
 
     def __deepcopy__(self, memo: dict) -> ShardedTensor:
         """A copy of this rank's range with the same layout (BMTrain scripts snapshot parameters so); never

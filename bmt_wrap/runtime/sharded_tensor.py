@@ -50,7 +50,7 @@ from ..base._compat import (
 from ..base.plan import FlatBufferSpec
 from ..errors import ShardedTensorError
 from . import offload
-from .comm import Communicator
+from .comm import Communicator, StagePlacement
 from .sharded_materialize import run_on_full_values
 
 aten = torch.ops.aten
@@ -63,6 +63,7 @@ class ShardStorage(Protocol):
     shard_numel: int
     full_numel: int
     local_ranges: list[tuple[int, int]]
+    stage: StagePlacement | None  # under pipeline parallelism: the stage holding the values, else None
 
     @property
     def comm(self) -> Communicator:
@@ -118,9 +119,24 @@ class ShardLayout:
         other.full_shape = torch.Size(shape)
         return other
 
+    @property
+    def stage(self) -> StagePlacement | None:
+        """The pipeline stage holding this tensor's values (None: every stage holds them, or no pipeline)."""
+        return self.buffer.stage
+
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The full tensor (a fresh one) from every rank's ``local`` range: a collective over the shard
-        group that moves this slot's pieces only, never the rest of the flat buffer."""
+        group that moves this slot's pieces only, never the rest of the flat buffer; under pipeline
+        parallelism, then one broadcast from the stage holding it over the pipe group."""
+        stage = self.stage
+        if stage is None:
+            return self._gather_in_stage(local)
+        full = self._gather_in_stage(local) if stage.here else local.new_empty(self.full_shape)
+        if full.numel():
+            stage.pp.broadcast(full.view(-1), stage.owner, label=f"{self.name} full value")
+        return full
+
+    def _gather_in_stage(self, local: torch.Tensor) -> torch.Tensor:
         b = self.buffer
         comm = b.comm
         n = comm.world_size
@@ -141,15 +157,22 @@ class ShardLayout:
         return torch.cat([out[r * piece:r * piece + sizes[r]] for r in holders]).view(self.full_shape)
 
     def all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
-        """Combine every rank's partial result ``t`` in place."""
+        """Combine every rank's partial result ``t`` in place (under pipeline parallelism, over the stages
+        too: the others hold an empty range, a neutral part)."""
         comm = self.buffer.comm
         if comm.world_size > 1:
             comm.all_reduce(t, op, label=f"{what} of sharded {self.name}")
+        stage = self.stage
+        if stage is not None:
+            if not stage.here:  # another holder of a shared buffer answers for it: count its part once
+                t.fill_(0 if op == "sum" else math.inf if op == "min" else -math.inf)
+            stage.pp.all_reduce(t, op, label=f"{what} of {self.name} over the stages")
 
     @property
     def whole_on_rank(self) -> bool:
-        """Whether this rank's range is the whole tensor (one shard rank, no TP split): no collective."""
-        return self.buffer.comm.world_size == 1 and self.tp is None
+        """Whether this rank's range is the whole tensor (one shard rank, no TP split, no other stage): no
+        collective."""
+        return self.buffer.comm.world_size == 1 and self.tp is None and self.stage is None
 
 
 class ShardedTensor(torch.Tensor):
@@ -421,6 +444,9 @@ def _unscale_and_check(func: Any, args: tuple, kwargs: dict) -> None:
     for comm in comms.values():
         if comm.world_size > 1:
             comm.all_reduce(found_inf.view(1), "max", label="inf/nan flag")
+    staged = next((g._layout.stage for g in grads if isinstance(g, ShardedTensor) and g._layout.stage), None)
+    if staged is not None:  # every stage skips the step when one stage overflowed
+        staged.pp.all_reduce(found_inf.view(1), "max", label="inf/nan flag over the stages")
 
 
 def _note_offloaded(args: tuple) -> None:
@@ -490,7 +516,9 @@ def _reduce_parts(parts: torch.Tensor, tensors: list, op: str) -> None:
         comm = t._layout.buffer.comm
         by_comm.setdefault(id(comm), (comm, []))[1].append(i)
     if len(by_comm) == 1:
-        tensors[0]._layout.all_reduce(parts, op, "norms")
+        comm = next(iter(by_comm.values()))[0]
+        if comm.world_size > 1:
+            comm.all_reduce(parts, op, label=f"norms of sharded {tensors[0]._layout.name}")
         return
     for comm, idx in by_comm.values():
         if comm.world_size > 1:
@@ -512,6 +540,20 @@ def _combine_tp_parts(parts: torch.Tensor, tensors: list, p: float) -> None:
     parts.reshape(-1)[split] = sub
 
 
+def _combine_pp_parts(parts: torch.Tensor, tensors: list, p: float) -> None:
+    """Combine the norm parts of tensors one pipeline stage holds (already complete on that stage) over
+    the pipe group, in place: the other stages hold empty ranges. One all-reduce for the list; every rank
+    holds the same list (ghosts of other stages' parameters included), so every stage issues it."""
+    staged = [i for i, t in enumerate(tensors) if t._layout.stage is not None]
+    if not staged:
+        return
+    pp = tensors[staged[0]]._layout.stage.pp
+    sub = parts.reshape(-1)[staged].clone()
+    sub[[not tensors[i]._layout.stage.here for i in staged]] = 0  # a shared buffer counts on its owner only
+    pp.all_reduce(sub, "max" if math.isinf(p) else "sum", label=f"norms of {len(staged)} tensor(s) over the stages")
+    parts.reshape(-1)[staged] = sub
+
+
 def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     t = args[0]
     p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
@@ -523,8 +565,11 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     if t._layout.whole_on_rank:
         return torch.linalg.vector_norm(t._local, p, dtype=dtype)
     part = _powers(t._local, p, dtype).reshape(1)
-    t._layout.all_reduce(part, "max" if math.isinf(p) else "sum", "norm")
+    comm = t._layout.buffer.comm
+    if comm.world_size > 1:
+        comm.all_reduce(part, "max" if math.isinf(p) else "sum", label=f"norm of sharded {t._layout.name}")
     _combine_tp_parts(part, [t], p)
+    _combine_pp_parts(part, [t], p)
     out_dtype = dtype or t.dtype
     return _finish_norms(part, p)[0].to(out_dtype)
 
@@ -542,6 +587,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
             parts = parts ** p
         _reduce_parts(parts, tensors, "max" if math.isinf(p) else "sum")
         _combine_tp_parts(parts, tensors, p)
+        _combine_pp_parts(parts, tensors, p)
         return list(_finish_norms(parts, p).to(dtype or tensors[0].dtype).unbind())
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -554,6 +600,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         parts = torch.stack([_powers(tensors[i]._local, p, dtype) for i in sharded])
         _reduce_parts(parts, [tensors[i] for i in sharded], "max" if math.isinf(p) else "sum")
         _combine_tp_parts(parts, [tensors[i] for i in sharded], p)
+        _combine_pp_parts(parts, [tensors[i] for i in sharded], p)
         for i, v in zip(sharded, _finish_norms(parts, p), strict=True):
             out[i] = v.to(dtype or tensors[i].dtype)
     return out  # type: ignore[return-value]

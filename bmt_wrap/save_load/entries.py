@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..job.distributed import tensor_parallel
+from ..job.distributed import parallel_layout
 from ..job.tp_values import local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
@@ -75,7 +75,7 @@ class Entry:
         start, end = self.param.source_range()
         if not self.tp_split:
             return Piece(start, end)
-        tp = tensor_parallel()
+        tp = parallel_layout()
         return Piece(start, end, tp_split_dim(self.param), tp.tp_rank, tp.tp_size, tp_split_parts(self.param))
 
     @torch.no_grad()

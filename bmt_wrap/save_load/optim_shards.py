@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
-from ..job.distributed import current_state, tensor_parallel
+from ..job.distributed import current_state, parallel_layout
 from ..job.tp_values import whole_value
 from ..runtime.param import DistributedParameter
 from ..runtime.sharded_tensor import ShardedTensor, local_view
@@ -119,7 +119,7 @@ def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
     dim = tp_split_dim(p)
     if dim is None:
         return LocalShard.of(local, p.full_shape, start)
-    tp = tensor_parallel()
+    tp = parallel_layout()
     full = tuple(tp_full_shape(p))
     piece = Piece(start, start + local.numel(), dim, tp.tp_rank, tp.tp_size, tp_split_parts(p))
     return LocalShard.of(local, full, start, piece.region(full), piece.boxes(full) if piece.tp_parts > 1 else None)

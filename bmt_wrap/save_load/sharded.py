@@ -39,7 +39,7 @@ from torch import nn
 
 from ..base.dtypes import dtype_name, to_dtype
 from ..errors import CheckpointError, listed
-from ..job.distributed import broadcast_bytes, get_state, shard_placement, tensor_parallel
+from ..job.distributed import broadcast_bytes, get_state, parallel_layout, shard_placement
 from ..runtime.comm import collective_purpose
 from ..wrapping.init import rebuild_lost_buffers
 from . import optim_state, rng
@@ -96,6 +96,19 @@ def _ranges(e: Entry, writers: list[bool], placement: list[tuple[int, int]] | No
             if w else [0, 0] for r, w in enumerate(writers)]
 
 
+def _stage_ranges(entries: list[Entry], writers: dict[str, list[bool]], rank: int) -> dict[str, list[list[int]]]:
+    """Under pipeline parallelism, every rank's ``[start, end)`` of each tensor, each rank telling its own
+    (one all-reduce): only a tensor's stage knows where its shards are; another stage holds a ghost of it,
+    and a stage sharing a tensor with its owner (a tied embedding) leaves it to the owner."""
+    mine: list[int] = []
+    for e in entries:
+        stage = e.param.flat_buffer.stage if e.param is not None else None
+        held = writers[e.name][rank] and (stage is None or stage.here)
+        mine += list(e.local_range()) if held and e.param is not None else [0, e.numel] if held else [0, 0]
+    table = agree(None, mine, what="save_checkpoint ranges")
+    return {e.name: [row[2 * i:2 * i + 2] for row in table] for i, e in enumerate(entries)}
+
+
 def _param_names(entries: list[Entry]) -> dict[int, str]:
     return {id(e.param if e.param is not None else e.value): e.name for e in entries}
 
@@ -122,10 +135,14 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
         files = _file_names(rank, world, save_id)
         placement = shard_placement("save_checkpoint layout")
-        tp = tensor_parallel()
+        tp = parallel_layout()
         tp_ranks = ([0] * world if tp.tp_size == 1
                     else [row[0] for row in agree(None, [tp.tp_rank], what="TP ranks")])
         writers = {e.name: _writers(e, world, placement, tp_ranks) for e in entries}
+        staged = _stage_ranges(entries, writers, rank) if tp.pp_size > 1 else None
+        if staged is not None:  # pipeline stages: a rank writes what its stage holds (the owner of a shared one)
+            writers = {e.name: [r[0] < r[1] or (w and e.numel == 0) for r, w in zip(staged[e.name], writers[e.name],
+                                                                                     strict=True)] for e in entries}
         tensors = [(f"model/{e.name}", e.local()) for e in entries if writers[e.name][rank]]
         kinds, saved_groups, values = [], [], []
         for k, opt in enumerate(optimizers):
@@ -161,7 +178,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                                   for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
                                    "tp_dim": e.piece().tp_dim, "tp_parts": e.piece().tp_parts,
-                                   "ranges": _ranges(e, writers[e.name], placement)} for e in entries],
+                                   "ranges": staged[e.name] if staged is not None else
+                                   _ranges(e, writers[e.name], placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
                     }
                     write_atomic(directory / METADATA, json.dumps(metadata, indent=1).encode())
@@ -334,7 +352,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
             plan = _plan_model(reader, entries)
             optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
             # Each rank's saved RNG state is its own only at the same layout (TP peers draw alike).
-            same_world = reader.world == state.world_size and reader.tp_size == tensor_parallel().tp_size
+            same_world = reader.world == state.world_size and reader.tp_size == parallel_layout().tp_size
             if same_world:
                 reader.state(state.rank)
         except CheckpointError as exc:

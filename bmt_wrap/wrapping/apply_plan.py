@@ -21,7 +21,7 @@ from ..errors import PlanError, WrapError
 from ..loss.product_head import HeadWeight
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
-from ..runtime.comm import Communicator, RankLayout
+from ..runtime.comm import ParallelLayout
 from ..runtime.engine import Engine, storage_mode
 from ..runtime.gather_function import regathered
 from ..runtime.group import ShardGroup
@@ -32,6 +32,7 @@ from .bound_block import CheckpointBlock, bind_block
 from .compiled import compiled_wrapper, never_traced
 from .offload_option import offload_store
 from .one_backward import refuse_second_backward
+from .pipeline import Stages, place_root, root_specs, sync_from_rank0
 from .sharded_module import ShardedModuleMixin, install_state_hooks
 
 _ROOT_CLASSES: dict[type, type] = {}
@@ -76,14 +77,12 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision | None = None, *,
-               layout: RankLayout | None = None, tp: Communicator | None = None,
-               whole: Communicator | None = None, offload: str | None = None,
-               offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
-    """Shard ``model`` per ``plan`` in place (over ``layout``'s groups; default the whole job) and return it;
-    ``tp``: the tensor-parallel group whose peers hold different slices of the TP-split parameters;
-    ``whole``: the shard x tp ranks the plan's ``over_tp`` buffers are sharded over;
-    ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
-    (``"host"``)."""
+               layout: ParallelLayout | None = None, offload: str | None = None,
+               offload_dir: str | os.PathLike[str] | None = None, stages: Stages | None = None) -> nn.Module:
+    """Shard ``model`` per ``plan`` in place (over ``layout``'s dp group, with its TP group for TP-split
+    parameters; default: the layout the engine holds) and return it; ``offload``: keep each rank's shards in a file under ``offload_dir`` (``"disk"``) or in host memory
+    (``"host"``); ``stages``: under pipeline parallelism, this rank builds its stage's groups and ghosts of
+    the others' (``wrapping/pipeline.py``)."""
     if is_wrapped(model) or isinstance(model, CheckpointBlock):
         raise WrapError(f"{type(model).__name__} is already wrapped; wrap a model once "
                         "(BMTrainModelWrapper returns the same object, changed in place)")
@@ -99,7 +98,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     del sites  # by_name alone holds the originals now, and lets each go once its group holds its shard
     engine = get_engine()
     if layout is not None:
-        engine.adopt_layout(layout, tp, whole)
+        engine.adopt_layout(layout)
     runtime = engine.new_runtime(type(model).__name__)
     runtime.offload = offload_store(engine.comm, offload, offload_dir, engine.device)
     root_params = {id(by_name[slot.fqn].param) for g in plan.groups if g.is_root for _, slot in g.slots()}
@@ -110,12 +109,24 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     ext = {name: [[loc for loc in by_name[n].locations if _inside(loc, module)]
                   for n in _ext_names(module, root_params, by_name)] for name, module in blocks.items()}
     root_group: ShardGroup | None = None
+    sync_from: int | None = 0
+    if stages is not None:
+        sync_from_rank0(plan.groups, by_name, stages.layout.tp_rank, stages.layout.tp_size)  # then each stage keeps its own
+        sync_from = None
     for spec in plan.groups:
-        if spec.is_root:
+        if spec.is_root and stages is not None:
+            root_group = _build_stage_root(engine, runtime, spec, by_name, device, stages)
+        elif spec.is_root:
             root_group = _build_root(engine, runtime, spec, by_name, device)
+        elif stages is not None and stages.owner(spec.name) != stages.mine:
+            placement = stages.placement((stages.owner(spec.name),))
+            blocks[spec.name]._bmt_group = _hook_states(engine.ghost_group(spec, _locations(spec, by_name),
+                                                                           placement, device, runtime))
         else:
-            bind_block(blocks[spec.name], spec, _group_sites(spec, by_name), ext_locations=ext[spec.name],
-                       runtime=runtime, compiled_by=compiled_wrapper(model, spec.name))
+            block = bind_block(blocks[spec.name], spec, _group_sites(spec, by_name), ext_locations=ext[spec.name],
+                               sync_from=sync_from, runtime=runtime, compiled_by=compiled_wrapper(model, spec.name))
+            if stages is not None:
+                engine.place_on_stage(block._bmt_group, stages.placement((stages.mine,)))
         _release(spec, by_name)
     engine.sync_buffers(model, 0)
     _turn_off_self_checkpointing(model, plan)
@@ -199,8 +210,9 @@ def _check_plan_precision(plan: WrapPlan, mp: MixedPrecision | None) -> None:
 
 
 def _install_schedule(runtime: ModelRuntime, plan: WrapPlan, groups: dict[str, ShardGroup]) -> None:
-    """The plan's block order and prefetch depth become what ``runtime`` executes."""
-    runtime.set_schedule([groups[n] for n in plan.order if n in groups], plan.prefetch_depth)
+    """The plan's block order and prefetch depth become what ``runtime`` executes (this stage's blocks)."""
+    runtime.set_schedule([groups[n] for n in plan.order if n in groups and not groups[n].ghost],
+                         plan.prefetch_depth)
 
 
 def _turn_off_self_checkpointing(model: nn.Module, plan: WrapPlan) -> None:
@@ -231,12 +243,38 @@ def _ext_names(block: nn.Module, root_params: set[int], by_name: dict[str, Param
     return [by_id[id(p)].names[0] for p in block.parameters() if id(p) in root_params]
 
 
+def _locations(spec: Any, by_name: dict[str, ParamSite]) -> list[list[list[Location]]]:
+    return [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
+
+
+def _hook_states(group: ShardGroup) -> ShardGroup:
+    """Modules holding ``group``'s parameters read them whole in ``state_dict()`` (a ghost: from its stage)."""
+    for locs in group.locations:
+        for slot_locs in locs:
+            for m, _ in slot_locs:
+                install_state_hooks(m)
+    return group
+
+
+def _build_stage_root(engine: Engine, runtime: ModelRuntime, spec: Any, by_name: dict[str, ParamSite],
+                      device: torch.device, stages: Stages) -> ShardGroup | None:
+    """This stage's root group, and ghosts of the root parameters only other stages hold."""
+    own, ghosts = root_specs(spec, stages)
+    for placement, sub in ghosts:
+        _hook_states(engine.ghost_group(sub, _locations(sub, by_name), placement, device, runtime))
+    if own is None:
+        return None
+    group = _build_root(engine, runtime, own, by_name, device, sync_from=None)
+    place_root(group, stages)
+    return group
+
+
 def _build_root(engine: Engine, runtime: ModelRuntime, spec: Any, by_name: dict[str, ParamSite],
-                device: torch.device) -> ShardGroup:
-    locations = [[by_name[slot.fqn].locations for slot in b.slots] for b in spec.buffers]
+                device: torch.device, sync_from: int | None = 0) -> ShardGroup:
+    locations = _locations(spec, by_name)
     sources = [[full_value(by_name[slot.fqn].param).to(to_dtype(b.dtype)) for slot in b.slots]
                for b in spec.buffers]
-    group = engine.build_group(spec, locations, sources, device, sync_from=0, runtime=runtime)
+    group = engine.build_group(spec, locations, sources, device, sync_from=sync_from, runtime=runtime)
     for locs in locations:
         for slot_locs in locs:
             for m, _ in slot_locs:

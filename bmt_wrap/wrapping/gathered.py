@@ -30,7 +30,10 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
     Holds the whole model on every rank while inside: meant for inspection, evaluation tweaks and small
     models. Use ``bmt.save`` to write big models.
     """
-    groups = sharded_groups(model)
+    # One flat buffer at a time, in parameter order (under pipeline parallelism a stage's groups hold other
+    # buffers than the ghosts other stages hold of them, but each buffer is the same everywhere).
+    buffers = list({id(p.flat_buffer): p.flat_buffer for p in model.parameters()
+                    if isinstance(p, DistributedParameter)}.values())
     # Where each sharded parameter sits, found by walking the model: a bare DistributedParameter's
     # group does not know the module it was assigned to.
     sites: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -38,12 +41,11 @@ def gathered(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
         if isinstance(p, DistributedParameter):
             sites.setdefault(id(p), []).append((module, attr))
     full: list[tuple[DistributedParameter, nn.Parameter]] = []
-    for g in groups:
+    for b in buffers:
         # Shard-dtype values: under mixed precision a param_dtype copy would lose the fp32 masters'
         # precision on writeback.
-        values = g.param_values()
-        full += [(p, nn.Parameter(values[id(p)], requires_grad=p.requires_grad))
-                 for b in g.buffers for p in b.params]
+        values = b.slot_views(b.group.gather_values(only=b)[0])
+        full += [(p, nn.Parameter(v, requires_grad=p.requires_grad)) for p, v in zip(b.params, values, strict=True)]
     with installed((module, attr, whole) for p, whole in full for module, attr in sites.get(id(p), [])):
         yield model
         if writeback:

@@ -60,7 +60,7 @@ def _gather_once(model: nn.Module) -> bool:
     policy = _policy()
     if policy != "auto":
         return policy == "once"
-    need = sum(g.spec.padded_bytes(get_state().world_size) for g in sharded_groups(model))
+    need = sum(g.spec.padded_bytes(get_state().world_size) for g in _own_groups(model))
     free = _free_bytes()
     fits = [row[0] for row in agree(None, [int(need <= free // 2)], what="generate memory")]
     decision = all(fits)
@@ -84,6 +84,11 @@ def _free_bytes() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _own_groups(model: nn.Module) -> list:
+    """The groups this rank runs (under pipeline parallelism its stage's: the others are ghosts here)."""
+    return [g for g in sharded_groups(model) if not g.ghost]
+
+
 def _gathered_once(model: nn.Module) -> Any:
-    return get_engine().resident(sharded_groups(model))
+    return get_engine().resident(_own_groups(model))
 

@@ -31,14 +31,15 @@ from .grad_sync import discard_unsynced, no_sync
 
 
 class _StateDictScope:
-    """What the ``state_dict()`` being written asks for, and the one group gathered for it (groups are
-    visited in order, so one gathered group at a time suffices)."""
+    """What the ``state_dict()`` being written asks for, and the one flat buffer gathered for it (buffers
+    are visited in order, so one at a time suffices; per buffer, not per group: under pipeline parallelism
+    a stage's groups hold other buffers than the ghosts other stages hold of them)."""
 
     depth = 0
     sharded = False  # DCP's sharded state dict: this rank's elements only, nothing gathered
     to_cpu = False
     rank0_only = False  # full values are copied out on rank 0 only (the others just join the gathers)
-    group: ShardGroup | None = None
+    buffer: Any = None
     values: dict[int, torch.Tensor] | None = None
 
     @classmethod
@@ -54,7 +55,7 @@ class _StateDictScope:
     def exit(cls) -> None:
         cls.depth -= 1
         if cls.depth == 0:
-            cls.group, cls.values, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
+            cls.buffer, cls.values, cls.sharded, cls.to_cpu, cls.rank0_only = None, None, False, False, False
 
     @classmethod
     def value(cls, p: DistributedParameter) -> torch.Tensor:
@@ -63,10 +64,12 @@ class _StateDictScope:
             local = p.to_local().detach()
             local = local.to("cpu") if cls.to_cpu else local
             return param_shard(p, local)
-        group = p.shard_group
-        if cls.group is not group:
-            cls.group, cls.values = None, None  # the previous group's values go before the next gather
-            cls.group, cls.values = group, group.param_values()
+        buffer = p.flat_buffer
+        if cls.buffer is not buffer:
+            cls.buffer, cls.values = None, None  # the previous buffer's values go before the next gather
+            full = buffer.group.gather_values(only=buffer)[0]
+            cls.buffer, cls.values = buffer, {id(q): v for q, v in zip(buffer.params, buffer.slot_views(full),
+                                                                          strict=True)}
         assert cls.values is not None
         value = whole_value(p, cls.values[id(p)])  # TP-split: joined with its TP peers' slices (a collective)
         if cls.rank0_only:

@@ -19,25 +19,16 @@ from ..base._compat import pytree
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan, TPEntry
 from ..errors import PlanError
-from ..job import distributed
 from ..job.tp_inputs import check_tp_inputs_agree
-from ..runtime.comm import Communicator, TensorParallelLayout
+from ..runtime.comm import Communicator, ParallelLayout
 from ..runtime.tp_marks import mark_tp, tp_slice
 from ..runtime.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_tp, scatter_to_tp
 from .compiled import never_traced
 from .sequence_parallel import apply_sequence_parallel
 
 
-def tensor_parallel_layout(tp_size: int | None, mesh: Any) -> TensorParallelLayout | None:
-    """The TP and dp groups for ``tp_size=`` (default: ``init_distributed(tp_size=)``'s), a ("dp", "tp") or a
-    ("replicate", "shard", "tp") mesh, or None without tensor parallelism (then ``mesh=`` is HSDP's, read by
-    ``rank_layout``)."""
-    layout = distributed.mesh_tensor_parallel(mesh, tp_size)
-    return layout if layout is not None and layout.tp_size > 1 else None
-
-
 def tensor_parallel_section(model: nn.Module, discovery: passes.Discovery,
-                            layout: TensorParallelLayout | None, plan: WrapPlan | None,
+                            layout: ParallelLayout | None, plan: WrapPlan | None,
                             tp_plan: dict[str, str] | None, sequence_parallel: bool = False
                             ) -> TensorParallelPlan | None:
     """The plan's TP section: ``plan=``'s own, or the pass's for this model (with its sequence-parallel

@@ -17,7 +17,7 @@ from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError, WrapError
-from ..job.distributed import agree, broadcast_bytes, get_state, rank_layout
+from ..job.distributed import agree, broadcast_bytes, get_state, job_layout, use_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
@@ -26,13 +26,9 @@ from .consistency import check_same_wrap
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .offload_option import check_offload
+from .pipeline import apply_pipeline, check_pipeline_section, pipeline_options
 from .sequence_parallel import adopt_sequence_chain
-from .tensor_parallel import (
-    apply_tensor_parallel,
-    guard_tp_inputs,
-    tensor_parallel_layout,
-    tensor_parallel_section,
-)
+from .tensor_parallel import apply_tensor_parallel, guard_tp_inputs, tensor_parallel_section
 from .verify import attach_verify
 
 
@@ -69,17 +65,20 @@ class _FirstForward:
         budgeted = self.options["memory_budget"] is not None
         mine, failure = None, None
         try:
+            if model.plan.pipeline is not None and state.rank == 0:
+                # Stages were placed from module order at wrap time; the captured forward must agree.
+                passes.check_root_order(model.plan.pipeline, cap.graph, model.plan)
             section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss,
                                                 tensor_parallel=model.plan.tensor_parallel)
             mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
                                    **self.options)
             if cap.method == "export" and mine.tensor_parallel is not None and mine.tensor_parallel.sequence:
                 mine.tensor_parallel.sequence = passes.chain_from_capture(mine.tensor_parallel.sequence, cap.graph)
-        except PlanError as exc:  # only a budget these inputs' activations exceed: options were checked at wrap
-            if not budgeted:
+        except PlanError as exc:  # a budget these inputs' activations exceed, or pipeline stages placed wrongly
+            if not budgeted and model.plan.pipeline is None:
                 raise
             failure = exc
-        if budgeted:
+        if budgeted or model.plan.pipeline is not None:
             # Every rank adopts rank 0's schedule, so rank 0's verdict is raised everywhere (another rank's
             # inputs may differ; it follows rank 0 either way). Without a budget nothing here can fail.
             agree(failure if state.rank == 0 else None, what="first-forward schedule", error_type=PlanError)
@@ -95,7 +94,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         example_inputs: Any = None, mixed_precision: MixedPrecision | None = None,
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
-                        offload_dir: str | os.PathLike[str] | None = None) -> nn.Module:
+                        offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
+                        pp_microbatches: int | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -122,6 +122,13 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     without offload. Pair it with ``bmt.optim.AdamDiskOptimizer`` to put Adam's state in a file too.
     ``offload="host"`` (CUDA jobs): the same shards in pinned host memory, copied to the device one block
     ahead of their gathers; ``AdamOptimizer``'s state stays on the host and it steps chunk by chunk.
+    ``pp_size=P`` (or a mesh dim named "pp", or ``init_distributed(pipe_size=P)``): pipeline parallelism over
+    P stages of ``world / P`` consecutive ranks, each holding a contiguous run of blocks (balanced by their
+    parameter bytes) and the root parameters used before the first block (first stage) or after the last
+    (last stage), ZeRO-3 sharded over its data-parallel ranks. The forward cuts the batch into
+    ``pp_microbatches`` (default P) micro-batches and runs GPipe; every stage returns the whole batch's loss
+    (``out.loss.backward()`` on every rank runs the schedule). The stages of a pipeline take the same batch:
+    slice data by ``bmt.data_parallel_rank()``. ``model.plan.pipeline`` lists the stages.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -134,8 +141,11 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     if memory_budget is not None and state.device.type == "cpu":
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
-        tp_layout = tensor_parallel_layout(tp_size, mesh)  # mesh and size errors first, on every rank alike
-        layout = tp_layout.dp if tp_layout is not None else rank_layout(mesh)
+        # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
+        parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size))
+        tp_layout = parallel if parallel.tp_size > 1 else None
+        layout = parallel.dp
+        pipeline = pipeline_options(parallel, pp_microbatches, plan)
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget, "offload": offload}
@@ -148,7 +158,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             if state.rank == 0:
                 try:
                     mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options,
-                                          layout.shard_size, tp, fused_loss)
+                                          layout.shard_size, tp, fused_loss, pipeline)
                 except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                     failure = exc
             agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -164,15 +174,19 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                 raise PlanError("plan= has no fused-loss section to apply fused_loss=True with: rebuild the plan "
                                 "(bmt-wrap dump --fused-loss --format json) or wrap without plan=")
         first = None
+        skeleton = passes.meta_skeleton(model) if plan.capture == "none" or pipeline is not None else None
         if plan.capture == "none" or (built and _budget_needs_activations(plan, layout.shard_size)):
-            first = _FirstForward(passes.meta_skeleton(model), discovery, options, layout.shard_size, fused_loss)
+            first = _FirstForward(skeleton or passes.meta_skeleton(model), discovery, options, layout.shard_size,
+                                  fused_loss)
         if tp is not None:
             apply_tensor_parallel(model, tp, tp_layout.tp)
             guard_tp_inputs(model)
-        apply_plan(model, plan, mixed_precision, layout=layout,
-                   tp=tp_layout.tp if tp_layout is not None else None,
-                   whole=tp_layout.whole if tp_layout is not None else None,
-                   offload=offload, offload_dir=offload_dir)
+        stages = check_pipeline_section(plan, parallel, pipeline)
+        apply_plan(model, plan, mixed_precision, layout=parallel, offload=offload, offload_dir=offload_dir,
+                   stages=stages)
+        if stages is not None:
+            assert skeleton is not None
+            apply_pipeline(model, stages, skeleton)
         install_fused_loss(model, plan.fused_loss)
         model._bmt_first_forward = first
         attach_verify(model)
@@ -184,13 +198,16 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
                    mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int,
-                   tp: TensorParallelPlan | None, fused_loss: bool) -> WrapPlan:
-    """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks."""
+                   tp: TensorParallelPlan | None, fused_loss: bool, pipeline: tuple[int, int] | None) -> WrapPlan:
+    """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks;
+    ``pipeline``: (stages, micro-batches) to cut it into."""
     cap = passes.capture(model, discovery, example_inputs)
     passes.check_captured_reads(model, tp, cap.readers)
     section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, **options)
+    if pipeline is not None:
+        plan.pipeline = passes.plan_pipeline(model, plan, *pipeline, cap.graph if cap.method != "none" else None)
     return plan
 
 

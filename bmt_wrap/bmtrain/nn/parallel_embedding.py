@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...explicit.module import DistributedModule
-from ...job.distributed import tensor_parallel
+from ...job.distributed import parallel_layout
 from ...job.tp_inputs import tp_digests
 from ...runtime import tp_ops
 from .tp_parameter import split_size, tp_parameter
@@ -34,14 +34,14 @@ class VPEmbedding(DistributedModule):
         super().__init__()
         self.dim_model = embedding_size
         self.vocab_size_per_partition = split_size(vocab_size, "VPEmbedding vocab_size")
-        self.start_index = tensor_parallel().tp_rank * self.vocab_size_per_partition
+        self.start_index = parallel_layout().tp_rank * self.vocab_size_per_partition
         self.end_index = self.start_index + self.vocab_size_per_partition
         init = functools.partial(torch.nn.init.normal_, mean=init_mean, std=init_std)
         self.weight = tp_parameter((vocab_size, embedding_size), 0, init, dtype)
 
     def forward(self, x: torch.Tensor, projection: bool = False) -> torch.Tensor:
         """Embeddings of the token ids ``x``, or (``projection``) vocabulary-split logits of hidden states."""
-        comm = tensor_parallel().tp
+        comm = parallel_layout().tp
         if projection:
             dim = 1 if x.dim() >= 3 else 0
             # Every rank uses the whole sequence with its own vocabulary rows: gradients summed, then split.

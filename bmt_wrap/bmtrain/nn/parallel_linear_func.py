@@ -12,7 +12,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from ...job.distributed import tensor_parallel
+from ...job.distributed import parallel_layout
 from ...runtime import tp_ops
 
 
@@ -39,7 +39,7 @@ class OpParallelLinear:
               gather_input: bool = False, gather_output: bool = False, split_input: bool = False,
               reduce_output_type: ReduceType | int | None = None, async_gather_chunks: int = 2) -> torch.Tensor:
         """The linear map with its communication; differentiable."""
-        comm = tensor_parallel().tp
+        comm = parallel_layout().tp
         reduce = ReduceType(reduce_output_type) if reduce_output_type is not None else None
         x = input
         if gather_input and split_input:

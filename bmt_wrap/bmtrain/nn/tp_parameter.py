@@ -8,13 +8,13 @@ from typing import Any
 import torch
 
 from ...errors import TPShapeError
-from ...job.distributed import get_state, tensor_parallel
+from ...job.distributed import get_state, parallel_layout
 from ...runtime.param import DistributedParameter
 
 
 def split_size(total: int, what: str) -> int:
     """``total`` divided by the tensor-parallel size; ``TPShapeError`` (on every rank) unless it divides."""
-    tp_size = tensor_parallel().tp_size
+    tp_size = parallel_layout().tp_size
     if total % tp_size:
         raise TPShapeError(f"{what}={total} is not divisible by the tensor-parallel size {tp_size}: choose sizes "
                            f"that divide by tp_size, or a tp_size that divides {total}")
@@ -26,7 +26,7 @@ def tp_parameter(shape: tuple[int, ...], split_dim: int, init_method: Callable[[
     """A ``DistributedParameter`` holding this TP rank's slice (along ``split_dim``, -1: whole) of a
     ``shape`` tensor drawn with ``init_method`` identically on every rank, so the model equals one built
     whole under the same seed (as ``bmt.init_parameters`` draws it again: BMTrain's rule)."""
-    layout = tensor_parallel()
+    layout = parallel_layout()
     whole = torch.empty(shape, dtype=dtype, device=get_state().device)
     init_method(whole)
     local = whole if split_dim < 0 else whole.chunk(layout.tp_size, dim=split_dim)[layout.tp_rank].clone()

@@ -6,13 +6,13 @@ from .counting import CountingCommunicator
 from .cupy_nccl import CupyNcclCommunicator, cupy_available
 from .fingerprint import FingerprintCommunicator
 from .gloo import GlooCommunicator
-from .layout import RankLayout, TensorParallelLayout
+from .layout import ParallelLayout, RankLayout, StagePlacement
 from .purpose import collective_purpose
 from .single import SingleProcessCommunicator
 from .torch_native import TorchCommunicator
 
 __all__ = [
     "REDUCE_OPS", "Communicator", "CountingCommunicator", "CupyNcclCommunicator", "DoneHandle",
-    "FingerprintCommunicator", "GlooCommunicator", "Handle", "RankLayout", "SingleProcessCommunicator",
-    "TensorParallelLayout", "TorchCommunicator", "collective_purpose", "cupy_available",
+    "FingerprintCommunicator", "GlooCommunicator", "Handle", "ParallelLayout", "RankLayout",
+    "SingleProcessCommunicator", "StagePlacement", "TorchCommunicator", "collective_purpose", "cupy_available",
 ]

@@ -15,6 +15,8 @@ _E = TypeVar("_E", bound=CommError)
 
 #: Reduction names accepted by every backend.
 REDUCE_OPS = ("sum", "avg", "max", "min")
+#: Tags of point-to-point transfers are below this (gloo folds them into its own tag space).
+MAX_TAG = 1 << 16
 
 
 class Handle(abc.ABC):
@@ -97,6 +99,33 @@ class Communicator(abc.ABC):
         if not 0 <= src < self.world_size:
             raise CommError(f"broadcast{_at(label)}: src {src} is not a rank of a group of {self.world_size}")
         return self._staged(lambda t: self._broadcast(t, src, label), async_op, tensor)
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False,
+             label: str = "") -> Handle | None:
+        """Send ``tensor`` to rank ``dst`` of this group, which takes it with ``recv(..., src=this rank, tag)``.
+
+        Point to point: only the two ranks take part. Sends and receives between two ranks must be posted
+        in the same order on both (the pipeline's schedule does); ``tag`` (< 2**16) tells transfers of one
+        pair apart (gloo matches on it; NCCL ignores it and matches in order).
+        """
+        self._check_usable("send", label)
+        _check_flat("send", tensor=tensor)
+        self._check_peer("send", dst, tag, label)
+        return self._staged(lambda t: self._send(t, dst, tag, label), async_op, tensor)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False,
+             label: str = "") -> Handle | None:
+        """Receive into ``tensor`` what rank ``src`` of this group sent with ``tag``; sizes and dtypes must match."""
+        self._check_usable("recv", label)
+        _check_flat("recv", tensor=tensor)
+        self._check_peer("recv", src, tag, label)
+        return self._staged(lambda t: self._recv(t, src, tag, label), async_op, tensor)
+
+    def _check_peer(self, what: str, peer: int, tag: int, label: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size or (peer == self.rank and self.world_size > 1):
+            raise CommError(f"{what}{_at(label)}: peer {peer!r} is not another rank of the {self.describe()}")
+        if not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+            raise CommError(f"{what}{_at(label)}: tag {tag!r} must be an int in [0, {MAX_TAG})")
 
     def barrier(self, label: str = "") -> None:
         """Return once every rank reached this barrier."""
@@ -182,6 +211,12 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _barrier(self, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle: ...
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _check_usable(self, what: str, label: str) -> None:

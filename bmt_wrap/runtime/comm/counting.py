@@ -3,7 +3,7 @@
 Algorithmic bytes are what a bandwidth-optimal algorithm moves per rank, independent of how the
 backend implements the op (gloo's native reduce-scatter is an all-reduce on the wire):
 all-gather and reduce-scatter ``shard_bytes * (N-1)``, all-reduce ``2 * bytes * (N-1) / N``,
-broadcast ``bytes``. ``trace()`` also records the ops themselves, in the order they are issued (tests
+broadcast ``bytes``; point to point, ``send`` and ``recv`` each count the bytes this rank sent or received. ``trace()`` also records the ops themselves, in the order they are issued (tests
 compare one model's collectives with and without another model beside it, and against its plan).
 
 Sub-group communicators (HSDP's shard and replicate groups) count into their parent's ledger, each bytes
@@ -102,6 +102,14 @@ class CountingCommunicator(CommunicatorWrapper):
     def _barrier(self, label: str) -> Handle:
         self._count("barrier", 0, label)
         return self.inner._barrier(label)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
+        self._count("send", _nbytes(tensor), label, tensor.numel())
+        return self.inner._send(tensor, dst, tag, label)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle:
+        self._count("recv", _nbytes(tensor), label, tensor.numel())
+        return self.inner._recv(tensor, src, tag, label)
 
 
 

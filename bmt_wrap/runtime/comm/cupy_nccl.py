@@ -143,6 +143,15 @@ class CupyNcclCommunicator(Communicator):
         return self._launch(f"broadcast {label}", [tensor], lambda s: self._comm.broadcast(
             tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s))
 
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
+        # NCCL matches point-to-point calls between two ranks in posting order; it has no tags.
+        return self._launch(f"send to rank {dst} {label}", [tensor], lambda s: self._comm.send(
+            tensor.data_ptr(), tensor.numel(), self._dtype(tensor), dst, s))
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle:
+        return self._launch(f"recv from rank {src} {label}", [tensor], lambda s: self._comm.recv(
+            tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s))
+
     def _barrier(self, label: str) -> Handle:
         flag = torch.zeros(1, device="cuda")
         return self._all_reduce(flag, "sum", f"barrier {label}")

@@ -63,3 +63,11 @@ class FingerprintCommunicator(CommunicatorWrapper):
     def _barrier(self, label: str) -> Handle:
         self._check("barrier", None, label)
         return self.inner._barrier(label)
+
+    # Point to point: two ranks of the group take part, so no group-wide fingerprint; the receiver checks
+    # the sender's header (runtime/pipeline.py), and a missing peer times out.
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
+        return self.inner._send(tensor, dst, tag, label)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle:
+        return self.inner._recv(tensor, src, tag, label)

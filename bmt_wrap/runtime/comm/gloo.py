@@ -33,6 +33,7 @@ from .subgroups import GroupRef, process_group_subgroup
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
 _TAG_ORDER = 13
+_TAG_P2P = 14
 _TAG_SPREAD = 1 << 20  # data tags: op tag + a hash of what defines the op, below this
 
 # How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
@@ -148,8 +149,10 @@ class GlooCommunicator(Communicator):
             return exc
         return None
 
-    def _submit(self, op: OpDescription, fn: Callable[[Callable[[], None]], None]) -> _Future:
-        """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them."""
+    def _submit(self, op: OpDescription, fn: Callable[[Callable[[], None]], None],
+                peers: tuple[int, ...] | None = None) -> _Future:
+        """Queue ``fn(verify)``; ``fn`` posts its first transfers, calls ``verify()``, then waits on them.
+        ``peers``: the ranks taking part (a point-to-point pair), default every rank of the group."""
         fut = _Future(self, op.text)
 
         def checked() -> None:
@@ -159,15 +162,17 @@ class GlooCommunicator(Communicator):
                 return
             # The descriptions travel beside the op's first transfers (no extra round trip); they are
             # compared before waiting on the data, which a divergent peer may never send.
-            posted = self._post_order(op)
+            posted = self._post_order(op, peers)
             fn(lambda: self._verify(posted, op))
 
         self._queue.put((checked, fut))
         return fut
 
-    def _post_order(self, op: OpDescription) -> tuple[dict[int, torch.Tensor], list[_Work]]:
+    def _post_order(self, op: OpDescription, peers: tuple[int, ...] | None = None
+                    ) -> tuple[dict[int, torch.Tensor], list[_Work]]:
         mine = op.encode()
-        theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in range(self.world_size) if p != self.rank}
+        peers = peers if peers is not None else tuple(range(self.world_size))
+        theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in peers if p != self.rank}
         works = []
         for peer, buf in theirs.items():
             works.append((dist.isend(mine, self._global[peer], group=self._group(), tag=_TAG_ORDER), peer))
@@ -282,6 +287,29 @@ class GlooCommunicator(Communicator):
             self._wait_all([(work, None)], desc.text)
 
         return self._submit(desc, run)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
+        return self._point_to_point(tensor, self.rank, dst, tag, label)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle:
+        return self._point_to_point(tensor, src, self.rank, tag, label)
+
+    def _point_to_point(self, tensor: torch.Tensor, src: int, dst: int, tag: int, label: str) -> Handle:
+        # Both ends describe the transfer alike (pair, tag, size, label), so the order check compares the
+        # sender's op with the receiver's; the data's tag carries the caller's tag and that description.
+        desc = describe_op("send/recv", tensor, label, f"rank {src} -> rank {dst}, tag {tag}")
+        data_tag = _data_tag(_TAG_P2P, desc)
+        peer = dst if src == self.rank else src
+
+        def run(verify: Callable[[], None]) -> None:
+            if src == self.rank:
+                work = dist.isend(tensor, self._global[dst], group=self._group(), tag=data_tag)
+            else:
+                work = dist.irecv(tensor, self._global[src], group=self._group(), tag=data_tag)
+            verify()
+            self._wait_all([(work, peer)], desc.text)
+
+        return self._submit(desc, run, peers=(self.rank, peer))
 
 
 def _data_tag(op_tag: int, op: OpDescription) -> int:

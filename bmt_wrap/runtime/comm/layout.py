@@ -1,14 +1,15 @@
 """Where this rank sits in the job: the group its parameters are sharded over and the group that holds
 replicas of its shard (HSDP: shard within a node, replicate across nodes).
 
-Built by ``distributed.rank_layout`` (the one place that reads a device mesh); the runtime only reads it.
-With one replica it is plain ZeRO-3 over the shard group, which is then the whole job.
+Part of a ``ParallelLayout`` (below), built by ``distributed.job_layout`` (the one place that reads keywords
+and device meshes); the runtime only reads it. With one replica it is plain ZeRO-3 over the shard group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...base.mesh import MeshLayout
 from .base import Communicator
 
 
@@ -45,19 +46,24 @@ class RankLayout:
 
 
 @dataclass(frozen=True)
-class TensorParallelLayout:
-    """This rank's tensor-parallel group (``tp``: the T adjacent ranks that split layers between them)
-    and its data-parallel layout (``dp``: the ranks with the same ``tp_rank``, which ZeRO shards over).
+class ParallelLayout:
+    """This rank's communicators along each axis of the job's mesh (``base/mesh.py``: the one description
+    of where ranks sit): ``tp``, the T adjacent ranks that split layers between them; ``dp``, the ranks with
+    this rank's stage and TP rank, which ZeRO shards over (HSDP: its shard and replicate groups); ``whole``,
+    the shard x tp ranks of one replica, which buffers of parameters every TP peer holds whole are sharded
+    over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage.
 
-    Built by ``distributed.tensor_parallel()``; BMTrain's order: ``tp_rank = rank % T``,
-    ``dp_rank = rank // T``. With T = 1, ``tp`` is a single-process group and ``dp`` the job's layout.
+    Built by ``distributed.job_layout()`` (the one place that reads keywords and device meshes); with
+    every axis but the shard axis of size 1, ``tp`` is a single-process group and ``dp`` the whole job.
     """
 
+    mesh: MeshLayout
+    rank: int
     tp: Communicator
     dp: RankLayout
-    # The ranks of this rank's replica (dp shard group x tp group): what parameters every TP peer holds
-    # whole are sharded over (None with T = 1, where that is ``dp.shard``).
-    whole: Communicator | None = None
+    whole: Communicator | None = None  # None with T = 1, where that is ``dp.shard``
+    pp: Communicator | None = None  # None with one stage
+    stage: Communicator | None = None  # None with one stage (then it is the job)
 
     @property
     def tp_size(self) -> int:
@@ -71,10 +77,56 @@ class TensorParallelLayout:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas of the tensor-parallel model (gradients and losses average over them)."""
+        """Data-parallel replicas of one (TP-split, pipelined) model: gradients and losses average over them."""
         return self.dp.shard_size * self.dp.num_replicas
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas."""
+        """This rank's index among the data-parallel replicas: which slice of the global batch it takes."""
         return self.dp.replica_rank * self.dp.shard_size + self.dp.shard_rank
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages."""
+        return self.mesh.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's stage (BMTrain's ``stage_id``)."""
+        return self.mesh.coords(self.rank)["pp"]
+
+    def describe(self) -> str:
+        """For messages: the mesh's axes."""
+        return self.mesh.describe()
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where a flat buffer's values live along the pipeline: stage ``owner`` of the pipe group ``pp``.
+
+    Buffers of the owner's ranks hold shards; the other stages hold a ghost of the buffer (every parameter's
+    full shape over an empty range), so reductions over its parameters combine over ``pp`` and a full value
+    comes from the owner by one broadcast over ``pp``.
+    """
+
+    pp: Communicator
+    owner: int
+    # Every stage holding the values (a tied embedding and head: the first and last); () means ``(owner,)``.
+    # Each holds its shards and its own gradient, summed between them at the end of a backward; only the
+    # owner's count in norms and answer for values.
+    holders: tuple[int, ...] = ()
+
+    @property
+    def here(self) -> bool:
+        """True on the ranks of the owning stage."""
+        return self.pp.rank == self.owner
+
+    @property
+    def held_here(self) -> bool:
+        """True where this stage holds the values (the owner, or another holder of a shared buffer)."""
+        return self.pp.rank in (self.holders or (self.owner,))
+
+    @property
+    def shared_with(self) -> tuple[int, ...]:
+        """The other stages holding the values beside this one (a shared buffer's gradient partners)."""
+        return tuple(s for s in self.holders if s != self.pp.rank) if self.held_here else ()

@@ -69,6 +69,14 @@ class TorchCommunicator(Communicator):
         work = dist.broadcast(tensor, self._global[src], group=self._group(), async_op=True)
         return _WorkHandle(self, work, f"broadcast({tensor.numel()} x {tensor.dtype}) {label}")
 
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
+        work = dist.isend(tensor, self._global[dst], group=self._group(), tag=tag)
+        return _WorkHandle(self, work, f"send({tensor.numel()} x {tensor.dtype}) to rank {dst} {label}")
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, label: str) -> Handle:
+        work = dist.irecv(tensor, self._global[src], group=self._group(), tag=tag)
+        return _WorkHandle(self, work, f"recv({tensor.numel()} x {tensor.dtype}) from rank {src} {label}")
+
     def _barrier(self, label: str) -> Handle:
         flag = torch.zeros(1, device="cuda" if self.backend_name == "torch-nccl" else "cpu")
         work = dist.all_reduce(flag, group=self._group(), async_op=True)

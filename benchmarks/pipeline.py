@@ -1,0 +1,82 @@
+"""Pipeline stages in the one-liner: pp2 x dp2 against dp4 (ZeRO-3 over 4 ranks), and GPipe's idle time.
+
+    python benchmarks/pipeline.py [--world-size 4] [--model toy-gpt-24] [--batch 4] [--steps 4] [--rounds 1]
+
+Systems: ``bmt_wrapper`` (ZeRO-3 over every rank) and ``bmt_wrapper_pp2`` (``BMTrainModelWrapper(model,
+pp_size=2, pp_microbatches=M)``: two stages of consecutive ranks, ZeRO-3 over each stage's two data-parallel
+ranks) at M = 4 and 8, on the same global batch (``--batch`` x world size sequences). The first table gives
+per system the median step time (slowest rank per step), the bytes each rank sends per step (collectives'
+algorithmic bytes plus the activations and gradients it sends to another stage; the largest over ranks) and
+the peak RSS per rank (the largest); the second, per micro-batch count and stage, the fraction of a step the
+stage spends in transfers between stages (waiting for its peer or moving data: ``runtime/pipeline.py``'s
+``transfer_time``) beside GPipe's bubble (P-1)/(M+P-1). Written to ``--out`` (default
+``benchmarks/results/pipeline_<model>.md``), which RESULTS.md quotes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+from harness import environment, launch, parse_args
+from report import command_line, publish
+
+CONFIGS = [("bmt_wrapper", None), ("bmt_wrapper_pp2", 4), ("bmt_wrapper_pp2", 8)]
+DEFAULTS = {"--world-size": "4", "--model": "toy-gpt-24", "--batch": "4", "--steps": "4", "--warmup": "1",
+            "--rounds": "1"}
+
+
+def _label(system: str, micro: int | None) -> str:
+    return "dp4 ZeRO-3" if micro is None else f"pp2 x dp2, GPipe M={micro}"
+
+
+def main(argv: list[str]) -> None:
+    """Run the configurations, print and write the two tables."""
+    for flag, value in DEFAULTS.items():
+        if flag not in argv:
+            argv += [flag, value]
+    args = parse_args(__doc__, ["bmt_wrapper", "bmt_wrapper_pp2"], argv)
+    env = environment(args.mmap_threshold)
+    runs: dict[tuple[str, int | None], list[list[dict]]] = {c: [] for c in CONFIGS}
+    for i in range(args.rounds):
+        for system, micro in CONFIGS:
+            print(f"round {i + 1}/{args.rounds}: {_label(system, micro)} ...", file=sys.stderr, flush=True)
+            runs[(system, micro)].append(launch(system, args, env | ({"BMT_PP_MICROBATCHES": str(micro)}
+                                                                     if micro else {})))
+    rows = []
+    for (system, micro), rounds in runs.items():
+        times = [max(step) for r in rounds for step in zip(*(rank["times"] for rank in r), strict=True)]
+        sent = max(rank["comm_bytes"] for r in rounds for rank in r)
+        rss = max(rank["rss"] for r in rounds for rank in r)
+        idle = {}
+        for r in rounds:
+            for rank in r:
+                fractions = [w / t for w, t in zip(rank["idle"], rank["times"], strict=True)]
+                idle.setdefault(rank["stage"], []).extend(fractions)
+        rows.append({"label": _label(system, micro), "micro": micro, "median_s": statistics.median(times),
+                     "sent": sent, "rss": rss, "loss": rounds[-1][0]["losses"][-1],
+                     "idle": {s: statistics.median(v) for s, v in sorted(idle.items())}})
+    base = rows[0]
+    first = runs[CONFIGS[0]][-1][0]
+    lines = [f"{first['params']:,} parameters ({args.model}), {args.world_size} ranks, batch {args.batch}/rank x seq "
+             f"{args.seq} (the same global batch for every system), {args.steps} steps x {args.rounds} round(s) "
+             f"after {args.warmup} warm-up, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", "",
+             "| system | step s (median) | time vs dp4 | bytes sent/rank/step | bytes vs dp4 | peak RSS/rank | "
+             "RSS vs dp4 | final loss |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['label']} | {row['median_s']:.3f} | {row['median_s'] / base['median_s']:.2f}x | "
+                     f"{row['sent'] / 1e6:.1f} MB | {row['sent'] / base['sent']:.2f}x | {row['rss'] / 2**30:.2f} GiB | "
+                     f"{row['rss'] / base['rss']:.2f}x | {row['loss']:.4f} |")
+    lines += ["", "| schedule | stage | measured idle fraction | bound (P-1)/(M+P-1) | idle vs bound |",
+              "|---|---|---|---|---|"]
+    for row in rows[1:]:
+        bound = 1 / (row["micro"] + 1)
+        for stage, frac in row["idle"].items():
+            lines.append(f"| GPipe M={row['micro']} | {stage} | {frac:.3f} | {bound:.3f} | {frac / bound:.2f}x |")
+    out = args.out or Path(__file__).parent / "results" / f"pipeline_{args.model}.md"
+    publish(lines, out, command_line(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,138 @@
+"""The job's rank layout, one description whatever keywords build it: named axes, outermost first.
+
+``pp`` (pipeline stages), ``replicate`` (HSDP replicas), ``shard`` (the ranks ZeRO-3 splits a buffer over)
+and ``tp`` (tensor parallelism). By default ranks are laid out row-major over the axes, tensor parallelism
+fastest, pipeline stages slowest, as BMTrain and Megatron order them:
+
+    rank = ((pp · R + replica) · S + shard) · T + tp
+
+so TP peers are adjacent ranks (``tp_rank = rank % T``, BMTrain's) and a stage is a contiguous block of
+``world / P`` ranks (BMTrain's ``stage_id = rank // (world // pipe_size)``). A 2-D (replicate, shard)
+device mesh may place its ranks in any order (HSDP's rows are whatever the mesh says); every other layout
+is in this order.
+
+Ranks that differ only along ``pp`` and ``tp`` compute on the same data (``data_parallel_rank``): TP peers
+split one computation, the stages of a pipeline run its parts one after another. Context parallelism
+(``cp``, a later axis between ``shard`` and ``tp``) will join them: its ranks split one sequence. Expert
+parallelism (``ep``) will not be an axis of its own: it groups ranks of the data-parallel axes, as
+torchtitan borrows its expert groups from ``dp_shard``.
+
+Pure: sizes and rank numbers only. ``job/distributed.py`` builds the communicators for it
+(``runtime/comm/layout.py``) and is the one place that reads keywords and device meshes into one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import MeshError
+
+#: The axes, outermost (slowest varying rank) first.
+AXES = ("pp", "replicate", "shard", "tp")
+#: Ranks that differ only along these axes take the same slice of the global batch.
+SAME_DATA_AXES = ("pp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Sizes of the axes and which rank sits where; ``grid`` lists the ranks row-major over ``AXES``."""
+
+    pp: int = 1
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+    grid: tuple[int, ...] = ()  # empty: the default order, rank i at flat index i
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise MeshError(f"mesh axis {axis!r} must be a positive int, got {size!r}")
+        if self.grid and sorted(self.grid) != list(range(self.world)):
+            raise MeshError(f"a mesh grid lists every rank of {self.world} once, got {list(self.grid)[:8]}")
+        if self.grid == tuple(range(self.world)):
+            object.__setattr__(self, "grid", ())  # one spelling of the default order: equal layouts compare equal
+
+    @classmethod
+    def of(cls, world: int, *, pp: int = 1, replicate: int = 1, tp: int = 1) -> MeshLayout:
+        """The default-order layout of ``world`` ranks; the shard axis takes what the others leave."""
+        rest = pp * replicate * tp
+        if world % rest:
+            raise MeshError(f"pp {pp} x replicate {replicate} x tp {tp} = {rest} does not divide the "
+                             f"world size {world}")
+        return cls(pp=pp, replicate=replicate, shard=world // rest, tp=tp)
+
+    @property
+    def world(self) -> int:
+        """Ranks in the job."""
+        return self.pp * self.replicate * self.shard * self.tp
+
+    def size(self, axis: str) -> int:
+        """How many ranks one step along ``axis`` covers."""
+        return getattr(self, axis)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every axis's size, in ``AXES`` order."""
+        return tuple(self.size(a) for a in AXES)
+
+    def _at(self, index: int) -> int:
+        return self.grid[index] if self.grid else index
+
+    def _index(self, rank: int) -> int:
+        return self.grid.index(rank) if self.grid else rank
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s position on every axis."""
+        if not 0 <= rank < self.world:
+            raise MeshError(f"rank {rank} is outside a mesh of {self.world} ranks")
+        index, out = self._index(rank), {}
+        for axis, size in reversed(list(zip(AXES, self.sizes, strict=True))):
+            index, out[axis] = divmod(index, size)
+        return {a: out[a] for a in AXES}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (every axis)."""
+        index = 0
+        for axis, size in zip(AXES, self.sizes, strict=True):
+            index = index * size + coords[axis]
+        return self._at(index)
+
+    def group(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+        """The ranks that differ from ``rank`` only along ``axes``, row-major over them (``AXES`` order):
+        ``group(r, ("tp",))`` is r's TP group, in TP-rank order."""
+        base = self.coords(rank)
+        ordered = [a for a in AXES if a in axes]
+        ranks = []
+        for flat in range(math.prod(self.size(a) for a in ordered)):
+            coords = dict(base)
+            for axis in reversed(ordered):
+                flat, coords[axis] = divmod(flat, self.size(axis))
+            ranks.append(self.rank_at(coords))
+        return tuple(ranks)
+
+    def groups(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Every group along ``axes`` (each once), ordered by its first rank: the order every rank creates
+        process groups in."""
+        seen: dict[int, tuple[int, ...]] = {}
+        for rank in range(self.world):
+            g = self.group(rank, axes)
+            seen.setdefault(min(g), g)
+        return [seen[k] for k in sorted(seen)]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many slices the global batch is cut into: one per (replica, shard) position."""
+        return self.replicate * self.shard
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which slice of the global batch ``rank`` takes; ranks differing only along ``SAME_DATA_AXES``
+        (TP peers, the stages of one pipeline) take the same one."""
+        c = self.coords(rank)
+        return c["replicate"] * self.shard + c["shard"]
+
+    def describe(self) -> str:
+        """For messages: the axes larger than one, e.g. ``pp 2 x shard 2``."""
+        parts = [f"{a} {s}" for a, s in zip(AXES, self.sizes, strict=True) if s > 1]
+        return " x ".join(parts) if parts else "one rank"
