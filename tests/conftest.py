@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 from dist_harness import STARTS, shutdown_all
@@ -37,12 +38,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.process)
 
 
+# Seconds (set-up, call and tear-down) and tests per test file: every run, CI's included, says where its
+# time went (docs/design.md "Testing: where the time goes").
+FILE_SECONDS: Counter[str] = Counter()
+FILE_TESTS: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add a test phase's duration to its file's."""
+    path = report.nodeid.split("::")[0]
+    FILE_SECONDS[path] += report.duration
+    FILE_TESTS[path] += report.when == "call"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_all()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """How many worker groups the session started, and what they cost: a failed body rebuilds its group."""
+    """Where the time went, by file; how many worker groups the session started, and what they cost (a
+    failed body rebuilds its group)."""
+    if len(FILE_SECONDS) > 1:
+        top = FILE_SECONDS.most_common(20)
+        terminalreporter.write_sep("-", f"seconds by test file, the {len(top)} slowest of {len(FILE_SECONDS)} "
+                                        f"({sum(FILE_SECONDS.values()):.0f} s in all)")
+        for path, seconds in top:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {FILE_TESTS[path]:4d} tests  {path}")
     if not STARTS:
         return
     total = sum(seconds for _, seconds, _ in STARTS)
