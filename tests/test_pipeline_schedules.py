@@ -1,5 +1,5 @@
 """``model.pipeline_step(..., schedule=...)``: torch.distributed.pipelining's schedules run one whole step of
-a model wrapped with ``pp_size=P`` and train like plain PyTorch in one process (and like the GPipe loop);
+a model wrapped with ``pp_size=P`` and train like plain PyTorch in one process, as the GPipe loop does;
 schedules not offered, and calls without pipeline stages, are named errors.
 """
 
@@ -22,9 +22,9 @@ def _llama_labels(ids):
     return labels
 
 
-def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", loop: bool = False) -> list[float]:
-    """3 steps side by side with plain PyTorch (grads each step, parameters at the end: checked inside);
-    ``loop``: the GPipe loop (``loss.backward()``) in place of ``pipeline_step``."""
+def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> list[float]:
+    """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
+    checked inside)."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -39,7 +39,7 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", loop:
         def step_fn(m, ids, targets):
             return m.pipeline_step(ids, targets, schedule=schedule)
     result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, pp_microbatches=micro), batches,
-                                optimizer=optimizer, loss_fn=loss_fn, step_fn=None if loop else step_fn,
+                                optimizer=optimizer, loss_fn=loss_fn, step_fn=step_fn,
                                 data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
     gc.collect()  # the wrapped model goes before the next one takes the engine
     return result["losses"]
@@ -55,8 +55,9 @@ def _raises(fn) -> tuple[str, str]:
 
 def _pp2_body() -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
-    out = {"1F1B": _train("toy", "1F1B", 4), "GPipe": _train("toy", "GPipe", 4),
-           "loop": _train("toy", "", 4, loop=True), "llama": _train("llama", "1F1B", 2)}
+    # torch's GPipe runs every forward before any backward: several micro-batches' graphs read the root's
+    # gathers at once (the embedding and head keep their own storage each)
+    out = {"1F1B": _train("toy", "1F1B", 4), "GPipe": _train("toy", "GPipe", 4)}
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
     out["unknown"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="2F2B"))
@@ -74,11 +75,11 @@ def _pp2_body() -> dict:
 
 
 def test_1f1b_and_gpipe_schedules_train_like_plain_pytorch_at_pp2() -> None:
-    results = run_distributed(_pp2_body, 2)
+    results = run_distributed(_pp2_body, 2, timeout=600)  # wall time: several trainings on 2 shared cores
     for r in results:
-        # 1F1B and torch's GPipe give the GPipe loop's losses (each checked against plain PyTorch inside)
-        assert r["1F1B"] == pytest.approx(r["loop"], rel=LOSS_RTOL) and r["GPipe"] == pytest.approx(r["loop"],
-                                                                                                rel=LOSS_RTOL), r
+        # 1F1B and torch's GPipe give the same losses (each checked against plain PyTorch inside: losses,
+        # whole gradients every step, parameters after 3 AdamW steps)
+        assert r["1F1B"] == pytest.approx(r["GPipe"], rel=LOSS_RTOL), r
         assert r["unknown"][0] == PipelineScheduleError.__name__ and "'1F1B'" in r["unknown"][1], r["unknown"]
         for name in ("zero_bubble", "interleaved"):
             assert r[name][0] == PipelineScheduleError.__name__ and "not offered" in r[name][1], r[name]
@@ -90,7 +91,7 @@ def test_1f1b_and_gpipe_schedules_train_like_plain_pytorch_at_pp2() -> None:
 
 def _pp2_dp2_body() -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
-    out = {"toy": _train("toy", "1F1B", 4), "llama": _train("llama", "1F1B", 2, optimizer="sgd")}
+    out = {"toy": _train("toy", "1F1B", 4), "llama": _train("llama", "1F1B", 2)}
     # ZeRO-3 under 1F1B: a stage's blocks gathered once for the step and reduced once, after its last backward
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=4)
     ids, targets = lm_batches(1, 8, seq=8, vocab=models.VOCAB)[0]
@@ -106,7 +107,7 @@ def _pp2_dp2_body() -> dict:
 
 
 def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_and_reduces_once() -> None:
-    results = run_distributed(_pp2_dp2_body, 4)
+    results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
         assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
     # the same loss on both stages of a pipeline (rank = pp x 2 + dp: ranks 0 and 2 are one pipeline)

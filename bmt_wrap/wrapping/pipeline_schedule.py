@@ -30,6 +30,7 @@ from ..base._compat import pytree
 from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
 from ..passes.capture import to_meta
 from ..runtime.active_engine import get_engine
+from ..runtime.group import StorageMode
 from ..runtime.module_params import installed
 from ..runtime.pipeline import broadcast_tensors, count_transfer_time
 from .grad_sync import no_sync
@@ -176,6 +177,7 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     losses: list[torch.Tensor] = []
     engine = get_engine()
     _hold(runtime, model, until_backward_ends=False)
+    _hold_root(runtime, model)
     runtime.run = _Run()
     stage.compute = 0.0
     start = time.perf_counter()
@@ -189,6 +191,21 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     ends = runtime.ends
     total = [torch.stack([loss.detach() for loss in losses]).sum()] if ends.last else None
     return broadcast_tensors(ends.comm, total, ends.comm.world_size - 1, f"{ends.label} loss", engine.device)[0]
+
+
+def _hold_root(runtime: PipelineRuntime, model: nn.Module) -> None:
+    """Keep the groups the root gathers per call (its own parameters) gathered for the step too, released
+    with the blocks: once per step, as the GPipe loop's one model call gathers them. Regathered per
+    micro-batch they would also be wrong: a backward takes the last gather's storage for its gradient (it
+    knows no later graph reads it), while under a schedule another micro-batch's graph still does."""
+    groups = [g for g in model._bmt_runtime.groups
+              if g.mode is StorageMode.GRAPH and not g.ghost and g not in runtime.held]
+    for g in groups:
+        g.start_gather()
+    for g in groups:
+        g.wait_gathered()
+        g.in_use += 1
+    runtime.held.extend(groups)
 
 
 def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
