@@ -34,7 +34,9 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> li
         def step_fn(m, ids):
             return m.pipeline_step(input_ids=ids, labels=_llama_labels(ids), schedule=schedule)
     else:
-        build, batches, loss_fn = (lambda: models.ToyGPT(n_layers=4)), lm_batches(3, 8, seq=8, vocab=models.VOCAB), None
+        def build():
+            return models.ToyGPT(n_layers=4, tie=kind == "tied")
+        batches, loss_fn = lm_batches(3, 8, seq=8, vocab=models.VOCAB), None
 
         def step_fn(m, ids, targets):
             return m.pipeline_step(ids, targets, schedule=schedule)
@@ -55,9 +57,10 @@ def _raises(fn) -> tuple[str, str]:
 
 def _pp2_body() -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
-    # torch's GPipe runs every forward before any backward: several micro-batches' graphs read the root's
-    # gathers at once (the embedding and head keep their own storage each)
-    out = {"1F1B": _train("toy", "1F1B", 4), "GPipe": _train("toy", "GPipe", 4)}
+    # the tied embedding and head: a weight on both stages, its gradients summed between them after the
+    # schedule; torch's GPipe runs every forward before any backward, so several micro-batches' graphs read
+    # the root's gathered parameters at once
+    out = {"1F1B": _train("tied", "1F1B", 4), "GPipe": _train("tied", "GPipe", 4)}
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
     out["unknown"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="2F2B"))
@@ -103,13 +106,16 @@ def _pp2_dp2_body() -> dict:
     out["per_block"] = {b: sorted(op for op, label, _ in ops if label == b) for b in own}
     del model
     gc.collect()
+    bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=4)
+    out["pp4"] = _train("toy", "1F1B", 4)
     return out
 
 
-def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_and_reduces_once() -> None:
+def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_and_pp4_and_reduces_once() -> None:
     results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
         assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
     # the same loss on both stages of a pipeline (rank = pp x 2 + dp: ranks 0 and 2 are one pipeline)
     for a, b in ((0, 2), (1, 3)):
         assert results[a]["toy"] == results[b]["toy"] and results[a]["llama"] == results[b]["llama"]
+    assert all(r["pp4"] == results[0]["pp4"] for r in results)
