@@ -60,7 +60,7 @@ def _pp2_body() -> dict:
     # the tied embedding and head: a weight on both stages, its gradients summed between them after the
     # schedule; torch's GPipe runs every forward before any backward, so several micro-batches' graphs read
     # the root's gathered parameters at once
-    out = {"1F1B": _train("tied", "1F1B", 4), "GPipe": _train("tied", "GPipe", 4)}
+    out = {"1F1B": _train("tied", "1F1B", 4), "GPipe": _train("tied", "GPipe", 4), "llama": _train("llama", "1F1B", 2)}
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
     out["unknown"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="2F2B"))
