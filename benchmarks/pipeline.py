@@ -1,15 +1,18 @@
-"""Pipeline stages in the one-liner: pp2 x dp2 against dp4 (ZeRO-3 over 4 ranks), and GPipe's idle time.
+"""Pipeline stages in the one-liner: pp2 x dp2 against dp4 (ZeRO-3 over 4 ranks), and each schedule's idle time.
 
     python benchmarks/pipeline.py [--world-size 4] [--model toy-gpt-24] [--batch 4] [--steps 4] [--rounds 1]
 
 Systems: ``bmt_wrapper`` (ZeRO-3 over every rank) and ``bmt_wrapper_pp2`` (``BMTrainModelWrapper(model,
 pp_size=2, pp_microbatches=M)``: two stages of consecutive ranks, ZeRO-3 over each stage's two data-parallel
-ranks) at M = 4 and 8, on the same global batch (``--batch`` x world size sequences). The first table gives
+ranks) at M = 4 and 8, trained by the GPipe loop (``loss.backward()``) and by ``model.pipeline_step(...,
+schedule="1F1B")`` (torch's Schedule1F1B), on the same global batch (``--batch`` x world size sequences). The first table gives
 per system the median step time (slowest rank per step), the bytes each rank sends per step (collectives'
 algorithmic bytes plus the activations and gradients it sends to another stage; the largest over ranks) and
 the peak RSS per rank (the largest); the second, per micro-batch count and stage, the fraction of a step the
 stage spends in transfers between stages (waiting for its peer or moving data: ``runtime/pipeline.py``'s
-``transfer_time``) beside GPipe's bubble (P-1)/(M+P-1). Written to ``--out`` (default
+``transfer_time``; under a torch schedule, its step's time outside the stage's own forwards and backwards)
+beside the bubble (P-1)/(M+P-1) both schedules share. The bytes of a torch schedule's point-to-point
+transfers (its own process group's) are not counted. Written to ``--out`` (default
 ``benchmarks/results/pipeline_<model>.md``), which RESULTS.md quotes.
 """
 
@@ -22,13 +25,17 @@ from pathlib import Path
 from harness import environment, launch, parse_args
 from report import command_line, publish
 
-CONFIGS = [("bmt_wrapper", None), ("bmt_wrapper_pp2", 4), ("bmt_wrapper_pp2", 8)]
+# (system, micro-batches, schedule): None runs the GPipe loop (loss.backward()), a name model.pipeline_step
+CONFIGS = [("bmt_wrapper", None, None), ("bmt_wrapper_pp2", 4, None), ("bmt_wrapper_pp2", 8, None),
+           ("bmt_wrapper_pp2", 4, "1F1B"), ("bmt_wrapper_pp2", 8, "1F1B")]
 DEFAULTS = {"--world-size": "4", "--model": "toy-gpt-24", "--batch": "4", "--steps": "4", "--warmup": "1",
             "--rounds": "1"}
 
 
-def _label(system: str, micro: int | None) -> str:
-    return "dp4 ZeRO-3" if micro is None else f"pp2 x dp2, GPipe M={micro}"
+def _label(system: str, micro: int | None, schedule: str | None) -> str:
+    if micro is None:
+        return "dp4 ZeRO-3"
+    return f"pp2 x dp2, {schedule} (pipeline_step) M={micro}" if schedule else f"pp2 x dp2, GPipe loop M={micro}"
 
 
 def main(argv: list[str]) -> None:
@@ -38,14 +45,15 @@ def main(argv: list[str]) -> None:
             argv += [flag, value]
     args = parse_args(__doc__, ["bmt_wrapper", "bmt_wrapper_pp2"], argv)
     env = environment(args.mmap_threshold)
-    runs: dict[tuple[str, int | None], list[list[dict]]] = {c: [] for c in CONFIGS}
+    runs: dict[tuple[str, int | None, str | None], list[list[dict]]] = {c: [] for c in CONFIGS}
     for i in range(args.rounds):
-        for system, micro in CONFIGS:
-            print(f"round {i + 1}/{args.rounds}: {_label(system, micro)} ...", file=sys.stderr, flush=True)
-            runs[(system, micro)].append(launch(system, args, env | ({"BMT_PP_MICROBATCHES": str(micro)}
-                                                                     if micro else {})))
+        for system, micro, schedule in CONFIGS:
+            print(f"round {i + 1}/{args.rounds}: {_label(system, micro, schedule)} ...", file=sys.stderr, flush=True)
+            extra = ({"BMT_PP_MICROBATCHES": str(micro)} if micro else {}) | (
+                {"BMT_PP_SCHEDULE": schedule} if schedule else {})
+            runs[(system, micro, schedule)].append(launch(system, args, env | extra))
     rows = []
-    for (system, micro), rounds in runs.items():
+    for (system, micro, schedule), rounds in runs.items():
         times = [max(step) for r in rounds for step in zip(*(rank["times"] for rank in r), strict=True)]
         sent = max(rank["comm_bytes"] for r in rounds for rank in r)
         rss = max(rank["rss"] for r in rounds for rank in r)
@@ -54,7 +62,8 @@ def main(argv: list[str]) -> None:
             for rank in r:
                 fractions = [w / t for w, t in zip(rank["idle"], rank["times"], strict=True)]
                 idle.setdefault(rank["stage"], []).extend(fractions)
-        rows.append({"label": _label(system, micro), "micro": micro, "median_s": statistics.median(times),
+        rows.append({"label": _label(system, micro, schedule), "micro": micro, "schedule": schedule or "GPipe loop",
+                     "median_s": statistics.median(times),
                      "sent": sent, "rss": rss, "loss": rounds[-1][0]["losses"][-1],
                      "idle": {s: statistics.median(v) for s, v in sorted(idle.items())}})
     base = rows[0]
@@ -73,7 +82,7 @@ def main(argv: list[str]) -> None:
     for row in rows[1:]:
         bound = 1 / (row["micro"] + 1)
         for stage, frac in row["idle"].items():
-            lines.append(f"| GPipe M={row['micro']} | {stage} | {frac:.3f} | {bound:.3f} | {frac / bound:.2f}x |")
+            lines.append(f"| {row['schedule']} M={row['micro']} | {stage} | {frac:.3f} | {bound:.3f} | {frac / bound:.2f}x |")
     out = args.out or Path(__file__).parent / "results" / f"pipeline_{args.model}.md"
     publish(lines, out, command_line(argv))
 

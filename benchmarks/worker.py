@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -54,13 +55,18 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     opt = (OPTIMIZERS[system](model) if system in OPTIMIZERS
            else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     times, losses, comm, idle = [], [], [], []
+    schedule = os.environ.get("BMT_PP_SCHEDULE")  # pipeline stages: model.pipeline_step(schedule=) if set
     for i, (idx, tgt) in enumerate(batches):
         _barrier()
         bmt.reset_comm_stats()
         reset_transfer_time()
         t0 = time.perf_counter()
-        loss = wl.loss(model, idx[rows], tgt[rows])
-        loss.backward()
+        if schedule:  # one whole step in the order of torch's schedule
+            args, kwargs = wl.call(idx[rows], tgt[rows])
+            loss = model.pipeline_step(*args, schedule=schedule, **kwargs)
+        else:
+            loss = wl.loss(model, idx[rows], tgt[rows])
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0

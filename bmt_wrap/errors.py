@@ -139,6 +139,10 @@ class PipelineInputMismatchError(PipelineError):
     """The stages of one pipeline were given different inputs (they must share each batch)."""
 
 
+class PipelineScheduleError(PipelineError):
+    """``model.pipeline_step(schedule=...)`` names a schedule it does not offer (the message lists those it does)."""
+
+
 class CLIError(BMTError):
     """Bad command-line input."""
 

@@ -229,7 +229,8 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
                        loss_fn: Callable[..., torch.Tensor] | None = None, strict: bool = True,
                        sliced_reference: bool = False, reseed: int | None = None,
                        check_buffers: bool = False,
-                       data_parallel: tuple[int, int] | None = None) -> dict[str, Any]:
+                       data_parallel: tuple[int, int] | None = None,
+                       step_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """Train reference and sharded copies on ``batches`` (global batches); assert parity each step.
 
     ``strict=False``: record violations in ``result["failures"]`` and keep training (every rank runs the
@@ -237,7 +238,8 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
     (gradients averaged; its buffers end as this rank's slice left them). ``reseed``: seed before each
     model's step, so both draw the same dropout masks. ``check_buffers``: compare buffers after training.
     ``data_parallel``: (rank, size) of the data-parallel group when it is not the world (tensor parallelism:
-    TP peers share one slice).
+    TP peers share one slice). ``step_fn(model, *local)``: runs the wrapped model's whole step (forward and
+    backward, ``model.pipeline_step``) and returns its loss, in place of ``loss_fn`` and ``backward()``.
     """
     torch.manual_seed(0)
     ref = build()
@@ -257,7 +259,8 @@ def train_side_by_side(build: Callable[[], nn.Module], wrap: Callable[[nn.Module
             ref_loss = _step_loss(ref, batch, micro, two_forwards, loss_fn)
         if reseed is not None:
             torch.manual_seed(reseed + step)
-        loss = _step_loss(model, local, micro, two_forwards, loss_fn)
+        loss = step_fn(model, *local) if step_fn is not None else _step_loss(model, local, micro, two_forwards,
+                                                                                 loss_fn)
         ref_losses.append(float(ref_loss))
         losses.append(float(bmt.sum_loss(loss)))
         if check_grads:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -257,6 +258,18 @@ class GradReducer:
             for fn in self.on_finalize:
                 fn()
 
+
+    @contextmanager
+    def stages_agree_after(self) -> Iterator[None]:
+        """Backwards inside leave the stages' agreement (``_agree_across_stages``) to the end of the block, where
+        it runs once: a pipeline schedule runs each stage's backwards at its own time, and a collective over
+        the pipe group inside one would wait for a stage that waits for this one's gradients."""
+        staged, self.staged = self.staged, []
+        try:
+            yield
+        finally:
+            self.staged = staged + self.staged
+        self._agree_across_stages()
 
     def _agree_across_stages(self) -> None:
         """Under pipeline parallelism, the stages' share of the end of a backward: a buffer two stages hold

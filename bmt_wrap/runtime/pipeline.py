@@ -106,6 +106,11 @@ def reset_transfer_time() -> None:
     _TRANSFER_SECONDS[0] = 0.0
 
 
+def count_transfer_time(seconds: float) -> None:
+    """Add ``seconds`` a stage waited for its peers outside these transfers (a torch schedule's own)."""
+    _TRANSFER_SECONDS[0] += seconds
+
+
 def send_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], dst: int, tag: int, label: str,
                  requires_grad: Sequence[bool] | None = None) -> None:
     """Send a header, then each tensor, to rank ``dst`` of ``comm``."""

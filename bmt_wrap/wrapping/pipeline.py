@@ -145,6 +145,10 @@ class _Run:
     tokens: list[torch.Tensor] = field(default_factory=list)
     received: set[int] = field(default_factory=set)  # micro-batches whose activations arrived (or failed)
     sent: set[int] = field(default_factory=set)  # micro-batches whose activations went to the next stage
+    # Under a torch schedule (pipeline_schedule.py): what its receive got for this micro-batch, and where
+    # this stage's last block's output goes for its send (None: this module moves them itself).
+    given: tuple[torch.Tensor, ...] | None = None
+    taken: list[torch.Tensor] | None = None
 
 
 class PipelineRuntime:
@@ -164,6 +168,8 @@ class PipelineRuntime:
         self.ghost_params: list[tuple[nn.Module, str, torch.Size, torch.dtype]] = []
         self.held: list[ShardGroup] = []  # this stage's blocks, gathered for the step in progress
         self.structures: dict[Any, Any] = {}  # ghosts' meta outputs by call (``_meta_output``)
+        self.accepts_items = False  # the model's own forward takes num_items_in_batch
+        self.scheduled: Any = None  # the torch schedule model.pipeline_step last ran (pipeline_schedule.py)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PipelineRuntime:
         return self  # a communicator is not copied with the model (meta skeletons, reference copies)
@@ -260,9 +266,12 @@ def _receive_forward(runtime: PipelineRuntime, name: str) -> Any:
         expected = [(tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor)]
         run = runtime.run
         assert run is not None
-        hop = Hop(runtime.ends.comm, runtime.stage - 1, run.micro, f"{runtime.ends.label}: {name}")
         run.received.add(run.micro)
-        got = list(RecvActivations.apply(hop, anchor(device)))
+        if run.given is not None:
+            got = list(run.given)
+        else:
+            hop = Hop(runtime.ends.comm, runtime.stage - 1, run.micro, f"{runtime.ends.label}: {name}")
+            got = list(RecvActivations.apply(hop, anchor(device)))
         if [(tuple(t.shape), t.dtype) for t in got] != expected:
             raise PipelineError(f"stage {runtime.stage - 1} sent {[(tuple(t.shape), t.dtype) for t in got]} as "
                                 f"{name!r}'s output, but this stage computes {expected} for it: the stages built "
@@ -278,6 +287,9 @@ def _send_hook(runtime: PipelineRuntime) -> Any:
         if run is None:  # a forward outside the pipeline's own (a capture on real inputs): no stage to feed
             return
         tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+        if run.taken is not None:
+            run.taken.extend(tensors)
+            raise _StageDone
         hop = Hop(runtime.ends.comm, runtime.stage + 1, run.micro, f"{runtime.ends.label}: {runtime.last}")
         run.tokens.append(SendActivations.apply(hop, *tensors))
         run.sent.add(run.micro)
@@ -290,9 +302,12 @@ def install_pipeline_forward(model: nn.Module, runtime: PipelineRuntime) -> None
     """Replace the model's forward (an instance attribute with its signature) by the pipelined one."""
     original = model.forward
     accepts_items = _accepts_num_items(model, original)
+    runtime.accepts_items = accepts_items
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if runtime.run is not None:  # one micro-batch of a torch schedule (pipeline_schedule.py)
+            return original(*args, **kwargs)
         return _pipelined(model, runtime, original, accepts_items, args, kwargs)
 
     model.forward = forward
@@ -315,12 +330,8 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
     batch = _batch_size(args, kwargs)
     _check_inputs(runtime, args, kwargs, batch, micros)
     calls = [_micro_call(args, kwargs, batch, micros, m) for m in range(micros)]
-    items = None
-    if accepts_items and kwargs.get("labels") is not None and "num_items_in_batch" not in kwargs:
-        items = int((kwargs["labels"][..., 1:] != -100).sum())  # what transformers' causal loss divides by
-    device = get_engine().device
-    placeholders = [(m, attr, torch.zeros((), dtype=dtype, device=device).expand(shape))
-                    for m, attr, shape, dtype in runtime.ghost_params]
+    items = _items_in_batch(accepts_items, kwargs)
+    placeholders = ghost_placeholders(runtime)
     outputs, run = [], _Run()
     failure: Exception | None = None
     runtime.run = run
@@ -356,6 +367,20 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
     return _own_objects(out, kwargs) if not runtime.last_stage else out
 
 
+def _items_in_batch(accepts_items: bool, kwargs: dict) -> int | None:
+    """The whole batch's count of tokens a transformers causal loss divides by, for its micro-batches."""
+    if accepts_items and kwargs.get("labels") is not None and "num_items_in_batch" not in kwargs:
+        return int((kwargs["labels"][..., 1:] != -100).sum())
+    return None
+
+
+def ghost_placeholders(runtime: PipelineRuntime) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Zero placeholders for the other stages' parameters the root's own code reads directly."""
+    device = get_engine().device
+    return [(m, attr, torch.zeros((), dtype=dtype, device=device).expand(shape))
+            for m, attr, shape, dtype in runtime.ghost_params]
+
+
 def _own_objects(out: Any, kwargs: dict) -> Any:
     """On a stage that did not compute the output: an object the caller passed in and the output hands back
     (generate's KV cache, which this stage's own layers filled) is this stage's own."""
@@ -366,9 +391,10 @@ def _own_objects(out: Any, kwargs: dict) -> Any:
     return out
 
 
-def _hold(runtime: PipelineRuntime, model: nn.Module) -> None:
+def _hold(runtime: PipelineRuntime, model: nn.Module, until_backward_ends: bool = True) -> None:
     """Gather this stage's blocks once for the step (torchtitan's choice under pipelining): every
-    micro-batch's forward and recompute then communicates nothing; released when the backward ends."""
+    micro-batch's forward and recompute then communicates nothing; released when the backward ends (or,
+    not ``until_backward_ends``, by the caller's ``_release``: a schedule runs one backward per micro-batch)."""
     _release(runtime)  # a backward that raised left them held
     engine = get_engine()
     finalize = engine.reducer.on_finalize  # earlier steps' releases (run, or of models that are gone)
@@ -380,7 +406,8 @@ def _hold(runtime: PipelineRuntime, model: nn.Module) -> None:
         g.wait_gathered()
         g.in_use += 1
     runtime.held = groups
-    engine.reducer.on_finalize.append(_ReleaseAtEnd(weakref.ref(runtime)))
+    if until_backward_ends:
+        engine.reducer.on_finalize.append(_ReleaseAtEnd(weakref.ref(runtime)))
 
 
 @dataclass

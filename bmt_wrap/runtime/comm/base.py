@@ -136,6 +136,11 @@ class Communicator(abc.ABC):
         """Stop the backend's own threads before its process group goes; False if one is stuck."""
         return True
 
+    @property
+    def process_group(self) -> Any:
+        """The torch process group this communicator runs on, or None (CuPy NCCL, one process)."""
+        return getattr(self, "_group", None)
+
     def subgroup(self, ranks: Sequence[int], group: Any = None) -> Communicator:
         """A communicator over ``ranks`` (ranks of this communicator, this one among them), the same backend
         carried by ``group`` (torch's process group of exactly those ranks; backends without one ignore it).
@@ -313,6 +318,11 @@ class CommunicatorWrapper(Communicator):
     def describe(self) -> str:
         """The wrapped backend's description."""
         return self.inner.describe()
+
+    @property
+    def process_group(self) -> Any:
+        """The wrapped backend's torch process group."""
+        return self.inner.process_group
 
     def runs_after(self, other: Communicator) -> bool:
         """The wrapped backends' answer (wrappers post in call order, on the calling thread)."""

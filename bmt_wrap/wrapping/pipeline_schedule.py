@@ -1,0 +1,257 @@
+"""``model.pipeline_step(...)``: one training step, forward and backward over the micro-batches, in the order
+of a schedule of ``torch.distributed.pipelining`` (docs/design.md, "Pipeline schedules").
+
+The loop users write (``model(...)``, ``loss.backward()``) runs the order autograd allows: GPipe. Other
+orders need the whole step in one call. This one hands torch's schedule a ``PipelineStage`` around this
+rank's part of the model: the stage's module runs the model's own forward for one micro-batch as the GPipe
+loop does (ghosts for other stages' modules, ``pipeline.py``), but takes the previous stage's activations
+from the schedule's receive and gives its last block's output to the schedule's send. Torch orders the
+forwards and backwards and moves activations and gradients over the pipe group's torch process group; its
+metadata is given up front (static mode) from a meta run of the skeleton, so torch runs no extra forward.
+
+ZeRO-3 under a schedule: the stage's blocks are gathered once for the step; every backward but the stage's
+last accumulates unreduced (``no_sync``'s accumulators), and the last one reduce-scatters the step's sum
+(torch passes ``last_backward``). The stages' agreement (a tied weight's summed gradient, which parameters
+got one) runs once after the schedule: a pipe-group collective inside one stage's backward would wait for
+a stage that waits for this one's gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..base._compat import pytree
+from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
+from ..passes.capture import to_meta
+from ..runtime.active_engine import get_engine
+from ..runtime.group import StorageMode
+from ..runtime.module_params import installed
+from ..runtime.pipeline import broadcast_tensors, count_transfer_time
+from .grad_sync import no_sync
+from .pipeline import (
+    PipelineRuntime,
+    _batch_size,
+    _call_key,
+    _check_inputs,
+    _hold,
+    _items_in_batch,
+    _loss_of,
+    _micro_call,
+    _release,
+    _Run,
+    _StageDone,
+    ghost_placeholders,
+)
+
+#: The schedules ``pipeline_step`` offers: torch's, one stage per rank.
+SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+_ONE_RUN = ("the plan cuts one contiguous run of blocks per rank, and a rank's ghosts, sends and receives "
+            "serve that one stage")
+_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights': a block's checkpoint "
+          "recompute hands autograd its saved tensors once, and its parameters' gradients go to ZeRO-3's "
+          "reduce-scatter from the node that gathered them, so torch's second pass over a stage's graph "
+          "finds neither")
+#: Torch's other schedules, and why they are not offered here.
+NOT_OFFERED = {
+    "Interleaved1F1B": f"it runs V stages per rank, and {_ONE_RUN}",
+    "LoopedBFS": f"it runs V stages per rank, and {_ONE_RUN}",
+    "InterleavedZeroBubble": _SPLIT,
+    "ZBVZeroBubble": f"{_SPLIT}; and it runs two stages per rank, while {_ONE_RUN}",
+    "DualPipeV": f"{_SPLIT}; and it runs two stages per rank, while {_ONE_RUN}",
+}
+
+
+def schedule_class(schedule: str) -> type:
+    """Torch's schedule class for ``schedule``; ``PipelineError`` naming what is offered otherwise."""
+    offered = ", ".join(repr(s) for s in SCHEDULES)
+    if schedule in SCHEDULES:
+        return SCHEDULES[schedule]
+    if schedule in NOT_OFFERED:
+        raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}) is not offered: {NOT_OFFERED[schedule]}. "
+                               f"Use one of {offered}")
+    raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}): no such schedule; use one of {offered}")
+
+
+class _StageModule(nn.Module):
+    """This rank's part of the model for one micro-batch: the model's own forward, fed the activations the
+    schedule received; returns the last block's output tensors (sent on), or on the last stage the
+    micro-batch's share of the batch's loss. The model is not a submodule: torch's stage reads no
+    parameters of it (``scale_grads=False``, no split backward)."""
+
+    def __init__(self, runtime: PipelineRuntime, model: nn.Module) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.call_model = model.__call__  # its hooks (the root's gathers) run per micro-batch; not a submodule
+        self.calls: list[tuple[tuple, dict]] = []
+        self.weights: list[float] = []  # each micro-batch loss's weight in the batch's loss
+        self.micro = 0
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        runtime = self.runtime
+        run = runtime.run
+        assert run is not None
+        run.micro, run.given, run.taken = self.micro, received if runtime.stage > 0 else None, []
+        args, kwargs = self.calls[self.micro]
+        try:
+            out = self.call_model(*args, **kwargs)
+        except _StageDone:
+            return tuple(run.taken)
+        loss = _loss_of(out)
+        assert loss is not None  # checked on the meta skeleton before the schedule ran
+        return loss * self.weights[self.micro]
+
+
+class _Stage(PipelineStage):
+    """Torch's stage, told which micro-batch each forward is for and where ZeRO-3 reduces."""
+
+    def __init__(self, module: _StageModule, model: nn.Module, group: Any, inputs: tuple, outputs: tuple) -> None:
+        runtime = module.runtime
+        super().__init__(module, runtime.stage, runtime.section.size, get_engine().device, input_args=inputs,
+                         output_args=outputs, group=group)
+        self.model = model
+        self.compute = 0.0  # seconds in this stage's forwards and backwards during the step
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
+                          save_forward_output: bool = True) -> Any:
+        """Torch's forward of micro-batch ``fwd_chunk_id``, timed."""
+        self.submod.micro = fwd_chunk_id
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            self.compute += time.perf_counter() - start
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        """Torch's backward of micro-batch ``bwd_chunk_id``: the stage's last one reduces the step's sum."""
+        start = time.perf_counter()
+        try:
+            with nullcontext() if last_backward else no_sync(self.model):
+                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        finally:
+            self.compute += time.perf_counter() - start
+
+
+def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) -> torch.Tensor:
+    """Run one step's forwards and backwards over the micro-batches with torch's ``schedule``; the whole
+    batch's loss on every stage (gradients in ``.grad`` as after ``loss.backward()``)."""
+    runtime: PipelineRuntime | None = getattr(model, "_bmt_pipeline", None)
+    if runtime is None:
+        raise PipelineError(f"{type(model).__name__}.pipeline_step() runs a pipeline schedule, but the model has no "
+                            "pipeline stages: wrap it with BMTrainModelWrapper(model, pp_size=P) with P > 1 (or "
+                            "init_distributed(pipe_size=P)), or train with loss = model(...); loss.backward()")
+    cls = schedule_class(schedule)
+    micros, size = runtime.section.microbatches, runtime.section.size
+    if not torch.is_grad_enabled():
+        raise PipelineError("model.pipeline_step() runs a training step's backward: call it with gradients enabled "
+                            "(not under torch.no_grad()); evaluate with model(...)")
+    if cls is Schedule1F1B and micros < size:
+        raise PipelineError(f"model.pipeline_step(schedule='1F1B') needs at least as many micro-batches as stages: "
+                            f"pp_microbatches={micros} < pp_size={size}; wrap with pp_microbatches >= {size}")
+    batch = _batch_size(args, kwargs)
+    _check_inputs(runtime, args, kwargs, batch, micros)
+    if any(t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+        raise PipelineError("model.pipeline_step() takes inputs that need no gradient (token ids, labels); for "
+                            "gradients of an input, train with loss = model(...); loss.backward()")
+    if getattr(model, "_bmt_first_forward", None) is not None:
+        # The block order is captured at the first call, with collectives over the job that every stage must
+        # reach together: one forward without gradients, before the schedule runs the stages apart.
+        with torch.no_grad():
+            model(*args, **kwargs)
+    items = _items_in_batch(runtime.accepts_items, kwargs)
+    calls = [_micro_call(args, kwargs, batch, micros, m) for m in range(micros)]
+    if items is not None:
+        calls = [(a, {**k, "num_items_in_batch": items}) for a, k in calls]
+    stage, sched = _scheduled(runtime, model, cls, schedule, calls[0])
+    stage.submod.calls = calls
+    # transformers' losses were divided by the whole batch's token count: they sum to its mean; other losses
+    # are micro-batch means, weighted by their share of the batch.
+    stage.submod.weights = [1.0 if items is not None else 1.0 / micros] * micros
+    losses: list[torch.Tensor] = []
+    engine = get_engine()
+    _hold(runtime, model, until_backward_ends=False)
+    _hold_root(runtime, model)
+    runtime.run = _Run()
+    stage.compute = 0.0
+    start = time.perf_counter()
+    try:
+        with installed(ghost_placeholders(runtime)), engine.reducer.stages_agree_after():
+            sched.step(target=torch.zeros(micros), losses=losses, return_outputs=False)
+    finally:
+        runtime.run = None
+        _release(runtime)
+    count_transfer_time(time.perf_counter() - start - stage.compute)  # what the stage waited for its peers
+    ends = runtime.ends
+    total = [torch.stack([loss.detach() for loss in losses]).sum()] if ends.last else None
+    return broadcast_tensors(ends.comm, total, ends.comm.world_size - 1, f"{ends.label} loss", engine.device)[0]
+
+
+def _hold_root(runtime: PipelineRuntime, model: nn.Module) -> None:
+    """Keep the groups the root gathers per call (its own parameters) gathered for the step too, released
+    with the blocks: once per step, as the GPipe loop's one model call gathers them. Regathered per
+    micro-batch they would also be wrong: a backward takes the last gather's storage for its gradient (it
+    knows no later graph reads it), while under a schedule another micro-batch's graph still does."""
+    groups = [g for g in model._bmt_runtime.groups
+              if g.mode is StorageMode.GRAPH and not g.ghost and g not in runtime.held]
+    for g in groups:
+        g.start_gather()
+    for g in groups:
+        g.wait_gathered()
+        g.in_use += 1
+    runtime.held.extend(groups)
+
+
+def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
+               call: tuple[tuple, dict]) -> tuple[_Stage, Any]:
+    """This rank's stage and torch's schedule for micro-batches shaped like ``call``, kept for the next
+    steps (torch allocates its receive buffers once)."""
+    key = (name, _call_key(call))
+    if runtime.scheduled is not None and runtime.scheduled[0] == key:
+        return runtime.scheduled[1], runtime.scheduled[2]
+    group = runtime.ends.comm.process_group
+    if group is None:
+        raise UnsupportedError("model.pipeline_step() runs torch's schedules over the pipe group's torch process "
+                               "group; this job's communicator has none (CuPy NCCL): init_distributed with "
+                               "backend='nccl' or 'gloo', or train with loss = model(...); loss.backward()")
+    inputs, outputs = _stage_tensors(runtime, call)
+    stage = _Stage(_StageModule(runtime, model), model, group, inputs, outputs)
+    sched = cls(stage, runtime.section.microbatches, loss_fn=lambda out, target: out, scale_grads=False)
+    runtime.scheduled = (key, stage, sched)
+    return stage, sched
+
+
+def _stage_tensors(runtime: PipelineRuntime, call: tuple[tuple, dict]) -> tuple[tuple, tuple]:
+    """Examples of what this stage receives and sends per micro-batch (torch's static metadata), from one run
+    of the meta skeleton; ``PipelineError`` on every rank alike when the output carries no loss."""
+    section, skeleton = runtime.section, runtime.skeleton
+    sent: dict[int, list[torch.Tensor]] = {}
+    hooks = []
+    for s, stage in enumerate(section.stages[:-1]):
+        def hook(module: nn.Module, args: tuple, output: Any, s: int = s) -> None:
+            sent[s] = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+        hooks.append(skeleton.get_submodule(stage.blocks[-1]).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = skeleton(*to_meta(call[0]), **to_meta(call[1]))
+    finally:
+        for h in hooks:
+            h.remove()
+    loss = _loss_of(out)
+    if loss is None:
+        raise PipelineError(f"model.pipeline_step() trains on the model's loss, but {type(out).__name__} output "
+                            "carries none: pass the targets (labels=) so that the forward returns a loss, or a "
+                            "model whose forward returns its scalar loss")
+    device = get_engine().device
+
+    def example(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.is_floating_point())
+    inputs = tuple(example(t) for t in sent[runtime.stage - 1]) if runtime.stage > 0 else ()
+    outputs = tuple(example(t) for t in sent[runtime.stage]) if not runtime.last_stage else (example(loss),)
+    return inputs, outputs
