@@ -139,7 +139,8 @@ class Communicator(abc.ABC):
     @property
     def process_group(self) -> Any:
         """The torch process group this communicator runs on, or None (CuPy NCCL, one process)."""
-        return getattr(self, "_group", None)
+        group = getattr(self, "_group", None)
+        return group() if callable(group) else group  # the torch backends hold it weakly (subgroups.GroupRef)
 
     def subgroup(self, ranks: Sequence[int], group: Any = None) -> Communicator:
         """A communicator over ``ranks`` (ranks of this communicator, this one among them), the same backend
