@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .dtypes import align_elems, dtype_name, itemsize
+from .expert_plan import ExpertPlan, experts_text
 from .fused_loss_plan import FusedLossPlan
 from .pipeline_plan import PipelinePlan, pipeline_text
 from .tp_plan import TensorParallelPlan, tp_text
@@ -283,6 +284,7 @@ class WrapPlan:
     # "disk": shards and gradient shards in a file per rank; "host": in host memory (estimates count so)
     offload: str | None = None
     pipeline: PipelinePlan | None = None  # the stages each block and root parameter runs on (None: one stage)
+    experts: ExpertPlan | None = None  # mixture-of-experts layers and their placement (None: not looked for)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -341,7 +343,8 @@ class WrapPlan:
                                         if raw.get("tensor_parallel") else None),
                        fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
                        offload=raw.get("offload"),
-                       pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None)
+                       pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None,
+                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -503,6 +506,8 @@ def tables(plan: WrapPlan) -> list[str]:
         lines += fused_loss_text(plan.fused_loss)
     if plan.pipeline is not None:
         lines += pipeline_text(plan.pipeline)
+    if plan.experts is not None:
+        lines += experts_text(plan.experts)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines
