@@ -14,10 +14,6 @@ from typing import Any
 from ..errors import ExpertParallelError
 from .dtypes import itemsize
 
-#: Argument roles of an experts module's call, by position: transformers' Experts interface is
-#: ``experts(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``.
-ROLES = ("hidden", "indices", "weights")
-
 
 @dataclass
 class MoELayer:
@@ -34,7 +30,9 @@ class MoELayer:
     params: dict[str, list[int]]  # each expert parameter (full name) -> its full shape, experts on dim 0
     expert_bytes: int  # every expert's parameters, unsharded
     dense: list[str] = field(default_factory=list)  # the layer's other children: shared experts, their gates
-    call: list[str] = field(default_factory=lambda: list(ROLES))  # the experts' positional arguments' roles
+    # The experts module's int attributes counting its experts (transformers' ``num_experts``): an EP rank's
+    # module holds ``num_experts / ep_size`` of them, and its forward sizes its work by them.
+    counts: list[str] = field(default_factory=list)
 
     def owned(self, ep_rank: int, ep_size: int) -> range:
         """The experts EP rank ``ep_rank`` of ``ep_size`` holds: a contiguous run of ``num_experts / ep_size``."""
@@ -66,6 +64,11 @@ class ExpertPlan:
     def expert_params(self) -> dict[str, list[int]]:
         """Every expert parameter of every split layer -> its full shape."""
         return {n: s for layer in self.layers for n, s in layer.params.items()}
+
+    def local_shapes(self) -> dict[str, list[int]]:
+        """Each packed expert parameter's shape on one EP rank: its ``num_experts / ep_size`` experts."""
+        return {n: [s[0] // self.ep_size, *s[1:]] for layer in self.layers if layer.layout == "packed"
+                for n, s in layer.params.items()}
 
     def expert_bytes(self) -> int:
         """Every expert's parameter bytes, unsharded."""

@@ -16,18 +16,22 @@ gates) stay dense. Every rank runs this pass on the same model, so its errors ar
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
 
 from ..base.dtypes import dtype_name
-from ..base.expert_plan import ROLES, DenseLayer, ExpertPlan, MoELayer
+from ..base.expert_plan import DenseLayer, ExpertPlan, MoELayer
 from ..errors import ExpertParallelError, listed
 from .capture import meta_skeleton
 from .signature import SignatureCache
 
 #: Tokens the probe routes: two, so a top-k's shape tells k from the token count.
 PROBE_TOKENS = 2
+# An int attribute of an experts module whose name says it counts the experts (transformers' Experts
+# interface: ``num_experts``); only one equal to the count found is taken.
+_EXPERT_COUNT = re.compile(r"^(n|num)_(local_|routed_)?experts$")
 
 
 class _ExpertsCalled(Exception):
@@ -150,7 +154,7 @@ def _read_call(name: str, module: nn.Module, experts_name: str, router_name: str
     if called.kwargs:
         return None, f"{experts_name} is called with keyword arguments ({', '.join(called.kwargs)})"
     tensors = [a for a in called.args if isinstance(a, torch.Tensor)]
-    if len(tensors) != len(called.args) or len(tensors) != len(ROLES):
+    if len(tensors) != len(called.args) or len(tensors) != 3:
         return None, f"{experts_name} is called with {len(called.args)} argument(s), not (tokens, indices, weights)"
     x, idx, w = tensors
     if idx.is_floating_point() or idx.dtype == torch.bool or idx.ndim != 2:
@@ -174,7 +178,9 @@ def _read_call(name: str, module: nn.Module, experts_name: str, router_name: str
              and any(True for _ in c.parameters())]
     return MoELayer(module=name, router=f"{prefix}{router_name}", experts=f"{prefix}{experts_name}", layout=layout,
                     num_experts=num, top_k=k, hidden=hidden, activation_dtype=dtype_name(x.dtype), params=params,
-                    expert_bytes=nbytes, dense=[f"{prefix}{n}" for n in dense]), ""
+                    expert_bytes=nbytes, dense=[f"{prefix}{n}" for n in dense],
+                    counts=sorted(a for a, v in vars(experts).items()
+                                  if _EXPERT_COUNT.match(a) and isinstance(v, int) and v == num)), ""
 
 
 def _stacked(experts: nn.Module) -> dict[str, list[int]]:

@@ -139,7 +139,10 @@ class GlooCommunicator(Communicator):
         if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
             return fut._comm.unusable_error(fut._what)
         try:
-            fn()
+            # Grad mode is per thread, and this one's is on: the caller's views (made under no_grad in an
+            # autograd Function's forward) may only be written here under no_grad too.
+            with torch.no_grad():
+                fn()
         except BaseException as exc:  # reported to the waiting thread, which raises it
             return exc
         return None
