@@ -36,15 +36,15 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, output_router_logits=True).loss
 
 
-def _train(build, skew: bool = False) -> dict:
-    """Train a wrapped copy (ep_size=2) and the sliced reference side by side; assert parity every step."""
+def _train(build, skew: bool = False, ep: int = 2, readers: bool = False) -> dict:
+    """Train a wrapped copy (``ep_size=ep``) and the sliced reference side by side; assert parity every step."""
     rank, n = bmt.rank(), bmt.world_size()
     ref = build()
     if skew:  # every token's top-2 are experts 0 and 1: both on EP rank 0
         with torch.no_grad():
             for layer in ref.model.layers:
                 layer.mlp.router.bias[:2] = 100.0
-    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=2)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep)
     experts = set(model.plan.experts.expert_params())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -57,6 +57,9 @@ def _train(build, skew: bool = False) -> dict:
         (ref_loss.mean()).backward()
         loss = _loss(model, ids.chunk(n)[rank])
         loss.backward()
+        if readers:  # the norm of the whole gradient, every EP rank's experts counted once
+            norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+            torch.testing.assert_close(model.clip_grad_norm_(1e9), norm, rtol=1e-5, atol=0)
         torch.testing.assert_close(loss.detach(), ref_loss[rank].detach(), rtol=LOSS_RTOL, atol=0)
         losses.append(float(loss))
         for name, p in model.named_parameters():
@@ -72,12 +75,31 @@ def _train(build, skew: bool = False) -> dict:
             rel = float((_whole(p, name in experts) - want).norm() / want.norm().clamp_min(1e-12))
             assert rel <= ADAMW_REL, f"{name}: relative difference {rel:.2e}"
         routed.append(bmt.distributed.comm().snapshot().get("all_to_all", {}).get("calls", 0))
+    if readers:
+        _check_readers(model, ref, experts)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if n in experts}
-    return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed}
+    held = {id(p.flat_buffer): p.flat_buffer.shard for n, p in model.named_parameters() if n in experts}
+    return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed,
+            "expert_bytes": sum(s.numel() * s.element_size() for s in held.values())}
+
+
+def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[str]) -> None:
+    """state_dict() holds whole expert tensors under their names, load_state_dict() takes them back; the
+    readers not built yet refuse by name."""
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        if name in params:
+            assert torch.equal(value, _whole(params[name], name in experts)), name
+    model.load_state_dict(ref.state_dict())
+    for name, p in model.named_parameters():
+        assert torch.equal(_whole(p, name in experts), ref.get_parameter(name).detach()), name
+    kind, text = raised(lambda: bmt.save(model, "/nonexistent/never-written.safetensors"))
+    assert kind == "UnsupportedError" and "under expert parallelism" in text, (kind, text)
 
 
 def _parity_body() -> dict:
-    return {"mixtral": _train(models.mixtral), "skewed": _train(models.gpt_oss, skew=True)}
+    return {"mixtral": _train(models.mixtral, readers=True), "skewed": _train(models.gpt_oss, skew=True)}
 
 
 def test_ep2_matches_plain_pytorch_on_mixtral_and_a_skewed_gpt_oss() -> None:
@@ -126,3 +148,20 @@ def test_ep_errors_are_named_on_every_rank() -> None:
         assert kind == "ExpertParallelError" and "does not divide the experts of model.layers.0.mlp (3)" in text
         kind, text = got["dense"]
         assert kind == "ExpertParallelError" and "no mixture-of-experts layer was found in LlamaForCausalLM" in text
+
+
+def _four_ranks_body() -> dict:
+    out = {}
+    for ep in (2, 4):  # ep2 x dp2: each pair of owners shards its experts ZeRO-3; ep4: one expert per rank
+        out[ep] = _train(models.mixtral, ep=ep)
+    return out
+
+
+def test_ep2_by_dp2_and_ep4_match_plain_pytorch_and_hold_their_share() -> None:
+    model = models.mixtral()
+    total = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    for got in run_distributed(_four_ranks_body, 4):
+        for ep, run in got.items():
+            assert all(s[0] == 4 // ep for s in run["expert_shapes"].values())
+            # this rank's expert shards: its experts split over the world / ep ranks owning them
+            assert run["expert_bytes"] <= 1.05 * total / 4, (ep, run["expert_bytes"], total)

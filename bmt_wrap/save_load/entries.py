@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 from ..job.distributed import parallel_layout
-from ..job.tp_values import local_value, whole_shape
+from ..job.tp_values import expert_split, local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
 from ..runtime.tp_marks import tp_split_dim, tp_split_parts
@@ -132,6 +132,11 @@ def model_entries(model: nn.Module) -> list[Entry]:
         if entry is not None:
             entry.names.append(name)
         elif isinstance(t, DistributedParameter):
+            if expert_split(t):
+                raise UnsupportedError(
+                    f"{name} holds this rank's experts under expert parallelism (ep_size="
+                    f"{parallel_layout().ep_size}); bmt.save/bmt.load and sharded checkpoints of expert parameters "
+                    "are not built yet. Read whole tensors with model.state_dict() (a collective) and save those")
             split = tp_split_dim(t) is not None
             by_id[id(t)] = Entry([name], tuple(whole_shape(t)), t.dtype, param=t, tp_split=split)
         else:
