@@ -99,17 +99,20 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[st
 
 
 def _parity_body() -> dict:
-    return {"mixtral": _train(models.mixtral, readers=True), "skewed": _train(models.gpt_oss, skew=True)}
+    return {"mixtral": _train(models.mixtral, readers=True), "skewed": _train(models.gpt_oss, skew=True),
+            **{name: _train(getattr(models, name)) for name in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}}
 
 
-def test_ep2_matches_plain_pytorch_on_mixtral_and_a_skewed_gpt_oss() -> None:
+def test_ep2_matches_plain_pytorch_on_transformers_moe_models_and_a_skewed_gpt_oss() -> None:
+    # Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), DeepSeek-V3 (shared experts, group routing)
     results = run_distributed(_parity_body, 2)  # each rank asserts parity at every step
     for got in results:
         mixtral = got["mixtral"]
         # Each rank holds 2 of each layer's 4 experts; the plan says which.
         assert all(s[0] == 2 for s in mixtral["expert_shapes"].values()) and mixtral["expert_shapes"]
         assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in mixtral["plan"]
-        assert all(s[0] == 2 for s in got["skewed"]["expert_shapes"].values())
+        for name in ("skewed", "qwen3_moe", "qwen2_moe", "deepseek_v3"):
+            assert got[name]["expert_shapes"] and all(s[0] == 2 for s in got[name]["expert_shapes"].values())
     # The two ranks trained on different slices, and the skewed run's rank 1 received no token yet ran every
     # all-to-all its peer ran (the counts agree).
     assert results[0]["mixtral"]["losses"] != results[1]["mixtral"]["losses"]
