@@ -151,3 +151,22 @@ def test_cli_plan_prints_expert_bytes_and_all_to_all(capsys: pytest.CaptureFixtu
     assert row("experts' ZeRO among owners / step (EP)") == ["0 B", kib(3 * total / 4)]
     assert row("experts' ZeRO-3 gathers / step (no EP)") == [kib(3 * total / 2), kib(3 * total / 4 * 3)]
     assert "ep rank 1: experts 2-3" in out
+
+
+def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -> None:
+    from bmt_wrap.passes import build_plan, discover_blocks
+
+    model = models.mixtral()
+    experts = plan_experts(model, ep_size=2)
+    total = experts.expert_bytes()
+    dense = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    for world in (2, 4):  # ep2 alone, then ep2 x dp2: each expert shard is split over world / 2 owners
+        plan = build_plan(model, discover_blocks(model), world_size=world, experts=experts)
+        bufs = [b for g in plan.groups for b in g.buffers if b.ep_split]
+        assert {s.fqn: s.shape for b in bufs for s in b.slots} == experts.local_shapes()
+        assert all(b.ep_split == 2 and b.ranks(world, 1) == world // 2 for b in bufs)
+        assert {s[0] for s in experts.local_shapes().values()} == {2}
+        shard = plan.estimates[str(world)].params
+        # every rank: 1/world of the dense parameters and 1/world of all experts (half of them, over world/2)
+        assert abs(shard - (dense + total) / world) <= 0.02 * shard, (shard, dense, total)
+        assert plan.experts is experts or plan.experts == experts

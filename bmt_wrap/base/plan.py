@@ -72,12 +72,15 @@ class FlatBufferSpec:
     # Under tensor parallelism: parameters every TP peer holds whole, sharded over the shard group x the TP
     # group (each rank 1/(shard x T) of them) instead of over the shard group alone (#38 item 5).
     over_tp: bool = False
-    # Under expert parallelism: this EP rank's experts (values differ by EP rank), sharded over the ranks that
-    # own the same experts instead of over the shard group (base/mesh.py ``expert_shard_group``).
-    over_experts: bool = False
+    # Under expert parallelism (the EP size; 0: not an expert buffer): this EP rank's experts (values differ
+    # by EP rank), sharded over the shard_size / ep_split ranks that own the same experts instead of over
+    # the shard group (base/mesh.py ``expert_shard_group``).
+    ep_split: int = 0
 
     def ranks(self, shard_size: int, tp_size: int) -> int:
         """Ranks this buffer is split over when the shard group has ``shard_size`` and TP ``tp_size``."""
+        if self.ep_split:
+            return shard_size // self.ep_split
         return shard_size * tp_size if self.over_tp else shard_size
 
     @property
@@ -187,7 +190,7 @@ class ParamInfo:
     param_dtype: str | None = None  # see FlatBufferSpec
     reduce_dtype: str | None = None
     over_tp: bool = False  # see FlatBufferSpec
-    over_experts: bool = False  # see FlatBufferSpec
+    ep_split: int = 0  # see FlatBufferSpec
 
     @property
     def numel(self) -> int:
@@ -198,18 +201,18 @@ class ParamInfo:
 def layout_buffers(params: list[ParamInfo], alone: Collection[str] = ()) -> list[FlatBufferSpec]:
     """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept;
     a parameter named in ``alone`` gets a buffer of its own (its gradient is reduced as soon as it exists)."""
-    buffers: dict[tuple[str, bool, str | None, str | None, bool, str, bool], FlatBufferSpec] = {}
+    buffers: dict[tuple[str, bool, str | None, str | None, bool, str, int], FlatBufferSpec] = {}
     for p in params:
         key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype, p.over_tp,
-               p.fqn if p.fqn in alone else "", p.over_experts)
+               p.fqn if p.fqn in alone else "", p.ep_split)
         buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
                                                      param_dtype=key[2], reduce_dtype=key[3], over_tp=key[4],
-                                                     over_experts=key[6]))
+                                                     ep_split=key[6]))
         align = align_elems(key[0])
         offset = -(-buf.numel // align) * align
         buf.slots.append(ParamSlot(fqn=p.fqn, shape=list(p.shape), offset=offset, aliases=list(p.aliases)))
     # Trainable buffers first, so a group's gradient buffers line up with its first flat buffers.
-    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype, b.over_tp, b.over_experts))
+    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype, b.over_tp, b.ep_split))
 
 
 @dataclass
@@ -337,7 +340,7 @@ class WrapPlan:
                                         slots=[ParamSlot(**s) for s in b["slots"]],
                                         param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"),
                                         over_tp=b.get("over_tp", False),
-                                        over_experts=b.get("over_experts", False))
+                                        ep_split=b.get("ep_split", 0))
                          for b in g["buffers"]])
                 for g in raw["groups"]]
             estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}

@@ -17,9 +17,9 @@ from .distributed import parallel_layout
 
 def expert_split(p: torch.Tensor) -> bool:
     """True for an expert parameter under expert parallelism: it holds this EP rank's experts (dim 0), in a
-    buffer sharded over their owners (``FlatBufferSpec.over_experts``)."""
+    buffer sharded over their owners (``FlatBufferSpec.ep_split``)."""
     buffer = getattr(getattr(p, "_layout", None), "buffer", None)
-    return buffer is not None and buffer.spec.over_experts
+    return buffer is not None and bool(buffer.spec.ep_split)
 
 
 def whole_shape(p: torch.Tensor) -> torch.Size:

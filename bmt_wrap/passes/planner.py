@@ -28,7 +28,7 @@ from .util import self_checkpointing_modules
 
 def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
                      mixed_precision: MixedPrecision | None = None, local_shapes: dict[str, list[int]] | None = None,
-                     split: set[str] | None = None, experts: set[str] | None = None
+                     split: set[str] | None = None, experts: set[str] | None = None, ep_size: int = 1
                      ) -> tuple[list[ShardGroupSpec], list[str]]:
     """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
 
@@ -38,8 +38,9 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
     ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers. ``local_shapes``
     (tensor parallelism) gives a split parameter's shape on one TP rank, by any of its names; ``split``
     (TP) names the parameters split along a dimension: the others are sharded over shard x TP ranks.
-    ``experts`` (EP) names the expert parameters each EP rank holds its own experts of (``local_shapes``
-    gives their shape there): they get buffers of their own, sharded over the ranks owning the same experts.
+    ``experts`` (EP over ``ep_size`` ranks) names the expert parameters each EP rank holds its own experts of
+    (``local_shapes`` gives their shape there): they get buffers of their own, sharded over the ranks owning
+    the same experts.
     """
     names: dict[int, list[str]] = defaultdict(list)
     tensors: dict[int, nn.Parameter] = {}
@@ -65,7 +66,7 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
         # Under TP a parameter no TP plan splits is held whole by every TP peer: shard it over them too.
         members[home].append(ParamInfo(fqns[0], list(shape or p.shape), shard, p.requires_grad, fqns[1:], gather,
                                        reduce, over_tp=split is not None and not split.intersection(fqns),
-                                       over_experts=bool(experts and experts.intersection(fqns))))
+                                       ep_split=ep_size if experts and experts.intersection(fqns) else 0))
     notes = []
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
@@ -162,7 +163,8 @@ def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, check
     ep = experts.local_shapes() if experts is not None and experts.ep_size > 1 else None
     if ep:
         local = {**(local or {}), **ep}
-    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local, split, set(ep or ()))
+    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local, split, set(ep or ()),
+                                     experts.ep_size if experts is not None else 1)
     own = self_checkpointing_modules(model)
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
                     self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel,

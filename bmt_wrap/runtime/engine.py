@@ -157,7 +157,7 @@ class Engine:
                 buf.own_comm = over
             if not meta:
                 # An EP rank's experts are its own (wrapping/experts.py took them from rank 0's): loaded as given.
-                if sync_from is not None and self.world_size > 1 and not bspec.over_experts:
+                if sync_from is not None and self.world_size > 1 and not bspec.ep_split:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
@@ -189,7 +189,7 @@ class Engine:
                     copy_tp_marks(old, new)
                     if self.tp is not None and tp_split_dim(new) is not None:
                         new.shard_layout.tp = self.tp  # its norms (and its gradient's) combine over TP too
-            if buf.spec.over_experts:
+            if buf.spec.ep_split:
                 # The owners' average is over the ranks owning the same experts; every EP peer's tokens
                 # reached them, so the job's average is that divided by the EP size.
                 buf.grad_scale = 1 / self._experts().ep_size
@@ -205,7 +205,7 @@ class Engine:
     def _buffer_comm(self, spec: FlatBufferSpec) -> Communicator:
         """The ranks a new buffer is sharded over: the shard group, under TP the shard x tp ranks for a
         buffer of parameters every TP peer holds whole, under EP the owners of an expert buffer's experts."""
-        if spec.over_experts:
+        if spec.ep_split:
             experts = self._experts().experts
             assert experts is not None
             return experts.shard
@@ -214,7 +214,7 @@ class Engine:
     def _experts(self) -> ParallelLayout:
         """The layout an expert buffer is placed in; ``WrapError`` without expert parallelism."""
         if self.parallel is None or self.parallel.experts is None:
-            raise WrapError("this plan holds expert-parallel buffers (over_experts), but the job's layout has no "
+            raise WrapError("this plan holds expert-parallel buffers (ep_split), but the job's layout has no "
                             "expert parallelism: wrap with the ep_size= the plan was made for")
         return self.parallel
 

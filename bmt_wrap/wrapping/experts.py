@@ -4,7 +4,7 @@ The pass (``passes/experts.py``) finds the MoE layers; here each EP rank keeps i
 experts of each layer (rank 0's values: every rank takes its slice of them) and its experts module runs
 through ``runtime/experts.py`` (tokens dispatched to their owners and combined back). The plan then lays
 the kept experts out in buffers of their own, ZeRO-3 sharded over the ranks owning the same experts
-(``FlatBufferSpec.over_experts``); everything else is sharded over every rank as without EP.
+(``FlatBufferSpec.ep_split``); everything else is sharded over every rank as without EP.
 """
 
 from __future__ import annotations
