@@ -7,6 +7,7 @@ still trains, and each rank holds only its own experts."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -168,3 +169,32 @@ def test_ep2_by_dp2_and_ep4_match_plain_pytorch_and_hold_their_share() -> None:
             assert all(s[0] == 4 // ep for s in run["expert_shapes"].values())
             # this rank's expert shards: its experts split over the world / ep ranks owning them
             assert run["expert_bytes"] <= 1.05 * total / 4, (ep, run["expert_bytes"], total)
+
+
+def _composed_body() -> dict:
+    """no_sync accumulation, fused_loss=True and generate() under ep_size=2, each against the reference."""
+    rank, n = bmt.rank(), bmt.world_size()
+    ref = models.mixtral()
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=2, fused_loss=True)
+    experts = set(model.plan.experts.expert_params())
+    g = torch.Generator().manual_seed(11)
+    halves = [torch.randint(0, models.VOCAB, (n, SEQ), generator=g) for _ in range(2)]
+    for i, ids in enumerate(halves):  # two micro-batches, the first without communication
+        with model.no_sync() if i == 0 else contextlib.nullcontext():
+            _loss(model, ids.chunk(n)[rank]).backward()
+    sum(torch.stack([_loss(ref, s) for s in ids.chunk(n)]).mean() for ids in halves).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_whole(p.grad, name in experts), ref.get_parameter(name).grad, **SGD_TOL,
+                                   msg=lambda m, name=name: f"no_sync grad {name}: {m}")
+    prompt = torch.randint(0, models.VOCAB, (1, 5), generator=torch.Generator().manual_seed(rank))
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    model.eval(), ref.eval()
+    got, want = model.generate(prompt, **settings), ref.generate(prompt, **settings)
+    section = model.plan.fused_loss
+    return {"generated": got.tolist(), "want": want.tolist(),
+            "fused": section.enabled and section.head is not None and section.reason is None}
+
+
+def test_no_sync_fused_loss_and_generate_under_ep2() -> None:
+    for got in run_distributed(_composed_body, 2):
+        assert got["generated"] == got["want"] and got["fused"]
