@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 
 import torch
 from dist_harness import raised, run_distributed
 from parity import ADAMW_REL, LOSS_RTOL, SGD_TOL
+from torch.distributed.device_mesh import init_device_mesh
 
 import bmt_wrap as bmt
 from bmt_wrap.job.distributed import parallel_layout
@@ -37,7 +39,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, output_router_logits=True).loss
 
 
-def _train(build, skew: bool = False, ep: int = 2, readers: bool = False) -> dict:
+def _train(build, skew: bool = False, ep: int = 2, readers: bool = False, mesh: object = None) -> dict:
     """Train a wrapped copy (``ep_size=ep``) and the sliced reference side by side; assert parity every step."""
     rank, n = bmt.rank(), bmt.world_size()
     ref = build()
@@ -45,7 +47,7 @@ def _train(build, skew: bool = False, ep: int = 2, readers: bool = False) -> dic
         with torch.no_grad():
             for layer in ref.model.layers:
                 layer.mlp.router.bias[:2] = 100.0
-    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep, mesh=mesh)
     experts = set(model.plan.experts.expert_params())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -121,8 +123,6 @@ def test_ep2_matches_plain_pytorch_on_transformers_moe_models_and_a_skewed_gpt_o
 
 
 def _errors_body() -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     wrapped = bmt.BMTrainModelWrapper(models.mixtral(), mesh=mesh)  # a mesh dim "ep" is ep_size=2
     return {
@@ -158,17 +158,22 @@ def _four_ranks_body() -> dict:
     out = {}
     for ep in (2, 4):  # ep2 x dp2: each pair of owners shards its experts ZeRO-3; ep4: one expert per rank
         out[ep] = _train(models.mixtral, ep=ep)
+    gc.collect()  # the models above go before one of another layout is wrapped
+    # HSDP: two replicas of a 2-rank shard group, ep2 within each (expert gradients averaged across replicas)
+    out["hsdp"] = _train(models.mixtral, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     return out
 
 
-def test_ep2_by_dp2_and_ep4_match_plain_pytorch_and_hold_their_share() -> None:
+def test_ep2_by_dp2_ep4_and_hsdp_ep2_match_plain_pytorch_and_hold_their_share() -> None:
     model = models.mixtral()
     total = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
     for got in run_distributed(_four_ranks_body, 4):
         for ep, run in got.items():
-            assert all(s[0] == 4 // ep for s in run["expert_shapes"].values())
-            # this rank's expert shards: its experts split over the world / ep ranks owning them
-            assert run["expert_bytes"] <= 1.05 * total / 4, (ep, run["expert_bytes"], total)
+            assert all(s[0] == 4 // (2 if ep == "hsdp" else ep) for s in run["expert_shapes"].values())
+            # this rank's expert shards: its experts split over the world / ep ranks owning them (HSDP: each
+            # replica holds all experts, half on each of its two ranks)
+            share = total / 2 if ep == "hsdp" else total / 4
+            assert run["expert_bytes"] <= 1.05 * share, (ep, run["expert_bytes"], total)
 
 
 def _composed_body() -> dict:
