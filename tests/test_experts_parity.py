@@ -203,3 +203,25 @@ def _composed_body() -> dict:
 def test_no_sync_fused_loss_and_generate_under_ep2() -> None:
     for got in run_distributed(_composed_body, 2):
         assert got["generated"] == got["want"] and got["fused"]
+
+
+def _offload_body(tmp: str) -> dict:
+    """offload="disk" and a memory budget under ep_size=2: gradients equal the in-memory EP job's, bit for bit."""
+    rank, n = bmt.rank(), bmt.world_size()
+    ids = torch.randint(0, models.VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(5)).chunk(n)[rank]
+    grads = []
+    for kw in ({}, {"offload": "disk", "offload_dir": tmp}, {"memory_budget": 64 << 20}):
+        model = bmt.BMTrainModelWrapper(models.mixtral(), ep_size=2, **kw)
+        experts = set(model.plan.experts.expert_params())
+        _loss(model, ids).backward()
+        grads.append({name: _whole(p.grad, name in experts) for name, p in model.named_parameters()})
+        del model
+        gc.collect()
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            assert torch.equal(other[name], g), name
+    return {"compared": len(grads[0])}
+
+
+def test_offload_and_memory_budget_under_ep2(tmp_path) -> None:
+    assert all(got["compared"] > 0 for got in run_distributed(_offload_body, 2, str(tmp_path)))
