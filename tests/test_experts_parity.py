@@ -39,7 +39,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, output_router_logits=True).loss
 
 
-def _train(build, skew: bool = False, ep: int = 2, readers: bool = False, mesh: object = None) -> dict:
+def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: object = None) -> dict:
     """Train a wrapped copy (``ep_size=ep``) and the sliced reference side by side; assert parity every step."""
     rank, n = bmt.rank(), bmt.world_size()
     ref = build()
@@ -79,16 +79,16 @@ def _train(build, skew: bool = False, ep: int = 2, readers: bool = False, mesh: 
             assert rel <= ADAMW_REL, f"{name}: relative difference {rel:.2e}"
         routed.append(bmt.distributed.comm().snapshot().get("all_to_all", {}).get("calls", 0))
     if readers:
-        _check_readers(model, ref, experts)
+        _check_readers(model, ref, experts, readers)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if n in experts}
     held = {id(p.flat_buffer): p.flat_buffer.shard for n, p in model.named_parameters() if n in experts}
     return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed,
             "expert_bytes": sum(s.numel() * s.element_size() for s in held.values())}
 
 
-def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[str]) -> None:
-    """state_dict() holds whole expert tensors under their names, load_state_dict() takes them back; the
-    readers not built yet refuse by name."""
+def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[str], tmp: str) -> None:
+    """state_dict() and bmt.save hold whole expert tensors under their names, load_state_dict() and bmt.load
+    take them back; sharded checkpoints (not built yet) refuse by name."""
     state = model.state_dict()
     params = dict(model.named_parameters())
     for name, value in state.items():
@@ -97,18 +97,34 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[st
     model.load_state_dict(ref.state_dict())
     for name, p in model.named_parameters():
         assert torch.equal(_whole(p, name in experts), ref.get_parameter(name).detach()), name
-    kind, text = raised(lambda: bmt.save(model, "/nonexistent/never-written.safetensors"))
-    assert kind == "UnsupportedError" and "under expert parallelism" in text, (kind, text)
+    path = f"{tmp}/ep.safetensors"
+    bmt.save(model, path)
+    from safetensors.torch import load_file
+
+    saved = load_file(path)
+    assert set(saved) == set(ref.state_dict()) and all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    bmt.load(model, path)
+    for name, p in model.named_parameters():
+        assert torch.equal(_whole(p, name in experts), ref.get_parameter(name).detach()), f"bmt.load {name}"
+    kind, text = raised(lambda: bmt.save_checkpoint(f"{tmp}/ckpt", model))
+    assert kind == "UnsupportedError" and "bmt.save_checkpoint of expert-parallel parameters" in text, (kind, text)
+    from bmt_wrap.save_load import dcp
+
+    kind, text = raised(lambda: dcp.save_sharded(f"{tmp}/dcp", model))
+    assert kind == "UnsupportedError" and "sharded state dict" in text, (kind, text)
 
 
-def _parity_body() -> dict:
-    return {"mixtral": _train(models.mixtral, readers=True), "skewed": _train(models.gpt_oss, skew=True),
+def _parity_body(tmp: str) -> dict:
+    return {"mixtral": _train(models.mixtral, readers=tmp), "skewed": _train(models.gpt_oss, skew=True),
             **{name: _train(getattr(models, name)) for name in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}}
 
 
-def test_ep2_matches_plain_pytorch_on_transformers_moe_models_and_a_skewed_gpt_oss() -> None:
+def test_ep2_matches_plain_pytorch_on_transformers_moe_models_and_a_skewed_gpt_oss(tmp_path) -> None:
     # Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), DeepSeek-V3 (shared experts, group routing)
-    results = run_distributed(_parity_body, 2)  # each rank asserts parity at every step
+    results = run_distributed(_parity_body, 2, str(tmp_path))  # each rank asserts parity at every step
     for got in results:
         mixtral = got["mixtral"]
         # Each rank holds 2 of each layer's 4 experts; the plan says which.
