@@ -459,7 +459,7 @@ def main() -> None:
             at_prediction = [r for r in log if r["system"] == system and r["limit"] == limit and r["ok"]
                              and r["layers"] == prediction["layers"]]
             if system in PREDICTED and at_prediction:  # measured at the predicted size
-                row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['peak_per_rank']:.3f}x"
+                row["vs_plan"] = f"{max(at_prediction[0]['rank_peaks']) / prediction['counted_per_rank']:.3f}x"
             if res[0].get("disk_io"):
                 io = max(r["disk_io"]["read"] + r["disk_io"]["written"] for r in res)
                 at_plan = best["layers"] == prediction["layers"]

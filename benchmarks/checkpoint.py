@@ -63,10 +63,10 @@ class PeakRSS:
 class Model(nn.Module):
     """An embedding and a list of square linear blocks: each block becomes a shard group."""
 
-    def __init__(self, n_blocks: int, vocab: int) -> None:
+    def __init__(self, n_blocks: int, vocab: int, width: int = WIDTH) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(n_blocks))
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n_blocks))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -75,11 +75,12 @@ class Model(nn.Module):
         return x
 
 
-def build(gb: float) -> tuple[int, int]:
-    """(blocks, vocab) for about ``gb`` GB of fp32 parameters; the embedding is the largest group."""
+def build(gb: float, width: int = WIDTH) -> tuple[int, int]:
+    """(blocks, vocab) for about ``gb`` GB of fp32 parameters (at least 2 blocks) at ``width``; the
+    embedding is the largest group."""
     vocab = 16384
-    per_block = WIDTH * WIDTH + WIDTH
-    n = max(2, int((gb * 1e9 / 4 - vocab * WIDTH) // per_block))
+    per_block = width * width + width
+    n = max(2, int((gb * 1e9 / 4 - vocab * width) // per_block))
     return n, vocab
 
 

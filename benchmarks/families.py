@@ -49,4 +49,34 @@ def t5(n_layers: int = 4) -> nn.Module:
                                                decoder_start_token_id=0))  # as t5-small's config sets it
 
 
-FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "t5": t5}
+def llama_gqa(n_layers: int = 4) -> nn.Module:
+    """LlamaForCausalLM of width 320 (not a multiple of 128): grouped-query attention (5 heads of 64, one
+    key-value head) and tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=320, intermediate_size=864,
+                                        num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=True,
+                                        num_hidden_layers=n_layers))
+
+
+def llama_32k(n_layers: int = 4) -> nn.Module:
+    """LlamaForCausalLM of width 256 with Llama's own 32,000-word vocabulary (untied): a root group as large
+    as a dozen layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                        num_key_value_heads=4, num_hidden_layers=n_layers))
+
+
+def mixtral(n_layers: int = 4) -> nn.Module:
+    """MixtralForCausalLM of width 256: a mixture-of-experts block (8 experts, 2 per token) and grouped-query
+    attention (4 heads, 2 key-value heads)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            num_hidden_layers=n_layers))
+
+
+FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "t5": t5, "llama_gqa": llama_gqa,
+            "llama_32k": llama_32k, "mixtral": mixtral}

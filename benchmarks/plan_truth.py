@@ -1,18 +1,20 @@
 """The plan against measurement on models it was not tuned on (docs/design.md "Capacity").
 
-    python benchmarks/plan_truth.py [--families llama,gpt2,qwen2,t5] [--memory 1.5GiB] [--world-size 2]
-        [--optimizer-state memory,disk] [--steps 3] [--out table.md]
+    python benchmarks/plan_truth.py [--families llama,gpt2,qwen2,t5,llama_gqa,llama_32k=2GiB,mixtral]
+        [--memory 1.5GiB] [--world-size 2] [--optimizers adamw,adam,disk] [--steps 3] [--out table.md]
 
 For each family (``benchmarks/families.py``: transformers models from their default configs, sizes shrunk,
 called as users call them: ``model(input_ids=x, labels=x)`` with the default ``use_cache``), limit B and
-optimizer state, ``bmt-wrap plan --memory B --grow n_layers`` answers k in a fresh process. Then fresh
-jobs of ``--world-size`` ranks, each started with the allocator setting the plan states, build the model at
-k and at k+1 with real weights, wrap it, and train ``--steps`` steps (``torch.optim.AdamW(fused=True)``,
-or ``bmt.optim.AdamDiskOptimizer`` for the state on disk), the first step included. A job is killed as
-soon as its ranks' summed RSS passes B (a killed job at k runs again without the limit, for its per-rank peak).
+optimizer, ``bmt-wrap plan --memory B --grow n_layers`` answers k in a fresh process (``--optimizer-state
+disk`` for the disk optimizer). Then fresh jobs of ``--world-size`` ranks, each started with the allocator
+setting the plan states, build the model at k and at k+1 with real weights, wrap it, and train ``--steps``
+steps, the first step included, with the optimizer: ``adamw`` ``torch.optim.AdamW(fused=True)``, ``adam``
+``bmt.optim.AdamOptimizer``, ``disk`` ``bmt.optim.AdamDiskOptimizer`` (the state in a file). A job is
+killed as soon as its ranks' summed RSS passes B (a killed job at k runs again without the limit, for its per-rank peak).
 The table gives the answered k, whether k and k+1 fit, the measured summed peak at each (each rank's
 ``ru_maxrss``; a killed job's is the watchdog's last sample), and the largest rank's peak against the plan's
-per-rank peak.
+per-rank count (the answer fits the count and the margin the plan keeps beside it for the count's known
+error).
 """
 
 from __future__ import annotations
@@ -29,25 +31,35 @@ HERE = Path(__file__).resolve().parent
 GIB, MIB = 2**30, 2**20
 
 
-def worker(family: str, layers: int, steps: int, optimizer_state: str, out: Path) -> None:
+#: The optimizers a row trains with: each one's name in the table and where ``bmt-wrap plan`` is told its state is.
+OPTIMIZERS = {"adamw": ("torch AdamW", "memory"), "adam": ("AdamOptimizer", "memory"),
+              "disk": ("AdamDiskOptimizer", "disk")}
+
+
+def worker(family: str, layers: int, steps: int, optimizer: str, out: Path) -> None:
     """One rank: build, wrap and train the family's model at ``layers``; write its peak RSS."""
     sys.path.insert(0, str(HERE))
     import torch
-    from families import BATCH, FAMILIES, SEQ, VOCAB
+    from families import BATCH, FAMILIES, SEQ
 
     import bmt_wrap as bmt
 
     bmt.init_distributed(seed=0)
-    model = bmt.BMTrainModelWrapper(FAMILIES[family](layers))
-    if optimizer_state == "disk":
+    built = FAMILIES[family](layers)
+    vocab = built.config.vocab_size
+    model = bmt.BMTrainModelWrapper(built)
+    del built
+    if optimizer == "disk":
         opt = bmt.optim.AdamDiskOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01,
                                           offload_dir=tempfile.gettempdir())
+    elif optimizer == "adam":
+        opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     gen = torch.Generator().manual_seed(bmt.rank())
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -57,7 +69,7 @@ def worker(family: str, layers: int, steps: int, optimizer_state: str, out: Path
                                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def predict(family: str, limit: int, world: int, optimizer_state: str) -> dict:
+def predict(family: str, limit: int, world: int, optimizer: str) -> dict:
     """``bmt-wrap plan --memory`` in a fresh process, as a user runs it."""
     sys.path.insert(0, str(HERE))
     from families import BATCH, SEQ
@@ -65,20 +77,19 @@ def predict(family: str, limit: int, world: int, optimizer_state: str) -> dict:
     cmd = [sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())", "plan",
            f"{HERE / 'families.py'}:{family}", "--world-size", str(world), "--memory", str(limit),
            "--grow", "n_layers", "--input", f"input_ids=int64[{BATCH},{SEQ}]",
-           "--input", f"labels=int64[{BATCH},{SEQ}]", "--json", "--optimizer-state", optimizer_state]
+           "--input", f"labels=int64[{BATCH},{SEQ}]", "--json", "--optimizer-state", OPTIMIZERS[optimizer][1]]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"bmt-wrap plan failed for {family}: {out.stderr[-2000:]}")
     return json.loads(out.stdout)
 
 
-def measure(family: str, layers: int, limit: int, world: int, steps: int, optimizer_state: str,
-            setting: str) -> dict:
+def measure(family: str, layers: int, limit: int, world: int, steps: int, optimizer: str, setting: str) -> dict:
     """One job at ``layers`` under the limit; its summed and largest per-rank peak."""
     from capacity import run_ranks
 
     def argv(rank: int, out: Path) -> list[str]:
-        return [sys.executable, __file__, "--worker", family, str(layers), str(steps), optimizer_state, str(out)]
+        return [sys.executable, __file__, "--worker", family, str(layers), str(steps), optimizer, str(out)]
 
     var, _, value = setting.partition("=")
     r = run_ranks(argv, world, limit, timeout=1800, env={var: value})
@@ -88,16 +99,18 @@ def measure(family: str, layers: int, limit: int, world: int, steps: int, optimi
 
 
 def table(rows: list[dict], world: int, steps: int, setting: str) -> list[str]:
-    """One row per family, limit and optimizer state."""
-    head = ["model", "B (sum)", "optimizer state", "answered k", "k fits", "peak sum at k", "k+1 fits",
-            "peak sum at k+1", "peak/plan at k (per rank)"]
+    """One row per family, limit and optimizer."""
+    head = ["model", "B (sum)", "optimizer", "answered k", "k fits", "peak sum at k", "k+1 fits",
+            "peak sum at k+1", "peak/count at k (per rank)"]
+    margin = {f"{r['margin_fraction']:.0%}" for r in rows}
     lines = [f"{world} ranks, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
-             f"use_cache; {steps} steps from the first; {setting}; MiB", "",
+             f"use_cache; {steps} steps from the first; {setting}; the answer keeps a margin of "
+             f"{', '.join(sorted(margin))} of the count beside it; MiB", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         at, above = r["at_k"], r["at_k1"]
-        ratio = f"{at['peak_rank'] / r['plan_rank']:.3f}x" if at["peak_rank"] else "-"
-        cells = [r["family"], f"{r['limit'] / GIB:.2f} GiB", r["optimizer_state"], str(r["k"]),
+        ratio = f"{at['peak_rank'] / r['count_rank']:.3f}x" if at["peak_rank"] else "-"
+        cells = [r["family"], f"{r['limit'] / GIB:.2f} GiB", OPTIMIZERS[r["optimizer"]][0], str(r["k"]),
                  "yes" if at["ok"] else "no", f"{at['peak_sum'] / MIB:.0f}", "yes" if above["ok"] else "no",
                  f"{above['peak_sum'] / MIB:.0f}", ratio]
         lines.append("| " + " | ".join(cells) + " |")
@@ -107,17 +120,18 @@ def table(rows: list[dict], world: int, steps: int, setting: str) -> list[str]:
 def main() -> None:
     """Predict, measure at k and k+1, print and write the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default="llama,gpt2,qwen2,t5")
+    p.add_argument("--families", default="llama,gpt2,qwen2,t5,llama_gqa,llama_32k=2GiB,mixtral",
+                   help="comma-separated; FAMILY=SIZE plans that family under SIZE instead of --memory")
     p.add_argument("--memory", default="1.5GiB", help="the limit B, summed over ranks (comma-separated list)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--optimizer-state", default="memory,disk")
+    p.add_argument("--optimizers", default="adamw,adam,disk", help=f"comma-separated, of {', '.join(OPTIMIZERS)}")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=HERE / "results" / "plan_truth.md")
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        family, layers, steps, state, out = args.worker
-        worker(family, int(layers), int(steps), state, Path(out))
+        family, layers, steps, optimizer, out = args.worker
+        worker(family, int(layers), int(steps), optimizer, Path(out))
         return
     sys.path.insert(0, str(HERE))
     from capacity import parse_size
@@ -125,21 +139,23 @@ def main() -> None:
     from report import publish
 
     rows = []
-    for limit in (parse_size(m) for m in args.memory.split(",")):
-        for state in args.optimizer_state.split(","):
-            for family in args.families.split(","):
-                plan = predict(family, limit, args.world_size, state)
+    for memory in (parse_size(m) for m in args.memory.split(",")):
+        for optimizer in args.optimizers.split(","):
+            for family, _, own in (f.partition("=") for f in args.families.split(",")):
+                limit = parse_size(own) if own else memory
+                plan = predict(family, limit, args.world_size, optimizer)
                 k = plan["value"]
-                print(f"{family} {state} under {limit / GIB:.2f} GiB: the plan answers {k}", file=sys.stderr,
-                      flush=True)
-                at = [measure(family, n, limit, args.world_size, args.steps, state, plan["assumes"])
+                print(f"{family} {optimizer} under {limit / GIB:.2f} GiB: the plan answers {k}: {json.dumps(plan)}",
+                      file=sys.stderr, flush=True)
+                at = [measure(family, n, limit, args.world_size, args.steps, optimizer, plan["assumes"])
                       for n in (k, k + 1)]
                 if at[0]["peak_rank"] is None:  # killed at the limit: its peak per rank, unlimited
-                    at[0]["peak_rank"] = measure(family, k, 0, args.world_size, args.steps, state,
+                    at[0]["peak_rank"] = measure(family, k, 0, args.world_size, args.steps, optimizer,
                                                  plan["assumes"])["peak_rank"]
                 print(f"  measured: {at}", file=sys.stderr, flush=True)
-                rows.append({"family": family, "limit": limit, "optimizer_state": state, "k": k,
-                             "plan_rank": plan["peak_per_rank"], "at_k": at[0], "at_k1": at[1],
+                rows.append({"family": family, "limit": limit, "optimizer": optimizer, "k": k,
+                             "count_rank": plan["counted_per_rank"], "margin_fraction": plan["margin_fraction"],
+                             "at_k": at[0], "at_k1": at[1],
                              "batch": BATCH, "seq": SEQ, "setting": plan["assumes"]})
     publish(table(rows, args.world_size, args.steps, rows[0]["setting"]), args.out)
 

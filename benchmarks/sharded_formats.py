@@ -3,7 +3,8 @@ and ``torch.distributed.checkpoint`` (``get_state_dict`` + ``dcp.save``/``dcp.lo
 
     torchrun --nproc_per_node 2 benchmarks/sharded_formats.py [--gb 0.5] [--repeats 3] [--dir /tmp/bmt_formats]
 
-A wrapped model of about ``--gb`` GB of fp32 parameters and its AdamW state (two moments) after one step,
+A wrapped model of about ``--gb`` GB of fp32 parameters (an embedding and square blocks ``--width`` wide,
+at least two: 0.4 GB at the default width) and its AdamW state (two moments) after one step,
 saved and loaded at the same world size, alternating the formats ``--repeats`` times: median save and load
 seconds (slowest rank), each rank's peak RSS above its level before the call (the larger rank's), and the
 bytes on disk. Both write each rank's own elements; both reshard on load (tests/test_dcp.py and
@@ -51,14 +52,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gb", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=4096, help="the blocks' width (the tests' smoke run shrinks it)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bmt_formats"))
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "sharded_formats.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     bmt.init_distributed(backend="gloo")
-    n, vocab = build(args.gb)
+    n, vocab = build(args.gb, args.width)
     torch.manual_seed(0)
-    model = bmt.BMTrainModelWrapper(Model(n, vocab))
+    model = bmt.BMTrainModelWrapper(Model(n, vocab, args.width))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, vocab, (2, 8))).float().pow(2).mean().backward()
     opt.step()

@@ -3,10 +3,10 @@
     bmt-wrap dump MODULE:FACTORY [--world-size N] [--format text|json|dot] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T [--sequence-parallel]] [--input SPEC ...] [-v]
-    bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB [--grow n_layers] [--streaming] [--json]
+    bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
-    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
@@ -20,7 +20,8 @@ every rank, each with its traffic split into intra-node and inter-node bytes for
 ``--pp-size P [--microbatches M]`` plans ``BMTrainModelWrapper(model, pp_size=P, pp_microbatches=M)``: the
 stage split, each stage's bytes per rank (shards, its blocks held gathered for the step, activations and the
 received activations GPipe holds, 1F1B's bound beside), the bubble (P-1)/(M+P-1) and the point-to-point
-and ZeRO bytes per rank per step (with --input for the activations); ``dump --pp-size P`` shows the stages.
+and ZeRO bytes per rank per step (with --input for the activations); with ``--tp-size T`` the stages' blocks
+are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
@@ -32,8 +33,9 @@ ZeRO-3's gather and reduce-scatter bytes for the same experts.
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping and the shards made while its
 originals go; none with ``--streaming``, the model built on the meta device and loaded) and training's
-(the plan's estimate plus the root group's backward). With ``--grow KW`` the factory takes ``KW=k`` and
-the answer is the largest ``k`` that fits.
+(the largest of its phases, with the activations of ``--input``'s batch, which it needs), and a margin of
+that count for its known error. With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest
+``k`` that fits.
 ``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
 rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
@@ -82,7 +84,16 @@ from .base.plan import (
     summary_line,
 )
 from .errors import BMTError, CLIError, MemoryBudgetError, PipelineError, PlanError
-from .passes.capacity import ProcessPeak, largest_fitting, optimizer_on_disk, process_peak, training_phases
+from .passes.capacity import (
+    MARGIN,
+    MARGIN_REASON,
+    ProcessPeak,
+    largest_fitting,
+    optimizer_on_disk,
+    process_peak,
+    training_phases,
+    with_peak,
+)
 from .passes.capture import Call, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -296,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the traffic as all-gathers and reduce-scatters along the sequence)")
     plan.add_argument("--memory", default=None, metavar="SIZE",
                       help="the job's memory summed over its ranks, e.g. 8GiB: the process's peak per rank "
-                           "and whether it fits (one --world-size)")
+                           "and whether it fits (one --world-size; needs --input, for the activations)")
     plan.add_argument("--grow", default=None, metavar="KW",
                       help="with --memory: the factory's keyword to grow (e.g. n_layers); answers its "
                            "largest value that fits")
@@ -349,6 +360,13 @@ def _capacity(opts: argparse.Namespace) -> str:
     n = opts.world_size[0]
     limit = parse_bytes(opts.memory, "--memory")
     inputs = parse_inputs(opts.input)
+    if inputs is None:
+        # Without them the step's activations count as nothing: a 2-rank Llama of width 256 was answered
+        # 86 layers under 2 GiB and peaked 17% over it.
+        raise CLIError("--memory answers for a training step, whose activations depend on its input: give one "
+                       "rank's batch as the training loop calls the model, e.g. --input input_ids=int64[4,512] "
+                       "--input labels=int64[4,512] (NAME=DTYPE[SHAPE] per argument, DTYPE[SHAPE] for a "
+                       "positional one)")
     baseline = (ProcessBaseline(parse_bytes(opts.baseline, "--baseline")) if opts.baseline
                 else warm_baseline(opts, inputs))
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
@@ -374,7 +392,7 @@ def _capacity(opts: argparse.Namespace) -> str:
             est, io[k] = optimizer_on_disk(plan, est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
                          beside=baseline.per_layer * (k - 1) if k is not None else 0,
-                         wrapping_baseline=baseline.before_training)
+                         wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
         params = sum(g.param_numel() for g in plan.groups)
         disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
@@ -385,16 +403,14 @@ def _capacity(opts: argparse.Namespace) -> str:
                      f"({fmt_bytes(est.params)} of shards, {fmt_bytes(est.grads)} of gradient shards)")
         phases = training_phases(plan, est)
         at = max(phases, key=phases.__getitem__)
-        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.head is not None else ""
+        pair = "".join(f"\n  {line}" for line in fused_loss_text(section)) if section.found else ""
         beside = f"{fmt_bytes(p.beside)} beside the layers' tensors + " if p.beside else ""
-        training = f"training {fmt_bytes(p.training)}: the plan's {fmt_bytes(est.total)} + the root's backward"
-        if p.wrapping_baseline is None:
-            split = (f"process baseline {fmt_bytes(p.baseline)} + {beside}max(wrapping {fmt_bytes(p.wrapping)}, "
-                     f"{training}, at its peak: {at})")
-        else:  # wrapping comes before the first step, which leaves the rest of the baseline for good
-            split = (f"{beside}max(wrapping {fmt_bytes(p.wrapping)} + the process before its first step "
-                     f"{fmt_bytes(p.wrapping_baseline)}, {training}, at its peak: {at}, + the process baseline "
-                     f"{fmt_bytes(p.baseline)})")
+        margin = (f" + margin {fmt_bytes(p.margin)} ({p.margin_fraction:.0%} of the count: {MARGIN_REASON})"
+                  if p.margin_fraction else "")
+        # Every term of the sum, so that it adds up as printed (docs/design.md "Capacity").
+        split = (f"{beside}max(wrapping {fmt_bytes(p.wrapping)} + the process before its first step "
+                 f"{fmt_bytes(p.before_first_step)}, training {fmt_bytes(p.training)} at its peak ({at}) + the "
+                 f"process baseline {fmt_bytes(p.baseline)}){margin}")
         return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
     if opts.grow:
@@ -407,7 +423,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         k = None
         chosen, detail, phases = peak(None)
     answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
-              "value": k, "peak_per_rank": chosen.total, "baseline": chosen.baseline,
+              "value": k, "peak_per_rank": chosen.total, "counted_per_rank": chosen.counted,
+              "margin": chosen.margin, "margin_fraction": chosen.margin_fraction, "baseline": chosen.baseline,
               "baseline_before_training": chosen.wrapping_baseline,
               "beside_per_layer": baseline.per_layer, "beside": chosen.beside, "wrapping": chosen.wrapping,
               "fits": chosen.total <= limit // n,
@@ -428,9 +445,9 @@ def _capacity(opts: argparse.Namespace) -> str:
 
 def _run(opts: argparse.Namespace) -> str:
     if opts.pp_size is not None and (opts.command == "plan" and (
-            opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None)):
-        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 inside each: drop --memory, --tp-size and "
-                       "--shard-size (their answers do not count stages yet)")
+            opts.memory is not None or opts.shard_size is not None or opts.sequence_parallel)):
+        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop --memory, "
+                       "--shard-size and --sequence-parallel (their answers do not count stages yet)")
     if opts.command == "plan" and opts.ep_size is not None and (
             opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None
             or opts.pp_size is not None):
@@ -574,7 +591,7 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
                               capture=captured, tensor_parallel=tp)
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
-            plan.estimates = {str(shard): est}
+            plan.estimates = {str(shard): with_peak(plan, est)}
             plans.append(plan)
             columns.append(n)
     sizes = columns
@@ -589,34 +606,40 @@ def _tp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
 
 def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int], captured: object,
                budget: int | None, mp: MixedPrecision | None) -> str:
-    """``--pp-size P``: per world size N, P stages of ZeRO-3 over N/P ranks each (``plan``: the stage table;
-    ``dump``: the graph and the plan with its pipeline section)."""
-    p = opts.pp_size
-    bad = [n for n in sizes if p < 1 or n % p]
+    """``--pp-size P``: per world size N, P stages of ZeRO-3 over N/P ranks each, or with ``--tp-size T`` over
+    N/(P T) data-parallel ranks with TP inside (``plan``: the stage table; ``dump``: the graph and the plan with
+    its pipeline section)."""
+    p, t = opts.pp_size, getattr(opts, "tp_size", None) or 1
+    bad = [n for n in sizes if p < 1 or t < 1 or n % (p * t)]
     if bad:
-        raise CLIError(f"--pp-size {p} must divide every --world-size (stages x data-parallel size); {bad} do not")
+        what = "stages x TP size x data-parallel size" if t > 1 else "stages x data-parallel size"
+        raise CLIError(f"--pp-size {p}{f' x --tp-size {t}' if t > 1 else ''} must divide every --world-size "
+                       f"({what}); {bad} do not")
     m = opts.microbatches or p
     graph = captured.graph if captured.method != "none" else None  # type: ignore[attr-defined]
+    tp = plan_tensor_parallel(model, t, discovery) if t > 1 else None  # type: ignore[arg-type]
     lines, plans = [], []
     for n in sizes:
-        plan = build_plan(model, discovery, world_size=n // p, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
-                          memory_budget=budget, mixed_precision=mp, capture=captured)
+        dp = n // (p * t)
+        plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
+                          memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
             plan.pipeline = plan_pipeline(model, plan, p, m, graph)
         except (PipelineError, PlanError) as exc:
             raise CLIError(f"--pp-size {p}: {exc}") from None
         plans.append(plan)
         if opts.command == "plan":
-            lines += [f"N={n}: {p} stages x data-parallel {n // p}: {summary_line(plan)}",
+            lines += [f"N={n}: {p} stages x {f'TP {t} x ' if t > 1 else ''}data-parallel {dp}: {summary_line(plan)}",
                       *pipeline_report(plan.pipeline, estimate_pipeline(
-                          plan, plan.pipeline, n // p, captured.activations))]  # type: ignore[attr-defined]
+                          plan, plan.pipeline, dp, captured.activations))]  # type: ignore[attr-defined]
     if opts.command == "dump":
         drawn = schedule_graph(captured, plans[0])
         if opts.format == "text":
             return render_text(drawn, plans[0], opts.verbose)
         return {"json": render_json, "dot": render_dot}[opts.format](drawn, plans[0])
     psi = sum(g.param_numel() for g in plans[0].groups)
-    return "\n".join([f"{opts.model}: {psi:,} parameters, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
+    per = " per TP rank" if tp is not None else ""
+    return "\n".join([f"{opts.model}: {psi:,} parameters{per}, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
                       *lines, *pipeline_text(plans[0].pipeline)[1:]])
 
 
@@ -636,7 +659,7 @@ def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     for n, zero3 in zip(sizes, plans, strict=True):
         for plan, shard in ((zero3, n), (hsdp, s)):
             column = copy.copy(plan)
-            column.estimates = {f"{n}/{shard}": estimate_mesh(plan, n, shard, s, activations)}
+            column.estimates = {f"{n}/{shard}": with_peak(plan, estimate_mesh(plan, n, shard, s, activations))}
             out_sizes.append(n)
             out_plans.append(column)
     return out_sizes, out_plans

@@ -2,11 +2,12 @@
 
 Usage: ``python exit_jobs.py WORLD_SIZE RUNS [KINDS]``, KINDS a comma list of ``plain`` (a model of
 ``nn.MultiheadAttention`` layers trained with ``torch.optim.AdamW``), ``save`` (the same, then
-``bmt.save``) and ``unsharded`` (a model with no parameters: nothing to shard), taken in turn; all three
-by default. None of them calls ``bmt.shutdown()``. Prints one JSON line: per run, its kind, each rank's
-exit code (negative: killed by that signal, -6 is SIGABRT; ``null``: still running after the time limit
-and killed), whether the default process group was still alive when the last exit hook ran, which
-gloo/bmt_wrap threads were still running then, and the tail of each failed rank's stderr.
+``bmt.save``), ``unsharded`` (a model with no parameters: nothing to shard) and ``tp`` (``plain`` wrapped
+with ``tp_size=2``), taken in turn; the first three by default. None of them calls ``bmt.shutdown()``, and
+each keeps its model to the end, as a script's global does. Prints one JSON line: per run, its kind, each
+rank's exit code (negative: killed by that signal, -6 is SIGABRT; ``null``: still running after the time
+limit and killed), whether the default process group was still alive when the last exit hook ran, which
+gloo/bmt_wrap threads were still running then, and the tail of each rank's stderr that is not empty.
 
 ``torchrun --nproc-per-node N exit_jobs.py rank KIND`` runs one rank of such a job as a user script
 does (tools/exit_soak.py counts aborts that way, under load).
@@ -38,7 +39,9 @@ from torch import nn  # noqa: E402
 
 import bmt_wrap as bmt  # noqa: E402
 
-KINDS = ("plain", "save", "unsharded")
+KINDS = ("plain", "save", "unsharded", "tp")
+DEFAULT_KINDS = KINDS[:3]
+_MODEL: nn.Module | None = None  # the job's model, alive at exit as a script's global is
 RUN_LIMIT_S = 240.0  # a rank that hangs at exit is reported (code null), not waited on forever
 # Threads that must be gone before the interpreter tears down: gloo's (the process group's workers and
 # its transport loop) and ours.
@@ -72,15 +75,16 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _train(kind: str, workdir: str) -> None:
+def _train(kind: str, workdir: str) -> nn.Module:
+    """Run the job of ``kind``; return its model, which the caller keeps until the interpreter exits."""
     if kind == "unsharded":
         model = bmt.BMTrainModelWrapper(nn.Sequential(nn.LayerNorm(16, elementwise_affine=False), nn.GELU()))
         for _ in range(3):
             x = torch.randn(4, 16, requires_grad=True)
             model(x).square().mean().backward()
             bmt.sum_loss(x.grad.sum())
-        return
-    model = bmt.BMTrainModelWrapper(_Net())
+        return model
+    model = bmt.BMTrainModelWrapper(_Net(), tp_size=2 if kind == "tp" else 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):
         idx = torch.randint(0, 64, (2, 8))
@@ -89,6 +93,7 @@ def _train(kind: str, workdir: str) -> None:
         opt.zero_grad()
     if kind == "save":
         bmt.save(model, os.path.join(workdir, "model.safetensors"))
+    return model
 
 
 def _live_threads() -> list[str]:
@@ -114,7 +119,8 @@ def _rank_main(kind: str, rank: int, world_size: int, port: int, base: str) -> N
 
     atexit.register(report)
     bmt.init_distributed(seed=0, backend="gloo")
-    _train(kind, os.path.dirname(base))
+    global _MODEL
+    _MODEL = _train(kind, os.path.dirname(base))
     sys.exit(0)  # unwinds to a normal interpreter exit
 
 
@@ -146,10 +152,11 @@ def _read(path: str) -> str:
 def main() -> None:
     if sys.argv[1] == "rank":  # under torchrun: the user script itself
         bmt.init_distributed(seed=0, backend="gloo")
-        _train(sys.argv[2], os.getcwd())
+        global _MODEL
+        _MODEL = _train(sys.argv[2], os.getcwd())
         return
     world_size, runs = int(sys.argv[1]), int(sys.argv[2])
-    kinds = sys.argv[3].split(",") if len(sys.argv) > 3 else list(KINDS)
+    kinds = sys.argv[3].split(",") if len(sys.argv) > 3 else list(DEFAULT_KINDS)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown kinds {sorted(unknown)}; use {','.join(KINDS)}")
@@ -178,8 +185,8 @@ def main() -> None:
             "kind": kind, "codes": codes,
             "group_left_at_exit": [p["group"] if p else None for p in probes],
             "threads_left_at_exit": [p["threads"] if p else None for p in probes],
-            "stderr": {rank: _read(os.path.join(workdir, f"{rank}.err"))[-1500:]
-                       for rank, code in enumerate(codes) if code != 0},
+            "stderr": {rank: text[-1500:] for rank in range(world_size)
+                       if (text := _read(os.path.join(workdir, f"{rank}.err")))},
         })
     shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report))

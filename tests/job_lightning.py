@@ -1,13 +1,14 @@
 """A Lightning job run under torchrun by tests/test_integrations.py, as a user writes one.
 
-Usage: ``torchrun --nproc_per_node=2 job_lightning.py OUT_DIR``. The same LightningModule (tiny GPT-2,
+Usage: ``torchrun --nproc_per_node=2 job_lightning.py OUT_DIR [EXAMPLES]``. The same LightningModule (tiny GPT-2,
 AdamW) over the same data, five steps with ``gradient_clip_val=1.0``:
 
 1. plain network, ``strategy="ddp"``: the reference;
 2. wrapped network, ``ShardedStrategy``, a checkpoint after step 3 (``ModelCheckpoint``);
 3. a fresh wrapped module resumed from it with ``fit(ckpt_path=...)``.
 
-Rank 0 writes ``OUT_DIR/results.pt`` (per run: losses and final full weights of the network).
+Rank 0 writes ``OUT_DIR/results.pt`` (per run: losses and final full weights of the network). Then the
+example runs in EXAMPLES (tests/in_job.py), in this job.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+from in_job import run_examples
 from job_trainer import build, dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -53,7 +55,7 @@ def run(module: LM, strategy: object, ckpt_dir: str | None = None, resume: str |
     return {"losses": module.losses, "weights": module.net.state_dict()}
 
 
-def main(out: str) -> None:
+def main(out: str, examples: str) -> None:
     bmt.init_distributed(seed=0)
     results = {"ddp": run(LM(wrap=False), "ddp", ckpt_dir=f"{out}/ddp_ckpt"),
                "bmt": run(LM(wrap=True), ShardedStrategy(), ckpt_dir=f"{out}/ckpt")}
@@ -63,7 +65,8 @@ def main(out: str) -> None:
     if bmt.rank() == 0:
         torch.save(results, f"{out}/results.pt")
     bmt.barrier()
+    run_examples(examples)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "[]")

@@ -1,6 +1,6 @@
 """A transformers ``Trainer`` job run under torchrun by tests/test_integrations.py, the way a user runs one.
 
-Usage: ``torchrun --nproc_per_node=2 job_trainer.py OUT_DIR``. In one job, on the same tiny GPT-2 (its
+Usage: ``torchrun --nproc_per_node=2 job_trainer.py OUT_DIR [EXAMPLES]``. In one job, on the same tiny GPT-2 (its
 default config, sizes shrunk; dropout 0, since two ranks cannot draw one process's masks), the same data
 and seed, five steps each with the Trainer's defaults (AdamW, linear schedule, ``max_grad_norm=1.0``):
 
@@ -10,7 +10,8 @@ and seed, five steps each with the Trainer's defaults (AdamW, linear schedule, `
 3. a fresh wrapped model resumed from that step-3 checkpoint.
 
 Rank 0 writes ``OUT_DIR/results.pt``: each run's log history and final full weights, and the weights
-``from_pretrained`` reads back from ``save_model``'s folder. The test judges them.
+``from_pretrained`` reads back from ``save_model``'s folder. The test judges them. Then the example runs in
+EXAMPLES (tests/in_job.py), in this job.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import sys
 
 import torch
+from in_job import run_examples
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from transformers import Trainer as StockTrainer
 
@@ -50,7 +52,7 @@ def args(out: str, **kwargs: object) -> TrainingArguments:
                              disable_tqdm=True, **kwargs)
 
 
-def main(out: str) -> None:
+def main(out: str, examples: str) -> None:
     bmt.init_distributed(seed=0)
     rank = bmt.rank()
     results: dict[str, object] = {}
@@ -78,7 +80,8 @@ def main(out: str) -> None:
         results["files"] = sorted(os.listdir(f"{out}/bmt/checkpoint-{SAVE_AT}"))
         torch.save(results, f"{out}/results.pt")
     bmt.barrier()
+    run_examples(examples)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "[]")

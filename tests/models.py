@@ -118,6 +118,22 @@ class ToyGPT(nn.Module):
         return logits
 
 
+class FunctionalTiedGPT(ToyGPT):
+    """No head module: the root's forward computes the logits as ``F.linear(h, self.embed.weight)`` (OLMo's
+    tied head, as many research models write it). Blocks: ``layers.0``, ``layers.1``."""
+
+    def __init__(self, n_layers: int = 2) -> None:
+        super().__init__(n_layers=n_layers, tie=True)
+        del self.head
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        logits = F.linear(self.ln_f(x), self.embed.weight)
+        return logits if targets is None else lm_loss(logits, targets)
+
+
 class SequentialGPT(nn.Sequential):
     """The whole model is one ``nn.Sequential``. Blocks: ``1``, ``2``, ``3``."""
 

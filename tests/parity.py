@@ -37,15 +37,74 @@ def whole(t: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
     param = t if param is None else param
     if not getattr(param, "_tp_mode", False):
         return full
+    return _tp_joined([full], [param])[0]
+
+
+def wholes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """``whole(t, param)`` of every pair, gathered with one collective per shard group and dtype (and one over
+    TP) instead of one per tensor: at 4 ranks sharing 2 cores a collective costs its latency, not its bytes,
+    and a model's worth of them per step was most of a parity test's time. Every rank passes the same list."""
+    out: list[torch.Tensor] = [t.detach() for t, _ in pairs]
+    batches: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, (t, _) in enumerate(pairs):
+        if isinstance(t, ShardedTensor) and (not t.numel() or t.shard_layout.stage is not None):
+            out[i] = t.full_tensor()  # nothing to gather, or another pipeline stage may hold it (a broadcast)
+        elif isinstance(t, ShardedTensor):
+            batches.setdefault((id(t.shard_layout.buffer.comm), t.dtype), []).append(i)
+    for idx in batches.values():
+        for i, full in zip(idx, _gathered([pairs[i][0] for i in idx]), strict=True):
+            out[i] = full
+    split = [i for i, (_, p) in enumerate(pairs) if getattr(p, "_tp_mode", False)]
+    for dtype in {out[i].dtype for i in split}:
+        idx = [i for i in split if out[i].dtype == dtype]
+        for i, joined in zip(idx, _tp_joined([out[i] for i in idx], [pairs[i][1] for i in idx]), strict=True):
+            out[i] = joined
+    return out
+
+
+def _gathered(tensors: list[ShardedTensor]) -> list[torch.Tensor]:
+    """The full values of sharded tensors of one shard group and dtype, in one all-gather: each rank sends its
+    ranges back to back, and each tensor is joined from every rank's range in rank order (as ``full_tensor``)."""
+    layouts = [t.shard_layout for t in tensors]
+    comm = layouts[0].buffer.comm
+    n = comm.world_size
+    if n == 1:
+        return [t.to_local().detach().reshape(lay.full_shape).clone() for t, lay in zip(tensors, layouts, strict=True)]
+    sizes = [[e - s for s, e in (lay.buffer.slot_source_range(lay.slot, r) for r in range(n))] for lay in layouts]
+    piece = max(sum(per_rank[r] for per_rank in sizes) for r in range(n))
+    send = torch.zeros(piece, dtype=tensors[0].dtype)
+    mine = torch.cat([t.to_local().detach().reshape(-1) for t in tensors])
+    send[:mine.numel()].copy_(mine)
+    rows = torch.empty(n * piece, dtype=send.dtype)
+    comm.all_gather_into(rows, send, label="test: whole tensors")
+    rows = rows.view(n, piece)
+    offsets, out = [0] * n, []
+    for lay, per_rank in zip(layouts, sizes, strict=True):
+        parts = []
+        for r in range(n):
+            parts.append(rows[r, offsets[r]:offsets[r] + per_rank[r]])
+            offsets[r] += per_rank[r]
+        out.append(torch.cat(parts).view(lay.full_shape))
+    return out
+
+
+def _tp_joined(fulls: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each TP rank's slice ``fulls[i]`` of the split parameter ``params[i]`` joined over the TP group, in one
+    all-gather; a strided split (a fused q/k/v) holds each rank's share of every block: joined block by block."""
     from bmt_wrap.job.distributed import parallel_layout
 
     comm = parallel_layout().tp
-    out = torch.empty(comm.world_size * full.numel(), dtype=full.dtype)
-    comm.all_gather_into(out, full.contiguous().flatten(), label="test: whole TP tensor")
-    slices, dim = list(out.view(comm.world_size, *full.shape)), param._tp_split_dim
-    # A strided split (a fused q/k/v) holds each rank's share of every block: joined block by block.
-    blocks = [s.chunk(getattr(param, "_tp_split_parts", 1), dim=dim) for s in slices]
-    return torch.cat([b[j] for j in range(len(blocks[0])) for b in blocks], dim=dim)
+    flat = torch.cat([f.contiguous().flatten() for f in fulls])
+    out = torch.empty(comm.world_size * flat.numel(), dtype=flat.dtype)
+    comm.all_gather_into(out, flat, label="test: whole TP tensor")
+    rows, start, joined = out.view(comm.world_size, flat.numel()), 0, []
+    for full, param in zip(fulls, params, strict=True):
+        slices = [row[start:start + full.numel()].view(full.shape) for row in rows]
+        start += full.numel()
+        dim = param._tp_split_dim
+        blocks = [s.chunk(getattr(param, "_tp_split_parts", 1), dim=dim) for s in slices]
+        joined.append(torch.cat([b[j] for j in range(len(blocks[0])) for b in blocks], dim=dim))
+    return joined
 
 
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -100,11 +159,11 @@ def compare_params(ref: nn.Module, model: nn.Module, optimizer: str, what: str,
     """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    for (name, _), value in zip(named, wholes([(p, p) for _, p in named]), strict=True):
         if optimizer != "sgd" and name in noise_only:
             continue
         want = ref_params[name].detach()
-        value = whole(p)
         if optimizer == "sgd":
             _check(failures, lambda value=value, want=want, name=name: torch.testing.assert_close(
                 value, want, **SGD_TOL, msg=lambda m: f"{what} {name}: {m}"))
@@ -125,18 +184,20 @@ def compare_grads(ref: nn.Module, model: nn.Module, what: str, failures: list[st
     """
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
+    both = []
     for name, p in model.named_parameters():
         rp = ref_params[name]
-        if rp.grad is None or p.grad is None:
-            if rp.grad is not None or p.grad is not None:
-                msg = (f"{what} {name}: reference has no gradient but the shard has one" if rp.grad is None
-                       else f"{what} {name}: the shard has no gradient")
-                if failures is None:
-                    raise AssertionError(msg)
-                failures.append(msg)
-                worst = float("inf")
-            continue
-        grad = whole(p.grad, p)
+        if rp.grad is not None and p.grad is not None:
+            both.append((name, p))
+        elif rp.grad is not None or p.grad is not None:
+            msg = (f"{what} {name}: reference has no gradient but the shard has one" if rp.grad is None
+                   else f"{what} {name}: the shard has no gradient")
+            if failures is None:
+                raise AssertionError(msg)
+            failures.append(msg)
+            worst = float("inf")
+    for (name, _), grad in zip(both, wholes([(p.grad, p) for _, p in both]), strict=True):
+        rp = ref_params[name]
         _check(failures, lambda grad=grad, want=rp.grad, name=name: torch.testing.assert_close(
             grad, want, **SGD_TOL, msg=lambda m: f"{what} grad {name}: {m}"))
         worst = max(worst, _max_abs(grad, rp.grad))

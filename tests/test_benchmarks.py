@@ -47,28 +47,37 @@ def test_summary_takes_the_slowest_rank_per_step_and_ratios_to_fsdp2() -> None:
     assert "0.35x" in body[0] and "0.95x" in body[0]
 
 
+def _gpu_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
+    """benchmarks/gpu.py's ``main`` as ``python benchmarks/gpu.py ARGS`` calls it, in this process."""
+    import gpu
+
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "gpu.py"), *args])
+    gpu.main()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where no GPU exists")
-def test_gpu_benchmark_exits_with_a_message_without_cuda() -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
+def test_gpu_benchmark_exits_with_a_message_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as exited:  # a message as the code: exit status 1, the message on stderr
+        _gpu_main(monkeypatch)
+    assert isinstance(exited.value.code, str), exited.value.code
+    assert "needs a CUDA GPU" in exited.value.code and "nothing was measured" in exited.value.code
 
 
-def test_gpu_offload_section_dry_runs_without_a_gpu() -> None:
+def test_gpu_offload_section_dry_runs_without_a_gpu(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 37's GPU section: its options parse beside gpu.py's, and its sizes count a Llama-shaped model."""
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--dry-run", "--hidden", "1024",
-                           "--start", "2", "--max-layers", "8"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    sizes = [line for line in proc.stdout.splitlines() if " layers: " in line]
+    _gpu_main(monkeypatch, "--dry-run", "--hidden", "1024", "--start", "2", "--max-layers", "8")
+    out = capsys.readouterr().out
+    sizes = [line for line in out.splitlines() if " layers: " in line]
     counts = [float(line.split(": ")[1].split("B")[0]) for line in sizes]
     assert [line.split(" ")[0] for line in sizes] == ["2", "5", "8"] and counts == sorted(counts) and counts[0] > 0
-    assert "bmt_offload_host from 2 layers up to 8" in proc.stdout and "fsdp2_offload" in proc.stdout
+    assert "bmt_offload_host from 2 layers up to 8" in out and "fsdp2_offload" in out
 
 
 def test_sharded_formats_benchmark_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "formats.md"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(BENCHMARKS / "sharded_formats.py"), "--gb", "0.03", "--repeats", "1", "--dir",
+                           str(BENCHMARKS / "sharded_formats.py"), "--gb", "0.01", "--width", "256", "--repeats", "1", "--dir",
                            str(tmp_path / "ckpt"), "--out", str(out)], capture_output=True, text=True, timeout=300,
                           cwd=BENCHMARKS)
     assert proc.returncode == 0, proc.stderr[-4000:]

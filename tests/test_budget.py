@@ -121,11 +121,11 @@ def test_one_rank_has_no_gather_to_save_and_choices_already_made_are_skipped() -
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, 7, 8])
 def test_a_budget_takes_the_longest_prefix_of_the_choices_that_fits(k: int) -> None:
     budget, taken = budget_for("toy_gpt", 2, k)
-    # The peak is the blocks' backward end or the root's gradient (gradient shards, the root's), where kept
-    # activations are gone: keeping the last blocks' activations costs nothing there until backward's
-    # start becomes the larger, so the budget for one choice buys 6; keeping every block's parameters frees
-    # the pool's depth + 2 buffers, so the budget for 2 buys 7 and for 3 all 8.
-    assert len(taken) == {0: 0, 2: 7, 3: 8, 7: 7, 8: 8}.get(k, 6)
+    # Keeping every block's parameters frees the pool's depth + 2 buffers, so the budget for one choice buys
+    # all four; the last block's activations then cost nothing (they stand for its recompute, at the first
+    # block's backward, and are gone by the blocks' backward end); each earlier block's cost at the first
+    # block's backward, where every kept activation meets its gradients, so the budget for j buys j + 4.
+    assert len(taken) == {0: 0, 1: 5, 2: 6, 3: 7, 4: 5}.get(k, k)
     plan = budgeted("toy_gpt", 2, budget)
     acts = {c.block for c in taken if c.kind == ACTIVATIONS}
     params = {c.block for c in taken if c.kind == PARAMETERS}
@@ -201,6 +201,20 @@ def test_budget_decisions_survive_json_and_show_in_the_plan_text() -> None:
         "3 of 4 keep activations: layers.3, layers.2, layers.1; next: keep activations of layers.0 needs" in str(plan)
     old = plan.to_json().replace(f'"memory_budget": {budget}', '"memory_budget": null')
     assert WrapPlan.from_json(old).memory_budget is None
+
+
+def test_the_budgets_note_and_the_table_show_one_peak() -> None:
+    """The note's number is the count the budget was fitted to, and the table prints it on a row of that name
+    (the table's total sums terms that peak at different moments: a larger number, and labelled so)."""
+    budget, _ = budget_for("toy_gpt", 2, 7)
+    plan = budgeted("toy_gpt", 2, budget)
+    est = plan.estimates["2"]
+    assert est.peak == peak(plan, 2) <= budget < est.total
+    note = next(n for n in plan.notes if "prefetch depth" in n)
+    assert f"peak (by phase) {fmt_bytes(est.peak)} per rank" in note, note
+    rows = {line.split("  ")[1]: line.split()[-2:] for line in str(plan).splitlines() if line.startswith("  ")}
+    assert rows["peak (by phase)"] == fmt_bytes(est.peak).split() and rows["= total per rank"] == \
+        fmt_bytes(est.total).split()
 
 
 def test_cli_shows_the_budgets_decisions(capsys: pytest.CaptureFixture[str]) -> None:
@@ -345,6 +359,13 @@ def test_the_count_is_exact_off_glibc_or_with_the_threshold_fixed(monkeypatch: p
     assert not counts_exactly()
     monkeypatch.setenv(THRESHOLD_VAR, "65536")
     assert counts_exactly()
+    monkeypatch.setenv(THRESHOLD_VAR, "0x10000")  # glibc reads hex too
+    assert counts_exactly()
+    # Exact only at the documented value: above it the heap keeps the tensors under it (1 MiB grew a
+    # width-384 model's heap by ~100 MiB a step), below it small tensors take whole pages; garbage is unset.
+    for other in ("1048576", "4096", "0", "lots", ""):
+        monkeypatch.setenv(THRESHOLD_VAR, other)
+        assert not counts_exactly(), other
     monkeypatch.delenv(THRESHOLD_VAR)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))  # musl, macOS: no glibc heap to warn of
     assert counts_exactly()

@@ -5,42 +5,55 @@ predictions are the capacity benchmark's (benchmarks/capacity.py), not a unit te
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmt_wrap.cli import main
 from bmt_wrap.errors import PlanError
 from bmt_wrap.passes import build_plan, capture, discover_blocks
 from bmt_wrap.passes.capacity import (
+    MARGIN,
     ProcessPeak,
     largest_fitting,
     optimizer_on_disk,
     process_peak,
+    training_peak,
     training_phases,
 )
 
 TOY = str(Path(__file__).with_name("toy.py"))
 MIB = 2**20
+#: One rank's batch as the CLI takes it (token ids and targets) and as the plans below capture it.
+INPUT = ["--input", "int64[2,16]", "--input", "int64[2,16]"]
 
 
-def _plan(n_layers: int, world_size: int = 2, tied: bool = True):
+def _toy_inputs():
+    ids = torch.empty(2, 16, dtype=torch.int64, device="meta")
+    return (ids, ids), {}
+
+
+def _plan(n_layers: int, world_size: int = 2, tied: bool = True, offload: str | None = None,
+          inputs: bool = False):
+    """The plan the CLI makes of toy.py:ToyGPT --grow n_layers (with ``inputs``, for ``INPUT``'s batch)."""
     from toy import ToyGPT
 
     with torch.device("meta"):
-        model = ToyGPT(n_layers=n_layers, tied=tied)  # what the CLI builds from toy.py:ToyGPT --grow n_layers
+        model = ToyGPT(n_layers=n_layers, tied=tied)
     discovery = discover_blocks(model)
-    plan = build_plan(model, discovery, world_size=world_size, capture=capture(model, discovery, None))
+    captured = capture(model, discovery, _toy_inputs() if inputs else None)
+    plan = build_plan(model, discovery, world_size=world_size, capture=captured, offload=offload)
     return plan, plan.estimates[str(world_size)]
 
 
 def _peak(n_layers: int, baseline: int, streaming: bool = False) -> int:
-    plan, est = _plan(n_layers)
-    return process_peak(plan, est, baseline, built_full=not streaming).total
+    plan, est = _plan(n_layers, inputs=True)
+    return process_peak(plan, est, baseline, built_full=not streaming, margin_fraction=MARGIN).total
 
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=60), st.integers(0, 3000), st.integers(1, 40))
@@ -186,22 +199,71 @@ def test_plan_memory_grow_answers_the_largest_layer_count(capsys: pytest.Capture
     baseline = 50 * MIB
     limit = 2 * _peak(6, baseline) + 1  # over 2 ranks: exactly 6 layers fit
     code = main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", str(limit), "--grow", "n_layers",
-                 "--baseline", str(baseline), "--json"])
+                 "--baseline", str(baseline), "--json", *INPUT])
     out, err = capsys.readouterr()
     assert code == 0, err
     answer = json.loads(out)
     assert answer["layers"] == 6 and answer["peak_per_rank"] == _peak(6, baseline)
     assert _peak(7, baseline) > limit // 2
+    # The answer keeps the count's known error beside it (issue 49: answered at the count, jobs peaked up to
+    # 3.4% over B): the count of the answer fits the limit with room for that margin.
+    assert MARGIN > 0 and answer["margin"] == round(answer["counted_per_rank"] * MARGIN) > 0
+    assert answer["counted_per_rank"] * (1 + MARGIN) <= limit // 2 + 1
     assert answer["fits"] and answer["baseline"] == baseline and answer["limit_per_rank"] == limit // 2
     assert answer["assumes"] == "MALLOC_MMAP_THRESHOLD_=65536"
 
 
-def test_plan_memory_text_names_each_term(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB", "--baseline", "100MiB"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    assert "fits 1GiB over 2 ranks (512.00 MiB per rank)" in out
-    assert "= process baseline 100.00 MiB + max(wrapping" in out and "+ the root's backward, at its peak: " in out
+_SIZE = r"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB)"
+_SUM = re.compile(rf"peak per rank {_SIZE} = (?:{_SIZE} beside the layers' tensors \+ )?max\(wrapping {_SIZE} \+ "
+                  rf"the process before its first step {_SIZE}, training {_SIZE} at its peak \(([^)]+)\) \+ the "
+                  rf"process baseline {_SIZE}\)(?: \+ margin {_SIZE} \((\d+)% of the count: [^)]+\))?")
+
+
+def _printed_sum(out: str) -> dict[str, object]:
+    """The terms of ``plan --memory``'s printed peak, each as (bytes, the half unit its rounding may hide)."""
+    match = _SUM.search(out)
+    assert match, out
+    g = match.groups()
+    unit = dict(B=1, KiB=2**10, MiB=2**20, GiB=2**30, TiB=2**40)
+
+    def size(i: int) -> tuple[float, float] | None:
+        if g[i] is None:
+            return None
+        return float(g[i]) * unit[g[i + 1]], (0.5 if g[i + 1] == "B" else 0.005) * unit[g[i + 1]] + 1e-6
+
+    return {"total": size(0), "beside": size(2), "wrapping": size(4), "before": size(6), "training": size(8),
+            "phase": g[10], "baseline": size(11), "margin": size(13), "percent": g[15]}
+
+
+@pytest.mark.parametrize("extra", [[], ["--grow", "n_layers"], ["--offload", "disk", "--optimizer-state", "disk"],
+                                   ["--streaming"]])
+def test_plan_memory_prints_a_sum_that_adds_up(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
+    """Every term of the printed peak, added as printed, gives the printed total (within each one's rounding).
+    It printed "training 471.11 MiB: the plan's 490.68 MiB + the root's backward": a whole smaller than a part
+    (the estimate's terms summed, though they peak at different phases)."""
+    argv = ["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", str(2 * _peak(6, 100 * MIB) + 1),
+            "--baseline", "100MiB", *INPUT, *extra]
+    code = main([*argv, "--json"])
+    answer = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    terms = _printed_sum(out)
+    parts = [terms["beside"] or (0.0, 0.0), terms["margin"] or (0.0, 0.0)]
+    wrapping = terms["wrapping"][0] + terms["before"][0]
+    training = terms["training"][0] + terms["baseline"][0]
+    added = parts[0][0] + max(wrapping, training) + parts[1][0]
+    slack = sum(t[1] for t in (terms["total"], *parts, terms["wrapping"], terms["before"], terms["training"],
+                               terms["baseline"]))
+    assert abs(added - terms["total"][0]) <= slack, (terms, added)
+    # ... and each printed term is the answer's own, not a figure beside it
+    for key, value in (("total", answer["peak_per_rank"]), ("wrapping", answer["wrapping"]),
+                       ("training", max(answer["training_phases"].values())), ("baseline", answer["baseline"]),
+                       ("margin", answer["margin"] if answer["margin"] else None)):
+        assert (terms[key] is None) == (value is None) and (value is None or abs(terms[key][0] - value)
+                                                            <= terms[key][1]), (key, terms[key], value)
+    assert terms["phase"] == max(answer["training_phases"], key=answer["training_phases"].get)
+    assert answer["peak_per_rank"] == answer["counted_per_rank"] + answer["margin"]
     assert "beside the layers' tensors" not in out  # a given --baseline measures nothing per layer
     # The allocator setting the count is exact for (docs/design.md "Capacity") is stated with the answer.
     assert "exact for a job run with MALLOC_MMAP_THRESHOLD_=65536" in out
@@ -212,7 +274,7 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
     limit = str(2 * _peak(6, 0) + 1)
     for extra in ([], ["--streaming"]):
         assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
-                     "--baseline", "0", "--json", *extra]) == 0
+                     "--baseline", "0", "--json", *INPUT, *extra]) == 0
         answers.append(json.loads(capsys.readouterr().out))
     assert answers[1]["layers"] >= answers[0]["layers"] and answers[1]["streaming"]
 
@@ -222,8 +284,13 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
     (["--world-size", "2", "--grow", "n_layers"],
      "--grow, --streaming, --baseline, --json and --optimizer-state answer --memory"),
     (["--world-size", "2", "--memory", "lots"], "bad --memory 'lots'"),
-    (["--world-size", "2", "--memory", "1KiB", "--grow", "n_layers", "--baseline", "0"],
+    (["--world-size", "2", "--memory", "1KiB", "--grow", "n_layers", "--baseline", "0", *INPUT],
      "--memory 1KiB over 2 ranks: even the smallest model (1) needs"),
+    # Without an input the activations counted as nothing: a 2-rank Llama answered 86 layers under 2 GiB
+    # and peaked 17% over it.
+    (["--world-size", "2", "--memory", "2GiB", "--grow", "n_layers", "--baseline", "0"],
+     "--memory answers for a training step, whose activations depend on its input: give one rank's batch"),
+    (["--world-size", "2", "--memory", "2GiB", "--baseline", "0"], "e.g. --input input_ids=int64[4,512]"),
     (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2"], "--memory answers for ZeRO-3 over every rank"),
     (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "drop --tp-size/--shard-size"),
     # It answered as if the flag were absent: fp32 masters and bf16 gathers went uncounted.
@@ -240,7 +307,8 @@ def test_optimizer_on_disk_keeps_only_the_buffer_and_reads_the_state_each_step()
     small, io = optimizer_on_disk(plan, est, 4096)
     assert io == est.optimizer > 4096 and small.optimizer == 4096
     assert small.total == est.total - est.optimizer + 4096
-    assert replace(small, optimizer=est.optimizer) == est, "nothing but the optimizer state changes"
+    assert replace(small, optimizer=est.optimizer, peak=est.peak) == est, "nothing but the optimizer state changes"
+    assert small.peak == training_peak(plan, small) < est.peak
     # A buffer larger than any pass holds the largest pass: one flat buffer's shard of fp32 moments.
     largest = max(b.shard_numel(2) * 8 for g in plan.groups for b in g.buffers if b.requires_grad)
     assert optimizer_on_disk(plan, est, 2**40)[0].optimizer == largest < est.optimizer
@@ -252,17 +320,17 @@ def test_plan_memory_with_optimizer_state_on_disk(capsys: pytest.CaptureFixture[
     answers = []
     for extra in ([], ["--optimizer-state", "disk", "--optimizer-chunk", "4KiB"]):
         assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
-                     "--baseline", str(baseline), "--json", *extra]) == 0
+                     "--baseline", str(baseline), "--json", *INPUT, *extra]) == 0
         answers.append(json.loads(capsys.readouterr().out))
     memory, disk = answers
     assert memory["optimizer_state"] == "memory" and memory["disk_read_per_step"] is None
     assert disk["optimizer_state"] == "disk" and disk["layers"] > memory["layers"] == 6
-    plan, est = _plan(disk["layers"])
+    plan, est = _plan(disk["layers"], inputs=True)
     assert disk["disk_read_per_step"] == disk["disk_written_per_step"] == est.optimizer
-    expected = process_peak(plan, optimizer_on_disk(plan, est, 4096)[0], baseline).total
+    expected = process_peak(plan, optimizer_on_disk(plan, est, 4096)[0], baseline, margin_fraction=MARGIN).total
     assert disk["peak_per_rank"] == expected <= int(limit) // 2
     assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB", "--baseline", "100MiB",
-                 "--optimizer-state", "disk"]) == 0
+                 "--optimizer-state", "disk", *INPUT]) == 0
     assert "optimizer state on disk:" in capsys.readouterr().out
 
 
@@ -272,7 +340,7 @@ def test_cli_chunk_default_is_the_optimizers(capsys: pytest.CaptureFixture[str])
 
     assert parse_bytes(DISK_CHUNK_DEFAULT) == DEFAULT_CHUNK_BYTES
     assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", "1GiB",
-                 "--optimizer-chunk", "1MiB"]) == 2
+                 "--optimizer-chunk", "1MiB", *INPUT]) == 2
     assert "add --optimizer-state disk" in capsys.readouterr().err
 
 
@@ -300,7 +368,7 @@ def test_the_baseline_counts_the_model_library_the_factory_imports(tmp_path: Pat
     for name in ("build", "light"):
         out = subprocess.run([sys.executable, "-c", "import sys; from bmt_wrap.cli import main; sys.exit(main())",
                               "plan", f"{tmp_path / 'factory.py'}:{name}", "--world-size", "2", "--memory", "8GiB",
-                              "--json"], capture_output=True, text=True,
+                              "--json", "--input", "float32[2,64]"], capture_output=True, text=True,
                              env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
         assert out.returncode == 0, out.stderr
         baselines[name] = json.loads(out.stdout)["baseline"]
@@ -336,7 +404,7 @@ def test_offload_counts_only_the_shards_in_flight() -> None:
     # every shard read for forward's and backward's gathers and the optimizer, which reads the gradients too
     assert off.disk_read == 3 * est.params + est.grads and off.disk_written == est.params + est.grads
     assert replace(off, params=est.params, grads=est.grads, no_sync_grads=est.no_sync_grads, disk_read=None,
-                   disk_written=None) == est, "nothing else changes"
+                   disk_written=None, peak=est.peak) == est, "nothing else changes (the peak counts the terms)"
     again = WrapPlan.from_json(plan.to_json())
     assert again.offload == "disk" and again.estimates == plan.estimates
     # the per-layer cost left is the gathered blocks' and activations': the more layers, the larger the gap
@@ -359,14 +427,15 @@ def test_offload_counts_the_first_block_backward_beside_every_kept_activation() 
                               offload=offload)
             est = plan.estimates["2"]
             phases[n_layers, offload] = training_phases(plan, est)
-            if offload is None:
-                assert "blocks' backward start" not in phases[n_layers, offload]
-                continue
             assert est.activations and est.activations_recompute, "the profile measured them"
-            # what backward's start holds (every kept activation) and the first block's backward
+            # what backward's start holds (every kept activation) and the first block's backward: one
+            # block's gradient shard in flight (a tied head has no early shard), its gradient, its recompute
+            block = max(sum(b.shard_numel(2) * 4 for b in g.buffers) for g in plan.blocks())
             assert phases[n_layers, offload]["blocks' backward start"] == (
-                phases[n_layers, offload]["backward start"] + est.grads + est.grads_in_flight
+                phases[n_layers, offload]["backward start"] + min(est.grads, block) + est.grads_in_flight
                 + est.activations_recompute)
+            if offload is None:  # in memory the shards pile up: the end is higher
+                assert max(phases[n_layers, offload], key=phases[n_layers, offload].get) != "blocks' backward start"
     kept_more = (phases[12, "disk"]["backward start"] - phases[4, "disk"]["backward start"])
     assert kept_more > 0
     assert (phases[12, "disk"]["blocks' backward start"] - phases[4, "disk"]["blocks' backward start"]
@@ -404,7 +473,8 @@ def test_host_offload_counts_the_device_like_disk(d: int) -> None:
     assert host.device_to_host == disk.disk_written + plain.optimizer
     assert host.disk_read is None and disk.host_to_device is None
     assert replace(host, optimizer=disk.optimizer, host_to_device=None, device_to_host=None,
-                   disk_read=disk.disk_read, disk_written=disk.disk_written) == disk, "nothing else differs"
+                   disk_read=disk.disk_read, disk_written=disk.disk_written, peak=disk.peak) == disk, \
+        "nothing else differs (the peak counts the terms)"
     assert WrapPlan.from_json(plan.to_json()).estimates == plan.estimates
 
 
@@ -419,8 +489,10 @@ def test_host_offload_counts_the_first_block_backward() -> None:
         plan = build_plan(model, discovery, world_size=2, capture=captured, offload=offload)
         est = plan.estimates["2"]
         phases[offload] = training_phases(plan, est)
+        block = max(sum(b.shard_numel(2) * 4 for b in g.buffers) for g in plan.blocks())
         assert phases[offload]["blocks' backward start"] == (
-            phases[offload]["backward start"] + est.grads + est.grads_in_flight + est.activations_recompute)
+            phases[offload]["backward start"] + min(est.grads, block) + est.grads_in_flight
+            + est.activations_recompute)
     # the same phases, less what the device holds of the optimizer (the toy's whole state: one chunk)
     assert phases["host"] == phases["disk"]
 
@@ -443,11 +515,77 @@ def test_plan_cli_offload_disk(capsys: pytest.CaptureFixture[str]) -> None:
     answers = []
     for extra in ([], ["--offload", "disk"], ["--offload", "disk", "--streaming"]):
         assert main(["plan", f"{TOY}:ToyGPT", "--world-size", "2", "--memory", limit, "--grow", "n_layers",
-                     "--baseline", str(baseline), "--json", *extra]) == 0
+                     "--baseline", str(baseline), "--json", *INPUT, *extra]) == 0
         answers.append(json.loads(capsys.readouterr().out))
     memory, disk, streamed = answers
     assert memory["layers"] == 6 and memory["offload"] is None and memory["shards_read_per_step"] is None
     assert streamed["layers"] >= disk["layers"] > memory["layers"], answers
-    plan, est = _offload_plan(disk["layers"])
-    assert disk["peak_per_rank"] == process_peak(plan, est, baseline).total <= int(limit) // 2
+    plan, est = _plan(disk["layers"], offload="disk", inputs=True)
+    assert disk["peak_per_rank"] == process_peak(plan, est, baseline, margin_fraction=MARGIN).total <= int(limit) // 2
     assert (disk["shards_read_per_step"], disk["shards_written_per_step"]) == (est.disk_read, est.disk_written)
+
+
+# ---- moving more off the process never counts more ------------------------------------------------------
+_MOVES = {"offload": (None, "disk"), "optimizer_state": ("memory", "disk"), "built_full": (True, False)}
+
+
+def _peaks_by_placement(model: torch.nn.Module, batch: int, world_size: int) -> dict[tuple, tuple[dict, int]]:
+    """Every placement's training phases and process peak (100 MiB baseline): shards in memory or offloaded
+    to disk, Adam's state in memory or on disk, the model built whole or streamed."""
+    import models as M
+
+    from bmt_wrap.passes.fused_loss import fused_loss_section, with_fused_loss
+
+    ids = torch.empty(batch, M.SEQ, dtype=torch.int64, device="meta")
+    discovery = discover_blocks(model)
+    captured = capture(model, discovery, ((ids, ids), {}))
+    captured = with_fused_loss(captured, fused_loss_section(model, captured, enabled=False))
+    found = {}
+    for offload in _MOVES["offload"]:
+        plan = build_plan(model, discovery, world_size=world_size, capture=captured, offload=offload)
+        est = plan.estimates[str(world_size)]
+        for state in _MOVES["optimizer_state"]:
+            moved = optimizer_on_disk(plan, est, 32 * MIB)[0] if state == "disk" else est
+            for built_full in _MOVES["built_full"]:
+                peak = process_peak(plan, moved, 100 * MIB, built_full=built_full, margin_fraction=MARGIN).total
+                found[offload, state, built_full] = (training_phases(plan, moved), peak)
+    return found
+
+
+def _assert_more_off_counts_no_more(found: dict[tuple, tuple[dict, int]]) -> None:
+    for key, (phases, peak) in found.items():
+        for axis, (less, more) in enumerate(_MOVES.values()):
+            if key[axis] != less:
+                continue
+            moved = key[:axis] + (more,) + key[axis + 1:]
+            more_phases, more_peak = found[moved]
+            assert more_peak <= peak, (key, moved, peak, more_peak)
+            assert max(more_phases.values()) <= max(phases.values()), (key, moved, phases, more_phases)
+            for name in phases.keys() & more_phases.keys():
+                assert more_phases[name] <= phases[name], (key, moved, name, phases, more_phases)
+
+
+def test_offloading_a_large_root_counts_no_more_than_keeping_it() -> None:
+    """The root's gradient shard is written after its gradient is gone, offloaded or not: with the shards on
+    disk the count kept it beside the root's gradient as a shard in flight (where the root's shard is the
+    largest), so GPT-2 of width 768 (vocabulary 50,257) built whole over 2 ranks under 3 GiB was answered 1
+    layer with --offload disk and 2 without."""
+    import models as M
+
+    with torch.device("meta"):
+        model = M.ToyGPT(n_layers=2, dim=64, vocab=8192, tie=True)
+    _assert_more_off_counts_no_more(_peaks_by_placement(model, batch=1, world_size=2))
+
+
+@settings(max_examples=12, deadline=None)
+@given(layers=st.integers(1, 5), dim=st.sampled_from([16, 48, 64]), vocab=st.sampled_from([64, 1000, 8192]),
+       tie=st.booleans(), batch=st.integers(1, 4), world_size=st.integers(2, 4))
+def test_moving_more_off_the_process_never_counts_more(layers: int, dim: int, vocab: int, tie: bool, batch: int,
+                                                        world_size: int) -> None:
+    """Shards offloaded, Adam's state on disk, the model streamed instead of built whole: each, alone or
+    added to the others, leaves every phase and the peak no higher, so ``--grow`` never answers fewer."""
+    import models as M
+
+    with torch.device("meta"):
+        model = M.ToyGPT(n_layers=layers, dim=dim, vocab=vocab, tie=tie)
+    _assert_more_off_counts_no_more(_peaks_by_placement(model, batch, world_size))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import models
@@ -148,11 +149,26 @@ def _load(fmt: str, path: str, model, opt) -> None:
         bmt_dcp.load_sharded(path, model, opt)
 
 
-def _save_body(name: str, fmt: str, tmp: str) -> list[float]:
+def _save_body(name: str, tmp: str) -> list[float]:
+    """Train at tp2 x dp2, save in both formats (``{tmp}/bmt/ckpt``, ``{tmp}/dcp/ckpt``), train on."""
     model, opt, loss_fn, batches = _wrapped(name, 2)
     losses = _train(model, opt, loss_fn, batches, range(BEFORE))
-    _save(fmt, f"{tmp}/ckpt", model, opt)
+    for fmt in ("bmt", "dcp"):
+        _save(fmt, f"{tmp}/{fmt}/ckpt", model, opt)
     return losses + _train(model, opt, loss_fn, batches, range(BEFORE, BEFORE + AFTER))
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2_dp2(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, list[list[float]]]]:
+    """A model's ``_save_body`` run, once a module for both formats' tests: (its directory, every rank's losses)."""
+    runs: dict[str, tuple[str, list[list[float]]]] = {}
+
+    def get(name: str) -> tuple[str, list[list[float]]]:
+        if name not in runs:
+            tmp = str(tmp_path_factory.mktemp(f"tp2dp2-{name}"))
+            runs[name] = tmp, run_distributed(_save_body, 4, name, tmp)
+        return runs[name]
+    return get
 
 
 def _resume_body(name: str, fmt: str, tmp: str, tp: int) -> dict:
@@ -209,10 +225,10 @@ def _assert_same_tensors(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "fmt"), [("toy", "bmt"), ("llama", "bmt"), ("toy", "dcp"), ("llama", "dcp")])
-def test_tp2_dp2_checkpoint_resumes_exactly_at_every_layout_and_in_plain_pytorch(tmp_path: Path, name: str,
-                                                                                   fmt: str) -> None:
-    tmp = str(tmp_path)
-    uninterrupted = run_distributed(_save_body, 4, name, fmt, tmp)
+def test_tp2_dp2_checkpoint_resumes_exactly_at_every_layout_and_in_plain_pytorch(
+        saved_at_tp2_dp2: Callable[[str], tuple[str, list[list[float]]]], name: str, fmt: str) -> None:
+    directory, uninterrupted = saved_at_tp2_dp2(name)
+    tmp = f"{directory}/{fmt}"
     assert all(r == uninterrupted[0] for r in uninterrupted)
     params, optim = _plain_state(fmt, f"{tmp}/ckpt")
 

@@ -269,3 +269,20 @@ def test_plan_and_dump_show_pipeline_stages(capsys: pytest.CaptureFixture[str]) 
     assert code == 2 and "--pp-size 2 must divide every --world-size" in err
     code, _, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "8", "--pp-size", "8")
     assert code == 2 and "4 block(s)" in err
+
+
+def test_plan_shows_pipeline_stages_with_tp_inside(capsys: pytest.CaptureFixture[str]) -> None:
+    # pp2 x tp2 at 4 ranks against pp2 at 2 (one data-parallel rank each): TP halves every stage's shards per
+    # rank, the split slices and the whole parameters sharded over the stage's TP pair alike
+    def shards(*extra: str) -> tuple[str, list[float]]:
+        code, out, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--pp-size", "2", "--input", "int64[2,8]", *extra)
+        assert code == 0, err
+        rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s+2\s", line)]
+        assert len(rows) == 2 and all(r[3] == "KiB" for r in rows), out
+        return out, [float(r[2]) for r in rows]
+    out, tp = shards("--world-size", "4", "--tp-size", "2")
+    assert "2 stages x TP 2 x data-parallel 1" in out and "parameters per TP rank" in out
+    _, plain = shards("--world-size", "2")
+    assert all(t == pytest.approx(p / 2, rel=0.01) for t, p in zip(tp, plain, strict=True)), (tp, plain)
+    code, _, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "6", "--pp-size", "2", "--tp-size", "2")
+    assert code == 2 and "--pp-size 2 x --tp-size 2 must divide every --world-size" in err

@@ -32,6 +32,25 @@ def test_single_process_needs_no_environment_or_port() -> None:
     assert out.stdout.split()[:4] == ["0", "1", "gloo", "True"]
 
 
+def test_seed_none_seeds_nothing_and_a_bad_seed_is_refused() -> None:
+    # Issue 49: seed=None raised a raw TypeError from torch.manual_seed. It now means "do not seed": the
+    # script's own seeding survives init_distributed, and a resume at another world size reseeds nothing.
+    out = _run_fresh("import random, numpy as np, torch, bmt_wrap as bmt\n"
+                     "from bmt_wrap.save_load import rng\n"
+                     "def draws():\n"
+                     "    return torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random()\n"
+                     "def seed():\n    torch.manual_seed(123); np.random.seed(5); random.seed(7)\n"
+                     "seed(); want = draws(); seed()\n"
+                     "for bad in ('1', 1.5):\n"
+                     "    try:\n        bmt.init_distributed(seed=bad)\n"
+                     "    except bmt.errors.InitError as e:\n        print(f'seed={bad!r}' in str(e))\n"
+                     "state = bmt.init_distributed(seed=None)\n"
+                     "print(state.seed, draws() == want)\n"
+                     "seed(); print(rng.reseed(None, 3, 0), draws() == want)\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "None", "True", "None", "True"], (out.stdout, out.stderr)
+
+
 def test_calling_distributed_functions_before_init_names_the_fix() -> None:
     out = _run_fresh("import bmt_wrap as bmt\n"
                      "for f in (bmt.rank, bmt.world_size, bmt.barrier, bmt.comm_stats):\n"
@@ -144,6 +163,24 @@ def test_finished_jobs_exit_cleanly_under_load() -> None:
     left = [(r["kind"], r["threads_left_at_exit"]) for r in runs if r["threads_left_at_exit"] != [[], []]]
     assert not left, f"threads alive at interpreter exit in {len(left)} of {len(runs)} runs: {left}"
     assert all(r["group_left_at_exit"] == [False, False] for r in runs), runs
+
+
+def test_a_tensor_parallel_job_frees_its_groups_at_exit() -> None:
+    # Issue 49: under tp_size=2 the wrapped model, alive to the end of the script, held its sub-groups' process
+    # groups (at 2 ranks the default group itself): every such job warned at exit that "a reference outside
+    # bmt_wrap" held the group, and gloo's threads ran into interpreter teardown (the abort of issue 22).
+    import json
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "exit_jobs.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, script, "2", "1", "tp"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["codes"] == [0, 0], run
+    assert not any("process group was destroyed" in text for text in run["stderr"].values()), run["stderr"]
+    assert run["threads_left_at_exit"] == [[], []] and run["group_left_at_exit"] == [False, False], run
 
 
 _GLOO_THREADS = """

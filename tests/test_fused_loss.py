@@ -1,7 +1,8 @@
 """fused_loss=True: the pass that finds the vocabulary projection and its cross-entropy, the lazy logits
 that run them as one chunked op, and wrapped training on 1, 2 and 4 ranks against the plain, unfused
 model (transformers Llama untied, GPT-2 and Qwen2 tied, Gemma-2's softcapping, Cohere's logit scale,
-padding with -100, num_items_in_batch, label smoothing and a summed loss on a plain PyTorch model)."""
+padding with -100, num_items_in_batch, label smoothing and a summed loss on a plain PyTorch model; heads with
+no nn.Linear: a tied embedding's weight in F.linear or a matmul, as OLMo and research models write them)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from torch import nn
 
 import bmt_wrap as bmt
 from bmt_wrap import passes
+from bmt_wrap.base import fused_loss_plan
 from bmt_wrap.base.fused_loss_plan import FusedLossPlan
 from bmt_wrap.cli import main
 from bmt_wrap.errors import FusedLossWarning, PlanError
+from bmt_wrap.loss import linear_cross_entropy as lce
 from bmt_wrap.passes.capacity import process_peak, training_phases
+from bmt_wrap.passes.export_graph import export_blocks
 from bmt_wrap.passes.fused_loss import fused_linear_cross_entropy
 from bmt_wrap.plan import WrapPlan
 from bmt_wrap.wrapper import BMTrainModelWrapper
@@ -59,16 +63,24 @@ class Projection(nn.Module):
         return F.linear(x, self.weight)
 
 
-#: Heads other than a bias-free nn.Linear: the two the pass fuses (through the Linear inside them) and the two
-#: it leaves unfused, with the reason it gives.
+#: Heads other than a bias-free nn.Linear, all fused: through the Linear inside them, or as the product the
+#: model's own code computes (a custom projection's F.linear, a bare Parameter, a tied embedding's weight as
+#: OLMo and research models use it, with no nn.Linear at all).
 HEADS = {
     "sequential": lambda: nn.Sequential(nn.Linear(models.DIM, models.DIM), nn.GELU(),
                                         nn.Linear(models.DIM, models.VOCAB)),
     "bias": lambda: nn.Linear(models.DIM, models.VOCAB, bias=True),
     "projection": Projection,
-    "matmul": None,  # lm_head is a bare Parameter, multiplied in the model's forward
+    "matmul": None,  # lm_head is a bare (hidden, vocabulary) Parameter: x @ self.lm_head
+    "tied-linear": None,  # F.linear(x, self.embed.weight)
+    "tied-matmul": None,  # x @ self.embed.weight.t()
+    "tied-T": None,  # torch.matmul(x, self.embed.weight.T)
 }
-UNFUSED_HEADS = {"projection": "F.linear on parameter head.weight", "matmul": "matmul on parameter lm_head"}
+#: The head each form is found as: (module, weight, product).
+FOUND = {"sequential": ("head.2", "head.2.weight", None), "bias": ("head", "head.weight", None),
+         "projection": (None, "head.weight", "F.linear"), "matmul": (None, "lm_head", "matmul"),
+         "tied-linear": (None, "embed.weight", "F.linear"), "tied-matmul": (None, "embed.weight", "matmul"),
+         "tied-T": (None, "embed.weight", "matmul")}
 
 
 class LossGPT(models.ToyGPT):
@@ -76,24 +88,37 @@ class LossGPT(models.ToyGPT):
     ``head`` one of ``HEADS`` replaces its bias-free nn.Linear head."""
 
     def __init__(self, extra: str = "", tie: bool = False, head: str | None = None, **loss: object) -> None:
-        super().__init__(n_layers=2, tie=tie)
+        super().__init__(n_layers=2, tie=tie or (head or "").startswith("tied"))
         self.loss_fct = nn.CrossEntropyLoss(**loss)  # type: ignore[arg-type]
         self.extra = extra
-        if head == "matmul":
+        self.form = head if head in ("matmul", "tied-linear", "tied-matmul", "tied-T") else None
+        if self.form is not None:
             del self.head
+        if head == "matmul":
             self.lm_head = nn.Parameter(torch.randn(models.DIM, models.VOCAB) * 0.02)
-        elif head is not None:
+        elif head is not None and self.form is None:
             self.head = HEADS[head]()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "matmul":
+            return x @ self.lm_head
+        if self.form == "tied-linear":
+            return F.linear(x, self.embed.weight)
+        if self.form == "tied-matmul":
+            return x @ self.embed.weight.t()
+        if self.form == "tied-T":
+            return torch.matmul(x, self.embed.weight.T)
+        return self.head(x)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
         for layer in self.layers:
             x = layer(x)
-        x = self.ln_f(x)
-        logits = x @ self.lm_head if hasattr(self, "lm_head") else self.head(x)
+        logits = self._logits(self.ln_f(x))
         if targets is None:
             return logits
-        loss = self.loss_fct(logits.flatten(0, -2), targets.flatten())
+        # As nanoGPT and OLMo flatten: the vocabulary read off the logits' shape.
+        loss = self.loss_fct(logits.view(-1, logits.size(-1)), targets.view(-1))
         if self.extra == "argmax":  # the logits read whole besides the loss
             loss = loss + logits.argmax(-1).float().mean() * 0
         return loss
@@ -146,23 +171,49 @@ def test_pass_reads_a_plain_models_loss_module_from_fx() -> None:
     assert cap.method == "fx"
     graph, section = passes.fuse_loss(cap.graph, model, enabled=True)
     assert section.fused and section.head == "head" and section.weight == "head.weight"
-    assert section.loss == "nn.CrossEntropyLoss (loss_fct)" and section.steps == ["flatten(0, -2)"]
+    assert section.loss == "nn.CrossEntropyLoss (loss_fct)" and section.steps == ["view(-1)"]
     assert section.logits_bytes is None  # no input shape under fx
     assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
 
 
+def _exported(model: nn.Module, *args: torch.Tensor) -> passes.Capture:
+    """The capture torch.export makes of a call (what a model fx cannot trace gets at its first call)."""
+    discovery = passes.discover_blocks(model)
+    found = export_blocks(passes.meta_skeleton(model), discovery, *passes.to_meta((args, {})))
+    return passes.Capture("export", found.order, found.graph, activations=found.activations)
+
+
 @pytest.mark.parametrize("head", list(HEADS))
-def test_pass_fuses_a_linear_inside_a_head_or_says_why_not(head: str) -> None:
+def test_pass_fuses_every_form_of_head(head: str) -> None:
     model = models.seeded(lambda: LossGPT(head=head))
-    graph, section = passes.fuse_loss(_capture(model).graph, model, enabled=True)
-    if head in UNFUSED_HEADS:
-        assert not section.fused and UNFUSED_HEADS[head] in section.reason, section.reason
-        assert "make the projection an nn.Linear" in section.reason
-        assert not any(n.target is fused_linear_cross_entropy for n in graph.nodes)
-        return
-    assert section.fused, section.reason
-    assert (section.head, section.weight) == (("head.2", "head.2.weight") if head == "sequential" else ("head", "head.weight"))
-    assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
+    ids = models.token_ids()
+    for cap in (_capture(model), _exported(model, ids, ids)):
+        graph, section = passes.fuse_loss(cap.graph, model, enabled=True)
+        assert section.fused, (cap.method, section.reason)
+        assert (section.head, section.weight, section.product) == FOUND[head], cap.method
+        assert sum(n.target is fused_linear_cross_entropy for n in graph.nodes) == 1
+        if cap.method == "export":  # shapes known: the logits' bytes at this input
+            assert (section.vocab, section.rows, section.logits_bytes) == (models.VOCAB, ids.numel(),
+                                                                           ids.numel() * models.VOCAB * 4)
+    text = str(WrapPlan(groups=[], fused_loss=section))
+    assert f"fused loss: {FOUND[head][0] or FOUND[head][2] + ' with ' + FOUND[head][1]} -> view" in text, text
+
+
+def test_a_product_head_whose_weight_tp_splits_is_left_unfused_with_the_reason() -> None:
+    """The vocabulary-parallel form takes an nn.Linear head split colwise_gather; F.linear on a tied embedding
+    split by vocabulary rows would see this rank's rows only. The TP pass keeps such an embedding whole, so
+    only a TP section made for another model (``plan=``) can split it."""
+    model = models.seeded(lambda: LossGPT(head="tied-linear"))
+    no_head = {k: v for k, v in TOY_PLAN.items() if k != "head"}
+    tp = passes.plan_tensor_parallel(model, 2, passes.discover_blocks(model), no_head)
+    assert "embed.weight" not in tp.split_names()  # the root's F.linear reads it: kept whole, so fused
+    assert passes.fused_loss_section(model, _capture(model), enabled=True, tensor_parallel=tp).fused
+    other = models.ToyGPT(n_layers=2)  # its head is an nn.Linear: its embedding is split
+    split = passes.plan_tensor_parallel(other, 2, passes.discover_blocks(other), no_head)
+    assert "embed.weight" in split.split_names()
+    section = passes.fused_loss_section(model, _capture(model), enabled=True, tensor_parallel=split)
+    assert not section.fused and section.product == "F.linear"
+    assert "tensor parallelism splits embed.weight" in section.reason
 
 
 @pytest.mark.parametrize(("build", "inputs", "reason"), [
@@ -192,7 +243,8 @@ def test_plan_section_round_trips_and_shows_the_saving() -> None:
     text = str(again)
     assert "fused loss: lm_head -> to -> view -> cross_entropy" in text
     assert "off (BMTrainModelWrapper(model, fused_loss=True)" in text and "logits at this input: 12.00 KiB" in text
-    assert passes.fused_loss_section(model, None, enabled=True).reason.startswith("the root's graph is unknown")
+    pending = passes.fused_loss_section(model, None, enabled=True)
+    assert pending.pending and not pending.fused and "captured at the first call" in pending.reason
 
 
 @pytest.mark.parametrize("enabled", [False, True])
@@ -294,6 +346,9 @@ def test_bf16_autocast_gives_the_unfused_loss() -> None:
 
 
 # ---- wrapped, against plain PyTorch on 1, 2 and 4 ranks ------------------------------------------------------
+CHUNK_ROWS = 5
+
+
 def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int | None = None) -> dict:
     head = name.partition("-")[2] or None
     factory = FACTORIES[name] if name in FACTORIES else (lambda: models.seeded(
@@ -322,13 +377,27 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int |
             seen.setdefault("logits", []).append(out.logits)
         return out.loss
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FusedLossWarning)
-        result = train_side_by_side(factory, wrap, _batches(steps), optimizer="sgd", loss_fn=loss_fn,
-                                    sliced_reference=True, data_parallel=dp)
+    chunks: list[int] = []  # rows of logits each chunk of the fused op made
+    chunk_grads = lce._chunk_grads
+
+    def spy(z: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        chunks.append(z.shape[0])
+        return chunk_grads(z, *args)
+
+    # A plain model's heads: chunks of CHUNK_ROWS rows, so each call's logits are never whole.
+    elements = fused_loss_plan.CHUNK_ELEMENTS
+    fused_loss_plan.CHUNK_ELEMENTS = CHUNK_ROWS * models.VOCAB if head else elements
+    lce._chunk_grads = spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FusedLossWarning)
+            result = train_side_by_side(factory, wrap, _batches(steps), optimizer="sgd", loss_fn=loss_fn,
+                                        sliced_reference=True, data_parallel=dp)
+    finally:
+        lce._chunk_grads, fused_loss_plan.CHUNK_ELEMENTS = chunk_grads, elements
     section = seen["model"].plan.fused_loss
     return {"losses": result["losses"], "fused": section.fused, "head": section.head, "reason": section.reason,
-            "logits": [x is None for x in seen.get("logits", [])]}
+            "logits": [x is None for x in seen.get("logits", [])], "chunks": chunks}
 
 
 @pytest.mark.parametrize(("name", "world_size", "options"), [
@@ -340,18 +409,20 @@ def _wrapped_body(name: str, steps: int, num_items: bool = False, tp_size: int |
     # Label smoothing under the vocabulary-parallel form (each softmax from exp(x - max) / sum: from
     # exp(x - lse), ln_f's gradient was 1.35e-6 off at tp2, past atol 1e-6).
     ("plain", 1, {"tp_size": 1}), ("plain", 2, {"tp_size": 2}), ("plain", 4, {"tp_size": 2}), ("plain", 4, {"tp_size": 4}),
-    # Heads other than a bias-free nn.Linear: fused through the Linear inside, or trained unfused with the reason.
+    # Heads other than a bias-free nn.Linear: fused through the Linear inside, or as the product the model's
+    # code computes (a tied embedding's weight sharded over 2 ranks: F.linear, matmul with .t() and .T).
     ("plain-sequential", 2, {}), ("plain-bias", 1, {}), ("plain-bias", 4, {}),
     ("plain-projection", 2, {}), ("plain-matmul", 1, {}),
+    ("plain-tied-linear", 1, {}), ("plain-tied-linear", 2, {}), ("plain-tied-matmul", 2, {}), ("plain-tied-T", 1, {}),
 ])
 def test_fused_training_matches_the_unfused_model(name: str, world_size: int, options: dict) -> None:
     results = run_distributed(_wrapped_body, world_size, name, 2, **options)
-    unfused = UNFUSED_HEADS.get(name.partition("-")[2])
-    if unfused is not None:  # trained exactly as the unfused model (train_side_by_side checked), and says why
-        assert not results[0]["fused"] and unfused in results[0]["reason"], results[0]
-        return
     assert results[0]["fused"], results[0]
     assert all(results[0]["logits"]), "a call that computes the loss returns no logits"
+    for r in results:  # every rank's every call ran the chunked op
+        assert r["chunks"], r
+        if "-" in name:
+            assert max(r["chunks"]) == CHUNK_ROWS and len(r["chunks"]) > 2, r["chunks"]
 
 
 def test_memory_budget_does_not_fuse_by_itself() -> None:

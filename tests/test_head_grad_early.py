@@ -12,6 +12,7 @@ from dist_harness import run_distributed
 from parity import lm_batches, train_side_by_side
 
 import bmt_wrap as bmt
+from bmt_wrap.loss import linear_cross_entropy as lce
 from bmt_wrap.plan import ROOT
 from bmt_wrap.wrapper import BMTrainModelWrapper
 
@@ -68,3 +69,28 @@ def test_a_tied_head_stays_in_the_roots_last_reduce(name: str) -> None:
     for got in run_distributed(_body, 2, name, False):
         order = [label for label, _ in got["order"]]
         assert order[-1] == ROOT and order[0] != ROOT, got["order"]
+
+
+def _product_body() -> dict:
+    from test_fused_loss import LossGPT
+
+    model = BMTrainModelWrapper(models.seeded(lambda: LossGPT(head="projection")), fused_loss=True)
+    ids = models.token_ids()
+    model(ids, ids)  # the first call
+    chunks, chunk_grads = [], lce._chunk_grads
+    lce._chunk_grads = lambda z, *args: (chunks.append(z.shape[0]), chunk_grads(z, *args))[1]
+    try:
+        with bmt.get_state().comm.trace() as ops:
+            model(ids, ids).backward()
+    finally:
+        lce._chunk_grads = chunk_grads
+    root = next(g for g in model.plan.groups if g.is_root)
+    return {"order": [label for op, label, _ in ops if op == "reduce_scatter"], "chunks": chunks,
+            "root_buffers": [[s.fqn for s in b.slots] for b in root.buffers]}
+
+
+def test_a_fused_product_heads_gradient_is_still_reduced_before_the_blocks() -> None:
+    """A custom projection's F.linear fused (its weight read as a HeadWeight) keeps its module's late gather."""
+    (got,) = run_distributed(_product_body, 1)
+    assert got["chunks"] and ["head.weight"] in got["root_buffers"], got  # the chunked op ran
+    assert got["order"][0] == ROOT and got["order"][1] != ROOT, got["order"]

@@ -7,7 +7,6 @@ the mesh resume exactly at another layout. Tiny models: 8 processes share this m
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import models
 import pytest
@@ -165,14 +164,23 @@ def _ckpt_wrapped(name: str, layout: str):
     return model, ck._optimizer(model), loss_fn, batches
 
 
-def _ckpt_save_body(name: str, fmt: str, tmp: str) -> list[float]:
+def _ckpt_save_body(name: str, tmp: str) -> list[float]:
+    """Train on the 3-D mesh, save in both formats (``{tmp}/bmt/ckpt``, ``{tmp}/dcp/ckpt``) and whole, train on."""
     import test_checkpoint_tp as ck
 
     model, opt, loss_fn, batches = _ckpt_wrapped(name, "3d")
     losses = ck._train(model, opt, loss_fn, batches, range(ck.BEFORE))
-    ck._save(fmt, f"{tmp}/ckpt", model, opt)
+    for fmt in ("bmt", "dcp"):
+        ck._save(fmt, f"{tmp}/{fmt}/ckpt", model, opt)
     bmt.save(model, f"{tmp}/whole.safetensors")  # consolidated: one writer (TP rank 0 of the first shard rank)
     return losses + ck._train(model, opt, loss_fn, batches, range(ck.BEFORE, ck.BEFORE + ck.AFTER))
+
+
+@pytest.fixture(scope="module")
+def saved_on_the_mesh(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[float]]]:
+    """The toy GPT's ``_ckpt_save_body`` run, once for both formats' tests: (its directory, every rank's losses)."""
+    tmp = str(tmp_path_factory.mktemp("mesh3d"))
+    return tmp, run_distributed(_ckpt_save_body, WORLD, "toy", tmp, timeout=600)
 
 
 def _ckpt_resume_body(name: str, fmt: str, tmp: str, layout: str) -> dict:
@@ -188,16 +196,17 @@ def _ckpt_resume_body(name: str, fmt: str, tmp: str, layout: str) -> dict:
 
 
 @pytest.mark.parametrize("fmt", ["bmt", "dcp"])
-def test_a_checkpoint_saved_on_the_3d_mesh_resumes_exactly_there_and_at_tp2_dp2(tmp_path: Path, fmt: str) -> None:
+def test_a_checkpoint_saved_on_the_3d_mesh_resumes_exactly_there_and_at_tp2_dp2(
+        saved_on_the_mesh: tuple[str, list[list[float]]], fmt: str) -> None:
     import test_checkpoint_tp as ck
 
-    tmp = str(tmp_path)
-    uninterrupted = run_distributed(_ckpt_save_body, WORLD, "toy", fmt, tmp, timeout=600)
+    directory, uninterrupted = saved_on_the_mesh
+    tmp = f"{directory}/{fmt}"
     assert all(r == uninterrupted[0] for r in uninterrupted)
     params, optim = ck._plain_state(fmt, f"{tmp}/ckpt")
     from safetensors.torch import load_file
 
-    ck._assert_same_tensors(load_file(f"{tmp}/whole.safetensors"), params, "bmt.save's file")
+    ck._assert_same_tensors(load_file(f"{directory}/whole.safetensors"), params, "bmt.save's file")
     plain_losses, _ = ck._plain_run("toy", None)
     torch.testing.assert_close(uninterrupted[0], plain_losses, rtol=ck.LOSS_RTOL, atol=0)
     for layout, world in (("3d", WORLD), ("tp2", 4)):

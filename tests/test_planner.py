@@ -7,7 +7,9 @@ import functools
 import models as M
 import pytest
 import torch
+from dist_harness import run_distributed
 
+from bmt_wrap import BMTrainModelWrapper
 from bmt_wrap.dtypes import align_elems
 from bmt_wrap.errors import MemoryBudgetError, PlanError
 from bmt_wrap.passes import (
@@ -22,7 +24,7 @@ from bmt_wrap.passes import (
 from bmt_wrap.passes.budget import MAX_PREFETCH_DEPTH
 from bmt_wrap.passes.capacity import training_peak
 from bmt_wrap.passes.planner import SCHEDULE_NOTE
-from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan
+from bmt_wrap.plan import GRADS_IN_FLIGHT, ROOT, WrapPlan, heading, plan_text
 
 ALL = {**M.TOY, **M.HF}
 
@@ -184,14 +186,14 @@ def test_memory_budget_chooses_checkpointing_and_prefetch() -> None:
         build_plan(model, d, world_size=2, capture=c, memory_budget=base // 2)
     assert info.value.needed == base and info.value.world_size == 2
 
-    # Parameters kept gathered come first (passes/budget.py), and the peak is after the blocks' backward,
-    # where kept activations are gone: one block's worth keeps every block's parameters (the pool held
-    # depth + 2 buffers of their size, which keeping every block frees) and the last two blocks'
-    # activations, until backward's start, which holds them all, becomes the larger.
+    # Parameters kept gathered come first (passes/budget.py): one block's worth keeps every block's
+    # parameters (the pool held depth + 2 buffers of their size, which keeping every block frees) and the
+    # last block's activations, which stand for its recompute at the first block's backward; the next
+    # block's would add to every kept activation there.
     one_block = everything.blocks()[-1].padded_bytes(2)
     some = build_plan(model, d, world_size=2, capture=c, memory_budget=base + one_block + 1)
     assert [(g.name, g.checkpoint, g.zero_level) for g in some.blocks()] \
-        == [("layers.0", True, 2), ("layers.1", True, 2), ("layers.2", False, 2), ("layers.3", False, 2)]
+        == [("layers.0", True, 2), ("layers.1", True, 2), ("layers.2", True, 2), ("layers.3", False, 2)]
     assert training_peak(some, some.estimates["2"]) <= base + one_block + 1
 
 
@@ -261,3 +263,33 @@ def test_a_plan_prints_as_the_clis_tables(capsys: pytest.CaptureFixture[str]) ->
     assert "fx.symbolic_trace failed" not in text, "an expected fallback, not worth a reader's attention"
     assert plan.summary() is None and capsys.readouterr().out == text + "\n"
     assert repr(plan) == f"<WrapPlan {lines[0]}>"
+
+
+def _plan_texts_around_the_first_call(fused_loss: bool) -> tuple[str, str, str]:
+    """``str(model.plan)`` of a wrapped transformers Llama before its first call, with every note (verbose), and after."""
+    model = BMTrainModelWrapper(M.llama(), fused_loss=fused_loss)
+    before, verbose = str(model.plan), "\n".join(heading(model.plan, verbose=True))
+    ids = M.token_ids()
+    model(input_ids=ids, labels=ids)
+    return before, verbose, plan_text(model.plan)
+
+
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_the_plan_before_the_first_call_says_what_the_first_call_does(fused_loss: bool) -> None:
+    """fx cannot trace a transformers model: torch.export captures it at the first call, which is the expected
+    path, not a failure; the fused loss asked for is applied then, not "not fused"."""
+    (before, verbose, after), = run_distributed(_plan_texts_around_the_first_call, 1, fused_loss)
+    first = before.splitlines()[0]
+    assert first.startswith("capture: at the first call (torch.export) | blocks: 2"), first
+    assert "capture: none" not in before and "failed" not in before, before
+    assert "note: schedule: fx.symbolic_trace failed (" in verbose  # a detail, shown on asking
+    fused = [line for line in before.splitlines() if line.startswith("fused loss")]
+    if fused_loss:
+        assert fused == ["fused loss: requested: applied at the first call, whose captured graph shows the "
+                         "vocabulary head and its loss"], before
+        assert "fused: one chunked op" in after
+    else:
+        assert fused == ["fused loss: off (fused_loss=True fuses the vocabulary head and its loss found at the "
+                         "first call)"], before
+        assert "  off (BMTrainModelWrapper(model, fused_loss=True)" in after
+    assert "not fused" not in before and after.startswith("capture: export | "), after

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 
 import models
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bmt_wrap import passes
@@ -154,6 +156,103 @@ def test_tied_weights_split_differently_stay_replicated() -> None:
     assert "head" in {r.module for r in tp.replicated}
     both = _tp(models.ToyGPT(tie=True), 2, {"head": "colwise_gather_output", "embed": "embedding_rowwise"})
     assert {e.module for e in both.entries} == {"head", "embed"}  # both split rows: the same slice
+
+
+class UntraceableMatmulGPT(models.FunctionalTiedGPT):
+    """The tied head as ``h @ W.t()`` through a local alias, in a method of a forward fx cannot trace (it
+    compares the length with the positions'): read from their source."""
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.shape[1] > self.pos.shape[0]:
+            raise ValueError("the sequence is longer than the positions")
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        logits = self._logits(self.ln_f(x))
+        return logits if targets is None else models.lm_loss(logits, targets)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        embed = self.embed
+        return h @ embed.weight.t()
+
+
+def tied_logits(h: torch.Tensor, embedding: nn.Embedding) -> torch.Tensor:
+    return F.linear(h, embedding.weight)
+
+
+class HelperHeadGPT(UntraceableMatmulGPT):
+    """The same head through a function given the embedding module: no read in the model's source to see."""
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return tied_logits(h, self.embed)
+
+
+class FunctionalMLPBlock(models.Block):
+    """A block whose forward applies ``fc1``'s weight itself (``F.linear``) instead of calling ``fc1``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(F.linear(self.ln2(x), self.fc1.weight, self.fc1.bias)))
+
+
+def _functional_mlp_gpt() -> nn.Module:
+    model = models.ToyGPT(n_layers=2)
+    model.layers = nn.ModuleList(FunctionalMLPBlock() for _ in range(2))
+    return model
+
+
+_lines, _first = inspect.getsourcelines(UntraceableMatmulGPT._logits)
+UNTRACEABLE_READ = _first + next(i for i, line in enumerate(_lines) if "weight.t()" in line)
+NO_HEAD_PLAN = {k: v for k, v in TOY_PLAN.items() if k != "head"}
+
+
+@pytest.mark.parametrize(("build", "kept", "why", "partner"), [
+    (models.FunctionalTiedGPT, "embed", "the root's forward (FunctionalTiedGPT) reads embed.weight itself (fx: "
+     "linear(...))", None),
+    (UntraceableMatmulGPT, "embed", "the root's forward (UntraceableMatmulGPT) reads embed.weight itself "
+     f"(UntraceableMatmulGPT._logits at test_tp_plan.py:{UNTRACEABLE_READ}, read from source: fx cannot trace "
+     "it)", None),
+    (_functional_mlp_gpt, "layers.0.fc1", "layers.0's forward reads layers.0.fc1.weight itself (fx: linear(...))",
+     "layers.0.fc2"),
+], ids=["root-F.linear", "root-untraceable-matmul", "block-F.linear"])
+def test_a_split_weight_read_outside_its_module_stays_replicated(build, kept: str, why: str,
+                                                                 partner: str | None) -> None:
+    # Before: split, so that read saw this TP rank's slice only (the root's logits over half the vocabulary).
+    tp = _tp(build(), 2, NO_HEAD_PLAN)
+    reasons = {r.module: r.reason for r in tp.replicated}
+    assert reasons[kept] == f"{why}, so split it would see this TP rank's slice only"
+    assert f"{kept}.weight" not in tp.split_names() and "layers.1.attn.q.weight" in tp.split_names()
+    if partner is not None:  # the row Linear its column partner feeds stays whole with it
+        assert reasons[partner] == f"its column/row partner beside it, {kept!r}, is kept whole"
+    assert f"  replicated {kept}: {why}" in "\n".join(tp_text(tp))
+
+
+def test_a_split_weight_read_where_the_pass_cannot_see_is_refused_from_the_captured_graph() -> None:
+    # fx cannot trace the root and its source reads no weight (a function given the module reads it): the
+    # pass splits the embedding; the first call's export graph (here: example inputs) shows the root reads it.
+    model = HelperHeadGPT()
+    tp = _tp(model, 2, NO_HEAD_PLAN)
+    assert "embed.weight" in tp.split_names()
+    cap = passes.capture(model, passes.discover_blocks(model), (models.token_ids(),))
+    assert cap.method == "export" and cap.readers["embed.weight"] == ["", "embed"]
+    with pytest.raises(TensorParallelPlanError, match="embed.weight \\(split by 'embed'\\) is also read by the "
+                       "root's forward .* Leave those modules out of tp_plan="):
+        passes.check_captured_reads(model, tp, cap.readers)
+    passes.check_captured_reads(model, _tp(models.ToyGPT(n_layers=2), 2, NO_HEAD_PLAN), {"embed.weight": ["embed"]})
+
+
+def test_a_given_plan_splitting_a_weight_read_elsewhere_is_refused() -> None:
+    # plan= skips the pass: a section made for a model whose head is an nn.Linear splits the embedding.
+    with pytest.raises(TensorParallelPlanError, match="plan= splits 'embed' .* the root's forward "
+                       "\\(FunctionalTiedGPT\\) reads embed.weight itself"):
+        passes.refuse_outside_reads(models.FunctionalTiedGPT(), _tp(models.ToyGPT(n_layers=2), 2, NO_HEAD_PLAN))
+
+
+def test_gpt2s_tied_lm_head_stays_split_with_its_embedding() -> None:
+    # transformers' forwards are untraceable: read from source, GPT-2's calls lm_head and wte, never reads
+    # their weight, so the tie (both split by vocabulary rows) stays split.
+    tp = _tp(models.gpt2(), 2, {"transformer.wte": "embedding_rowwise", "lm_head": "colwise_gather_output"})
+    assert {e.module for e in tp.entries} == {"transformer.wte", "lm_head"} and tp.replicated == []
 
 
 class ScaledLinear(nn.Linear):

@@ -10,9 +10,9 @@ import math
 import models
 import pytest
 import torch
-from dist_harness import raised, run_distributed
-from parity import lm_batches, no_sync_two_halves, train_side_by_side, whole
-from test_tp_plan import TOY_PLAN
+from dist_harness import COMM_TIMEOUT, raised, run_distributed
+from parity import lm_batches, no_sync_two_halves, train_side_by_side, wholes
+from test_tp_plan import NO_HEAD_PLAN, TOY_PLAN, HelperHeadGPT
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import MeshError
@@ -40,6 +40,8 @@ def _setup(name: str, steps: int = 3, batch: int = 4):
         return models.ToyGPT, lm_batches(steps, batch), None, TOY_PLAN
     if name == "toy_tied":  # embedding and head share one weight: both split by vocabulary rows, one slice
         return lambda: models.ToyGPT(tie=True), lm_batches(steps, batch), None, TOY_PLAN
+    if name == "functional_tied":  # no head module: the root's F.linear(h, embed.weight) computes the logits
+        return models.FunctionalTiedGPT, lm_batches(steps, batch), None, NO_HEAD_PLAN
     if name == "toy_derived":  # no plan: the MLP pairs found in the blocks' graphs are split
         return models.ToyGPT, lm_batches(steps, batch), None, None
     g = torch.Generator().manual_seed(3)
@@ -75,6 +77,19 @@ def test_tp_matches_plain_pytorch_sgd(name: str, tp: int) -> None:
 def test_tp2_tied_embedding_and_derived_plan_match_plain_pytorch(name: str) -> None:
     results = run_distributed(_parity_body, WORLD, name, 2, "sgd")
     assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp2_embedding_read_by_the_roots_f_linear_stays_whole_and_matches_plain_pytorch(world: int) -> None:
+    # tp2 alone (2 ranks) and tp2 x dp2 (4). Before: embed was split by vocabulary rows, so the root's
+    # F.linear(h, self.embed.weight) computed this rank's 48 of the 96 logits (cross-entropy then failed
+    # on the targets beyond them; any other read of the logits was silently wrong).
+    results = run_distributed(_parity_body, world, "functional_tied", 2, "sgd", world)
+    for r in results:
+        assert r["losses"] == results[0]["losses"] and len(r["losses"]) == 3
+        assert "replicated embed: the root's forward (FunctionalTiedGPT) reads embed.weight itself" in r["plan"]
+        assert r["split"]["embed.weight"] == ([models.VOCAB, models.DIM], None)
+        assert r["split"]["layers.0.fc1.weight"] == ([2 * models.DIM, models.DIM], 0)  # the rest stays split
 
 
 @pytest.mark.parametrize("name", ["toy", "llama"])
@@ -174,6 +189,28 @@ def test_tp_peers_with_different_batches_raise_on_every_rank() -> None:
     assert all(kind != "ok" and "differ" in msg for kind, msg in results), results
 
 
+def _unseen_read_body() -> dict:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = bmt.BMTrainModelWrapper(HelperHeadGPT(), tp_size=2, tp_plan=NO_HEAD_PLAN)
+    first_call = raised(lambda: model(ids, ids))
+    plan = bmt.BMTrainModelWrapper(models.FunctionalTiedGPT(), tp_size=2, tp_plan=NO_HEAD_PLAN).plan
+    other = bmt.passes.plan_tensor_parallel(models.ToyGPT(n_layers=2), 2,
+                                            bmt.passes.discover_blocks(models.ToyGPT(n_layers=2)), NO_HEAD_PLAN)
+    plan.tensor_parallel.entries += [e for e in other.entries if e.module == "embed"]  # an edited plan=
+    edited = raised(lambda: bmt.BMTrainModelWrapper(models.FunctionalTiedGPT(), tp_size=2, plan=plan))
+    return {"first_call": first_call, "edited": edited}
+
+
+def test_a_split_weight_read_unseen_at_wrap_time_raises_at_the_first_call_on_every_rank() -> None:
+    # The pass cannot see the read (fx cannot trace the root; a function given the module reads its
+    # weight), so the first call's export graph refuses it; a plan= splitting a weight read elsewhere is
+    # refused at wrap time.
+    for r in run_distributed(_unseen_read_body, 2):
+        assert r["first_call"][0] == "TensorParallelPlanError", r
+        assert "embed.weight (split by 'embed') is also read by the root's forward" in r["first_call"][1]
+        assert r["edited"][0] == "TensorParallelPlanError" and "plan= splits 'embed'" in r["edited"][1], r
+
+
 def _not_divisible_body() -> tuple[str, str]:
     return raised(lambda: bmt.BMTrainModelWrapper(models.llama(), tp_size=4))
 
@@ -236,9 +273,10 @@ def _no_sync_body() -> dict:
     no_sync_two_halves(model, ref, batches[0], bmt.rank() // 2, 2)
     worst = 0.0
     refs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(whole(p.grad, p), refs[name].grad, rtol=1e-5, atol=1e-6)
-        worst = max(worst, float((whole(p.grad, p) - refs[name].grad).abs().max()))
+    named = list(model.named_parameters())
+    for (name, _), grad in zip(named, wholes([(p.grad, p) for _, p in named]), strict=True):
+        torch.testing.assert_close(grad, refs[name].grad, rtol=1e-5, atol=1e-6)
+        worst = max(worst, float((grad - refs[name].grad).abs().max()))
     return {"worst": worst}
 
 
@@ -273,14 +311,19 @@ def test_tp_save_writes_full_tensors_and_loads_into_slices(tmp_path) -> None:
 def _bad_layout_body(kind: str) -> tuple[str, str]:
     if kind == "tp3":  # 4 ranks are not a multiple of 3
         return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), tp_size=3))
+    if kind == "init_tp3":  # the same size asked of init_distributed (the harness's other arguments)
+        return raised(lambda: bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=3))
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp"))  # TP peers not adjacent
     return raised(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(), mesh=mesh))
 
 
-@pytest.mark.parametrize("kind, error, words", [("tp3", "InitError", "multiple of tp_size"),
-                                                 ("mesh", "MeshError", "adjacent")])
+@pytest.mark.parametrize("kind, error, words", [
+    # Issue 49: the wrapper's tp_size= named init_distributed(tp_size=3), a call the user never made.
+    ("tp3", "InitError", "BMTrainModelWrapper(..., tp_size=3): the world size 4 must be a multiple of tp_size"),
+    ("init_tp3", "InitError", "init_distributed(tp_size=3): the world size 4 must be a multiple of tp_size"),
+    ("mesh", "MeshError", "adjacent")])
 def test_bad_tp_layout_raises_on_every_rank(kind: str, error: str, words: str) -> None:
     results = run_distributed(_bad_layout_body, WORLD, kind)
     assert all(r[0] == error and words in r[1] for r in results), results

@@ -17,7 +17,7 @@ from bmt_wrap.errors import PlanError, WrapError
 from bmt_wrap.plan import WrapPlan
 from bmt_wrap.wrapper import BMTrainModelWrapper
 
-STEPS = 5
+STEPS = 3  # a first step (capture, schedule), one that replays it, one in the steady state
 
 
 def _lm_loss(model, ids):

@@ -24,8 +24,12 @@ class FusedLossPlan:
     """What the fused-loss pass found in the captured root graph."""
 
     enabled: bool  # fused_loss=True was asked for
-    head: str | None = None  # the projection's module name
+    head: str | None = None  # the projection's module name (an nn.Linear)
     weight: str | None = None  # its weight's parameter name as the graph reads it (a tied embedding's)
+    # Where no nn.Linear makes the logits: "F.linear" or "matmul", the product of the hidden states with the
+    # parameter ``weight`` in the model's own code (``F.linear(h, self.embed.weight)``, ``h @ W.t()``).
+    product: str | None = None
+    pending: bool = False  # the root's graph is not captured yet: the first call's capture decides
     loss: str | None = None  # the cross-entropy call found
     steps: list[str] = field(default_factory=list)  # what runs between the two (casts, reshapes, softcapping)
     reason: str | None = None  # why the pair is not fused (None: it is, when enabled)
@@ -36,6 +40,16 @@ class FusedLossPlan:
     fused_bytes: int | None = None  # what the chunked op holds at once instead (its chunk, the head's gradient)
     saved_bytes: int | None = None  # of the unfused pair's: what autograd keeps for backward (log-probabilities, tanh)
     kept_bytes: int | None = None  # what the chunked op keeps for backward instead (the hidden states' gradient)
+
+    @property
+    def found(self) -> bool:
+        """True when a projection to the vocabulary feeding a cross-entropy was found (fused or not)."""
+        return self.head is not None or self.product is not None
+
+    @property
+    def projection(self) -> str:
+        """What makes the logits, for the plan's text: the head's module name, or the product and its weight."""
+        return self.head if self.head is not None else f"{self.product} with {self.weight}"
 
     @property
     def fused(self) -> bool:

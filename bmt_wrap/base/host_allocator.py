@@ -11,13 +11,27 @@ import platform
 # enough for a GPT of width 1024, but a model of width 384 has most tensors under 1 MiB (a 384 x 384
 # weight's gradient, a 4 x 128 x 384 activation), so its heap grew by about 100 MiB a step (RESULTS.md,
 # "The plan on models it was not tuned on"); 64 KiB cost the GPT about 4% more step time than 1 MiB.
+# Only that value is exact: a higher one leaves the heap the tensors under it (the 1 MiB above), and a lower
+# one maps allocations under 64 KiB one by one, each rounded up to a 4 KiB page (up to twice a small
+# tensor's bytes) and each a mapping of the kernel's limited count; neither was measured to match the count.
 THRESHOLD_VAR = "MALLOC_MMAP_THRESHOLD_"
-EXACT_SETTING = f"{THRESHOLD_VAR}=65536"
+EXACT_THRESHOLD = 65536
+EXACT_SETTING = f"{THRESHOLD_VAR}={EXACT_THRESHOLD}"
+
+
+def threshold() -> int | None:
+    """This process's ``MALLOC_MMAP_THRESHOLD_`` as glibc reads it (decimal or 0x hex); None when unset or not
+    a number."""
+    try:
+        return int(os.environ[THRESHOLD_VAR], 0)
+    except (KeyError, ValueError):
+        return None
 
 
 def counts_exactly() -> bool:
-    """Whether freed tensors leave this process: true off glibc, and on glibc with the threshold fixed."""
-    return platform.libc_ver()[0] != "glibc" or THRESHOLD_VAR in os.environ
+    """Whether freed tensors leave this process as the count assumes: true off glibc, and on glibc only at
+    ``EXACT_SETTING``."""
+    return platform.libc_ver()[0] != "glibc" or threshold() == EXACT_THRESHOLD
 
 
 def release_free_heap() -> None:

@@ -33,6 +33,8 @@ USED_MASK_BYTES = 4
 SCHEDULE_NOTE = "schedule: "
 #: Start of capture's note that fx could not trace the model (expected where torch.export then captures it).
 FX_FAILED_NOTE = "fx.symbolic_trace failed"
+#: Start of its note that torch.export could not either (the first call then records the block order with hooks).
+EXPORT_FAILED_NOTE = "torch.export failed"
 
 
 @dataclass
@@ -258,6 +260,9 @@ class MemoryEstimate:
     # offload="host" (the same count): the rest is in host memory, copied to and from the device every step
     host_to_device: int | None = None
     device_to_host: int | None = None
+    # The step's peak: the largest of training's phases (passes/capacity.training_phases), where ``total`` sums
+    # terms that peak at different moments. What ``memory_budget=`` bounds. None where not counted.
+    peak: int | None = None
 
     @property
     def total(self) -> int:
@@ -401,17 +406,27 @@ def summary_line(plan: WrapPlan) -> str:
     blocks = plan.blocks()
     ckpt = sum(g.checkpoint for g in blocks)
     kept = sum(g.zero_level == 2 for g in blocks)
-    return (f"capture: {plan.capture} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
+    return (f"capture: {capture_text(plan)} | blocks: {len(blocks)} | calls: {len(plan.order)} | "
             f"prefetch depth: {plan.prefetch_depth} | checkpointed: {ckpt}/{len(blocks)}"
             + (f" | kept gathered: {kept}/{len(blocks)}" if kept else "")
             + (f" | memory budget: {fmt_bytes(plan.memory_budget)}" if plan.memory_budget is not None else ""))
 
 
+def capture_text(plan: WrapPlan) -> str:
+    """How the block order was captured; for a plan not captured yet, what the wrapper's first call does."""
+    if plan.capture != "none":
+        return plan.capture
+    if any(n.startswith(SCHEDULE_NOTE + EXPORT_FAILED_NOTE) for n in plan.notes):
+        return "at the first call (hooks on it: torch.export failed)"
+    return "at the first call (torch.export)"
+
+
 def shown_notes(plan: WrapPlan, verbose: bool = False) -> list[str]:
     """The notes worth a reader's attention; ``verbose`` adds the expected fallbacks."""
-    # fx fails on every transformers model and torch.export then captures it: nothing to act on.
+    # fx fails on every transformers model and torch.export then captures it (or will, at the first call):
+    # nothing to act on.
     expected = SCHEDULE_NOTE + FX_FAILED_NOTE
-    return [n for n in plan.notes if verbose or plan.capture != "export" or not n.startswith(expected)]
+    return [n for n in plan.notes if verbose or plan.capture not in ("export", "none") or not n.startswith(expected)]
 
 
 def render_groups(plan: WrapPlan) -> str:
@@ -447,6 +462,10 @@ _ESTIMATE_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
     ("= communicated / step", lambda e: e.comm_total),
     ("ZeRO-3 bound 3Ψ(N-1)/N", lambda e: e.zero3_bound),
 ]
+
+
+#: The row of the step's peak (``MemoryEstimate.peak``), which the memory budget's note names too.
+PEAK_ROW = "peak (by phase)"
 
 
 _DISK_ROWS: list[tuple[str, Callable[[MemoryEstimate], int | None]]] = [
@@ -487,6 +506,9 @@ def render_estimates(plans: list[WrapPlan]) -> str:
     rows = [("per rank", *(f"N={e.world_size}{layout_label(e)}" for e in estimates))]
     rows += [(label + (partial if label == "= total per rank" else ""), *(fmt_bytes(get(e)) for e in estimates))
              for label, get in _ESTIMATE_ROWS]
+    if any(e.peak is not None for e in estimates):  # after the total, which it is not: terms peak apart
+        at = next(i for i, r in enumerate(rows) if r[0].startswith("= total per rank")) + 1
+        rows.insert(at, (PEAK_ROW + partial, *(fmt_bytes(e.peak) if e.peak is not None else "-" for e in estimates)))
     if any(e.comm_inter_node is not None for e in estimates):
         rows += [(label, *(fmt_bytes(get(e)) if get(e) is not None else "-" for e in estimates))
                  for label, get in _NODE_ROWS]
@@ -529,9 +551,13 @@ def plan_text(plan: WrapPlan) -> str:
 
 def fused_loss_text(section: FusedLossPlan) -> list[str]:
     """Lines ``str(plan)`` and the CLI show for the section."""
-    if section.head is None:
+    if section.pending:  # what the first call will do, not a failure
+        return ["fused loss: requested: applied at the first call, whose captured graph shows the vocabulary "
+                "head and its loss" if section.enabled else
+                "fused loss: off (fused_loss=True fuses the vocabulary head and its loss found at the first call)"]
+    if not section.found:
         return [f"fused loss: {'not fused' if section.enabled else 'off'}: {section.reason}"]
-    pair = f"{section.head} -> {' -> '.join([*section.steps, section.loss or '?'])}"
+    pair = f"{section.projection} -> {' -> '.join([*section.steps, section.loss or '?'])}"
     lines = [f"fused loss: {pair}"]
     if section.reason is not None:
         lines.append(f"  not fused: {section.reason}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import operator
 import os
 import random
 import weakref
@@ -52,7 +53,7 @@ class DistState:
     local_rank: int
     device: torch.device
     backend: str  # resolved: "gloo", "nccl" or "cupy"
-    seed: int
+    seed: int | None  # None: init_distributed(seed=None) left every RNG as it was
     timeout: timedelta
     debug: bool
     comm: CountingCommunicator
@@ -112,7 +113,7 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(seed: int = 0, backend: str = "auto",
+def init_distributed(seed: int | None = 0, backend: str = "auto",
                      timeout: timedelta = timedelta(minutes=5), *, pipe_size: int = 1,
                      tp_size: int = 1, num_micro_batches: int | None = None) -> DistState:
     """Join the torchrun job (or run as one process), seed every RNG and build the communicator.
@@ -122,9 +123,11 @@ def init_distributed(seed: int = 0, backend: str = "auto",
     stage ``tp_size`` adjacent ranks split each tensor-parallel layer (``tp_rank = rank % T``); ZeRO shards
     over the ranks of one stage with the same ``tp_rank`` (``parallel_layout()``; docs/design.md, "The
     rank layout"). Called again with the same seed, backend and timeout, it only changes these sizes.
+    ``seed=None`` seeds nothing: torch, numpy and random stay as they are (the script seeds them itself).
     """
     global _STATE
     pipe_size = 1 if pipe_size == -1 else pipe_size
+    seed = _check_seed(seed)
     if num_micro_batches is not None and (not isinstance(num_micro_batches, int) or num_micro_batches < 1):
         raise InitError(f"init_distributed(num_micro_batches={num_micro_batches!r}): a positive int, or None for "
                         "pipe_size micro-batches")
@@ -134,10 +137,10 @@ def init_distributed(seed: int = 0, backend: str = "auto",
             raise InitError(f"init_distributed was already called with (seed, backend, timeout)="
                             f"{_STATE.requested}; calling it again with {requested} is not supported. "
                             "Call it once, at start-up.")
-        _use_default(_sized(_STATE.world_size, pipe_size, tp_size, "init_distributed"))
+        _use_default(_sized(_STATE.world_size, pipe_size, tp_size, wrapper=False))
         _STATE.micro_batches = num_micro_batches
         return _STATE
-    default = _sized(_env_int("WORLD_SIZE", 1), pipe_size, tp_size, "init_distributed")
+    default = _sized(_env_int("WORLD_SIZE", 1), pipe_size, tp_size, wrapper=False)
 
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -218,8 +221,21 @@ def _use_default(mesh: MeshLayout) -> None:
     get_state().default = mesh
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does."""
+def _check_seed(seed: Any) -> int | None:
+    """``seed`` as an int (numpy's ints included), or None; raises ``InitError`` for anything else."""
+    if seed is None:
+        return None
+    try:
+        return operator.index(seed)
+    except TypeError:
+        raise InitError(f"init_distributed(seed={seed!r}): seed must be an int (the same on every rank), or None "
+                        "to leave torch, numpy and random as they are (seeded by the script itself)") from None
+
+
+def seed_everything(seed: int | None) -> None:
+    """Seed torch (CPU and CUDA), numpy and random identically on every rank, as BMTrain does; None: nothing."""
+    if seed is None:
+        return
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
@@ -312,7 +328,7 @@ def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | N
         default = state.default
         tp = default.tp if tp_size is None else tp_size
         pp = default.pp if pp_size is None else pp_size
-        return _with_ep(_sized(state.world_size, pp, tp, "BMTrainModelWrapper"), ep_size)
+        return _with_ep(_sized(state.world_size, pp, tp, wrapper=True), ep_size)
     problem, layout = None, None
     try:
         layout = _read_mesh(mesh, state, tp_size, pp_size)
@@ -349,14 +365,21 @@ def _with_ep(layout: MeshLayout, ep_size: int | None) -> MeshLayout:
     return replace(layout, ep=ep_size)
 
 
-def _sized(world: int, pp: int, tp: int, call: str) -> MeshLayout:
-    """The default-order layout of ``pp`` stages and ``tp``-rank TP groups, or ``InitError`` naming ``call``."""
+def _sized(world: int, pp: int, tp: int, wrapper: bool) -> MeshLayout:
+    """The default-order layout of ``pp`` stages and ``tp``-rank TP groups, or ``InitError`` naming the call
+    that asked for it (the wrapper's ``pp_size=``/``tp_size=`` or ``init_distributed``'s)."""
+    pp_key = "pp_size" if wrapper else "pipe_size"
+
+    def call(**given: Any) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        return f"BMTrainModelWrapper(..., {args})" if wrapper else f"init_distributed({args})"
+
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
-        raise InitError(f"{call}(tp_size={tp!r}): the world size {world} must be a multiple of tp_size (a "
-                        "positive int); use a tp_size that divides it")
+        raise InitError(f"{call(tp_size=tp)}: the world size {world} must be a multiple of tp_size (a positive "
+                        "int); use a tp_size that divides it")
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1 or world % (pp * tp):
-        raise InitError(f"{call}(pipe_size={pp!r}, tp_size={tp}): the world size {world} must be a multiple of "
-                        f"pipe_size x tp_size (a positive int); use sizes whose product divides it")
+        raise InitError(f"{call(**{pp_key: pp, 'tp_size': tp})}: the world size {world} must be a multiple of "
+                        f"{pp_key} x tp_size (a positive int); use sizes whose product divides it")
     return MeshLayout.of(world, pp=pp, tp=tp)
 
 

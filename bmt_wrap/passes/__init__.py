@@ -24,15 +24,16 @@ from .render import render_dot, render_json, render_text
 from .schedule_graph import Step, schedule_graph, steps
 from .sequence_parallel import chain_from_capture, plan_sequence_parallel
 from .tensor_parallel import plan_tensor_parallel
+from .tp_uses import check_captured_reads, refuse_outside_reads
 from .util import self_checkpointing_modules
 
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_from_capture", "chain_graph",
-    "check_root_order", "plan_experts", "plan_pipeline",
+    "check_captured_reads", "check_root_order", "plan_experts", "plan_pipeline",
     "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
     "fused_loss_section", "meta_skeleton",
-    "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "render_dot",
+    "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "refuse_outside_reads", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",
     "self_checkpointing_modules", "steps", "to_meta", "with_fused_loss",
 ]

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..base.plan import ShardGroupSpec, WrapPlan, fmt_bytes
+from ..base.plan import PEAK_ROW, ShardGroupSpec, WrapPlan, fmt_bytes
 from ..errors import MemoryBudgetError
 from .activations import ActivationProfile
-from .capacity import training_peak
-from .estimate import estimate, gathered_traffic, held_gathered, tp_of
+from .capacity import scheduled_estimate
+from .estimate import gathered_traffic, held_gathered, tp_of
 
 #: Depth 1 already overlaps each block's gather with the previous block's compute; a second gather in
 #: flight absorbs uneven block times. Deeper only holds more memory: collectives run one at a time.
@@ -107,8 +107,9 @@ def fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size
     given already exceeds ``budget``.
     """
     def total() -> int:
-        # The step's peak as the capacity plan counts it (by phase), not the sum of terms that peak apart.
-        return training_peak(plan, estimate(plan, world_size, activations))
+        # The step's peak as the capacity plan counts it (by phase), not the sum of terms that peak apart:
+        # the estimates table's PEAK_ROW.
+        return scheduled_estimate(plan, world_size, activations).peak or 0
 
     if total() > budget:
         raise minimum_error(total(), budget, world_size, activations is not None)
@@ -140,5 +141,5 @@ def fit_budget(plan: WrapPlan, activations: ActivationProfile | None, world_size
     return [f"memory budget {fmt_bytes(budget)}: {len(gathered)} of {blocks} blocks keep parameters gathered "
             f"through backward{': ' + ', '.join(gathered) if gathered else ''}; {len(kept)} of {blocks} keep "
             f"activations{': ' + ', '.join(kept) if kept else ''}{stopped}",
-            f"memory budget {fmt_bytes(budget)}: prefetch depth {plan.prefetch_depth}, estimate "
-            f"{fmt_bytes(total())} per rank"]
+            f"memory budget {fmt_bytes(budget)}: prefetch depth {plan.prefetch_depth}, {PEAK_ROW} "
+            f"{fmt_bytes(total())} per rank (the table's total sums terms that peak at different moments)"]

@@ -18,9 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..base.dtypes import LOW_PRECISION, itemsize, master_dtype, to_dtype
-from ..base.plan import FlatBufferSpec, MemoryEstimate, WrapPlan
+from ..base.plan import GRADS_IN_FLIGHT, FlatBufferSpec, MemoryEstimate, WrapPlan
 from ..errors import PlanError
-from .estimate import tp_of
+from .activations import ActivationProfile
+from .estimate import estimate, estimate_tp, tp_of
+
+#: The count's known error, kept beside it on ``plan --memory``'s answers instead of answering at 99% of the
+#: limit: its largest shortfall measured against a job, 1.04x per rank (issue 49: a 2-rank Llama with
+#: grouped-query attention, tied embeddings and a width not a power of two, state on disk; the same machine
+#: also moved a process's resident baseline by 60 MiB within an hour). docs/design.md "Capacity".
+MARGIN = 0.04
+MARGIN_REASON = "its largest shortfall measured against a job, 1.04x per rank"
 
 
 @dataclass(frozen=True)
@@ -36,12 +44,27 @@ class ProcessPeak:
     # step leaves tens of MiB for good (kernels paged in, the autograd engine, the optimizer's module), which
     # the baseline holds and wrapping, done before it, does not. None: the baseline.
     wrapping_baseline: int | None = None
+    margin_fraction: float = 0.0  # of the count, kept beside it for the count's known error (MARGIN)
+
+    @property
+    def before_first_step(self) -> int:
+        """The process wrapping sits on."""
+        return self.baseline if self.wrapping_baseline is None else self.wrapping_baseline
+
+    @property
+    def counted(self) -> int:
+        """The process's peak resident bytes as counted."""
+        return self.beside + max(self.before_first_step + self.wrapping, self.baseline + self.training)
+
+    @property
+    def margin(self) -> int:
+        """Bytes kept beside the count for its known error."""
+        return round(self.counted * self.margin_fraction)
 
     @property
     def total(self) -> int:
-        """The process's peak resident bytes."""
-        before = self.baseline if self.wrapping_baseline is None else self.wrapping_baseline
-        return self.beside + max(before + self.wrapping, self.baseline + self.training)
+        """The process's peak resident bytes that an answer must fit: the count and its margin."""
+        return self.counted + self.margin
 
 
 def _root_grad_bytes(plan: WrapPlan, world_size: int) -> int:
@@ -74,7 +97,9 @@ def _early_buffer(plan: WrapPlan, found: tuple[int, FlatBufferSpec] | None = Non
     if found is None:
         return None
     buf = found[1]
-    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases else None
+    # Its module regathers it at its call (apply_plan._regather_hook); a parameter of the root module itself
+    # (a bare ``lm_head`` Parameter in a product) is gathered at the root's call, reduced with the rest.
+    return buf if len(buf.slots) == 1 and not buf.slots[0].aliases and "." in buf.slots[0].fqn else None
 
 
 def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
@@ -88,16 +113,23 @@ def _head_grad_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
     return found[0], early.full_grad_bytes(early.ranks(world_size, tp_of(plan))) if early is not None else 0
 
 
-def _root_grad_shards(plan: WrapPlan, est: MemoryEstimate) -> int:
-    """The root's gradient shard (as ``estimate`` counts it) that its reduce-scatter makes last in backward,
-    after the blocks': all of it but the early head's (``_early_buffer``), which exists from before the
-    blocks' backward; none apart when the shards live off the device (on disk or the host:
-    ``shards_off_device`` keeps only those in flight)."""
-    if est.disk_read is not None or est.host_to_device is not None:
-        return 0
+def _grad_shards_beside(plan: WrapPlan, est: MemoryEstimate) -> int:
+    """The gradient shards a rank holds from the blocks' backward end through the root's gradient: every
+    shard but the root's that its reduce-scatter makes last, after the blocks' (all of the root's but the
+    early head's, ``_early_buffer``, which exists from before the blocks' backward). With the shards off the
+    device (on disk or the host: ``shards_off_device``) only those in flight (``est.grads``), and never more
+    than the same moment holds with them on it: the root's shard comes after its gradient either way (at
+    2 ranks, GPT-2 of width 768 offloaded answered fewer layers than in memory, counting the root's shard
+    there as in flight)."""
     n, t, early = _shard_ranks(est), tp_of(plan), _early_buffer(plan)
-    return sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for g in plan.groups if g.is_root
-               for b in g.buffers if b.requires_grad and b is not early)
+    every = late = 0
+    for g in plan.groups:
+        for b in g.buffers:
+            if b.requires_grad:
+                shard = b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype)
+                every += shard
+                late += shard if g.is_root and b is not early else 0
+    return min(est.grads, every - late)
 
 
 def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
@@ -118,7 +150,7 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
       the root's full gradient (less the head's buffer, reduced before the blocks) and, for a tied weight,
       one use's gradient and their sum, beside every gradient shard but the root's still to come
-      (``_root_grad_shards``). Its reduce-scatter starts from a copy of that gradient in the gathered
+      (``_grad_shards_beside``). Its reduce-scatter starts from a copy of that gradient in the gathered
       storage (``engine._full_grad_buffer``) and writes the shard as the other ranks' pieces arrive, on the
       communicator's thread: the gradient autograd made goes as soon as the root's backward node returns,
       before the pieces arrive, so the shard's pages are written after it is gone (its receipt is the
@@ -126,8 +158,11 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
       gradient it follows). Counting the shard and a receipt beside the gradient put the plan 125 MiB a
       rank over the fused Llama's root (2 ranks, vocabulary 128,256, width 256). The recompute and the
       cache are gone.
-    - ``blocks' backward start`` (``offload="disk"`` or ``"host"`` only): every kept activation beside the
-      first block's backward (``_first_block_backward``).
+    - ``blocks' backward start``: every kept activation beside the first block's backward
+      (``_first_block_backward``), for a plan with blocks. With the shards offloaded it is where the blocks'
+      backward peaks, since their gradient shards leave as they come; in memory the end is usually higher,
+      but this moment is there too, and a placement that moves more off the process must count no more at
+      any moment.
 
     The forward's peak is below the first two (no gradient yet, no pair's peak but the fused op's, which is
     the first), the optimizer step's below the last two (no recompute, no root gradient). Without an
@@ -138,30 +173,52 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     full = _root_grad_bytes(plan, n) - early
     held = est.params + est.optimizer + est.gathered
     kept = (est.activations or 0) - est.activations_recompute
+    shards = _grad_shards_beside(plan, est)
     phases = {"backward start": held + head + kept,
-              "blocks' backward end": held + (0 if early else head) + est.grads - _root_grad_shards(plan, est)
-              + est.grads_in_flight + est.activations_recompute + est.activations_objects,
-              "root's gradient": held + full + _largest_root_use(plan) + est.grads
-              - _root_grad_shards(plan, est)}
-    if plan.offload in ("disk", "host"):
-        phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(est)
+              "blocks' backward end": held + (0 if early else head) + shards + est.grads_in_flight
+              + est.activations_recompute + est.activations_objects,
+              "root's gradient": held + full + _largest_root_use(plan) + shards}
+    if plan.blocks():
+        phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(plan, est)
     if plan.fused_loss is not None and plan.fused_loss.logits_bytes is not None:
         phases = {"vocabulary head and loss": held + kept + plan.fused_loss.peak_bytes, **phases}
     return phases
 
 
-def _first_block_backward(est: MemoryEstimate) -> int:
-    """With ``offload="disk"`` (or ``"host"``): the first block's backward beside every kept activation. Its
-    gradient shards go to the file (the host) as their reduce-scatters end, so none pile up and the blocks'
-    backward peaks at its start
-    (measured, 2 ranks, GPT of width 1024: the peak grew by 0.66 MiB a layer from 8 to 24 layers, its
-    checkpointed inputs 0.5 MiB and each layer's objects the rest; the blocks' backward end did not grow)."""
-    return est.grads + est.grads_in_flight + est.activations_recompute
+def _first_block_backward(plan: WrapPlan, est: MemoryEstimate) -> int:
+    """The first block's backward beyond what backward's start holds: one recompute's saved tensors, the
+    gradients in flight, and the gradient shards there are then: the early head's (``_early_buffer``) and
+    one reduce-scatter's of a block in flight, no more than ``est.grads`` (with the shards offloaded, those
+    in flight). The root's other shards come after the blocks' backward. Offloaded, the blocks' backward
+    peaks here (measured, 2 ranks, GPT of width 1024: the peak grew by 0.66 MiB a layer from 8 to 24
+    layers, its checkpointed inputs 0.5 MiB and each layer's objects the rest; the blocks' backward end did
+    not grow)."""
+    n, t, early = _shard_ranks(est), tp_of(plan), _early_buffer(plan)
+    block = max((sum(b.shard_numel(b.ranks(n, t)) * itemsize(b.dtype) for b in g.buffers if b.requires_grad)
+                 for g in plan.blocks()), default=0)
+    head = early.shard_numel(early.ranks(n, t)) * itemsize(early.dtype) if early is not None else 0
+    # A first block that kept its activations (a budget's choice) recomputes nothing: they are among the kept.
+    first = plan.group(plan.order[-1]) if plan.order else plan.blocks()[-1]
+    recompute = est.activations_recompute if first.checkpoint else 0
+    return min(est.grads, head + GRADS_IN_FLIGHT * block) + est.grads_in_flight + recompute
 
 
 def training_peak(plan: WrapPlan, est: MemoryEstimate) -> int:
     """Bytes per rank above the baseline at a training step's peak: the largest of its phases."""
     return max(training_phases(plan, est).values())
+
+
+def with_peak(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
+    """``est`` with its step's peak (``training_peak``), which the plan's table prints beside the total."""
+    return replace(est, peak=training_peak(plan, est))
+
+
+def scheduled_estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | None) -> MemoryEstimate:
+    """The estimate a schedule shows and a memory budget is fitted to (one count, so the budget's note and the
+    table agree): ``estimate``, or under TP ``estimate_tp`` without a batch (its traffic unknown), with its peak."""
+    est = (estimate(plan, world_size, activations) if plan.tensor_parallel is None
+           else estimate_tp(plan, world_size, None, activations))
+    return with_peak(plan, est)
 
 
 def _largest_root_use(plan: WrapPlan) -> int:
@@ -175,14 +232,15 @@ def _largest_root_use(plan: WrapPlan) -> int:
 
 
 def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full: bool = True,
-                 beside: int = 0, wrapping_baseline: int | None = None) -> ProcessPeak:
+                 beside: int = 0, wrapping_baseline: int | None = None,
+                 margin_fraction: float = 0.0) -> ProcessPeak:
     """Peak bytes per rank of a process training ``plan`` at ``est``'s world size. ``built_full``: the model
     was built with real weights before wrapping (False when built on the meta device and loaded);
     ``beside``: the resident bytes beside the tensors the model's layers add above the baseline's;
     ``wrapping_baseline``: the process before its first step, under wrapping
-    (``bmt_wrap.process_baseline``)."""
+    (``bmt_wrap.process_baseline``); ``margin_fraction``: of the count, kept beside it (``MARGIN``)."""
     wrapping = wrapping_bytes(plan, est) if built_full else 0
-    return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline)
+    return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline, margin_fraction)
 
 
 def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:
@@ -213,7 +271,8 @@ def optimizer_on_disk(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) ->
     """``est`` with the optimizer state in a file (``bmt.optim.AdamDiskOptimizer``), and the bytes it reads
     per step per rank (it writes as many back): memory keeps only what a step touches of the staging buffer
     (``staging_bytes``), and every step streams the whole state through it once."""
-    return replace(est, optimizer=staging_bytes(plan, est, buffer_bytes)), est.optimizer
+    small = replace(est, optimizer=staging_bytes(plan, est, buffer_bytes))
+    return (small if est.peak is None else with_peak(plan, small)), est.optimizer
 
 
 def staging_bytes(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> int:

@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from ..base._compat import drop_compiled_call, pytree
 from ..base.fused_loss_plan import FusedLossPlan
-from ..base.plan import FX_FAILED_NOTE
+from ..base.plan import EXPORT_FAILED_NOTE, FX_FAILED_NOTE
 from .activations import ActivationProfile
 from .discover import Discovery
 from .export_graph import ExportResult, export_blocks
@@ -43,6 +43,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     activations: ActivationProfile | None = None  # needs example inputs
     fused_loss: FusedLossPlan | None = None  # the vocabulary head and its loss found in the graph (with_fused_loss)
+    readers: dict[str, list[str]] | None = None  # export's parameter -> the modules reading it (none without)
 
 
 def as_call(example_inputs: object) -> Call | None:
@@ -195,17 +196,18 @@ def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> 
             exported = export_blocks(skeleton, discovery, *to_meta(call))
             notes += exported.notes
         except Exception as exc:
-            notes.append(f"torch.export failed ({describe(exc)})")
+            notes.append(f"{EXPORT_FAILED_NOTE} ({describe(exc)})")
     activations = exported.activations if exported is not None else None
     if call is None:
         notes.append("activation bytes unknown: no example inputs")
     elif exported is None:
         notes.append("activation bytes unknown: they are measured on the exported graph")
 
+    readers = exported.readers if exported is not None else None
     if fx_result is not None:
-        return Capture("fx", fx_result[1], fx_result[0], notes, activations)
+        return Capture("fx", fx_result[1], fx_result[0], notes, activations, readers=readers)
     if exported is not None:
-        return Capture("export", exported.order, exported.graph, notes, activations)
+        return Capture("export", exported.order, exported.graph, notes, activations, readers=readers)
     if call is not None and skeleton is not None:
         try:
             args, kwargs = to_meta(call)

@@ -143,6 +143,18 @@ class ExportResult:
     order: list[str]
     activations: ActivationProfile | None
     notes: list[str] = field(default_factory=list)
+    readers: dict[str, list[str]] = field(default_factory=dict)  # parameter_readers of the whole graph
+
+
+def parameter_readers(graph: fx.Graph) -> dict[str, list[str]]:
+    """Parameter (or buffer) name -> the modules whose own code computes with it: the innermost module of
+    each reading node's ``nn_module_stack`` ("" for the root's code)."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            stacks = [list((u.meta.get("nn_module_stack") or {}).values()) for u in node.users]
+            readers[unwrapped_name(str(node.target))] = sorted({unwrapped_name(s[-1][0]) if s else "" for s in stacks})
+    return readers
 
 
 def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs: dict) -> ExportResult:
@@ -163,5 +175,5 @@ def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs
     except Exception as exc:  # the estimate is optional: the capture stands without it
         activations = None
         notes.append(f"activation bytes unknown: measuring them on the exported graph failed ({describe(exc)})")
-    return ExportResult(graph, order, activations, notes)
+    return ExportResult(graph, order, activations, notes, parameter_readers(gm.graph))
 

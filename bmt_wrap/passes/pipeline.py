@@ -29,7 +29,7 @@ from ..base.plan import (
 )
 from ..errors import PipelineError, PlanError
 from .activations import ActivationProfile
-from .estimate import estimate, gathered_traffic, held_gathered
+from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
@@ -205,8 +205,10 @@ class StageEstimate:
 def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
                       activations: ActivationProfile | None = None) -> list[StageEstimate]:
     """Each stage's ``StageEstimate`` with ``shard_size`` data-parallel ranks per stage; activations (the
-    whole local batch's, cut into ``section.microbatches``) give the boundaries and what the schedules hold."""
+    whole local batch's, cut into ``section.microbatches``) give the boundaries and what the schedules hold.
+    Under the plan's tensor parallelism: per TP rank (its slices; whole parameters sharded over shard x tp)."""
     root = plan.group(ROOT) if any(g.is_root for g in plan.groups) else None
+    t = tp_of(plan)
     inputs = {c.block: c.input_bytes for c in (activations.calls if activations is not None else [])}
     blocks = [b for s in section.stages for b in s.blocks]
     m, p = section.microbatches, section.size
@@ -215,14 +217,15 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
         groups = [plan.group(b) for b in s.blocks]
         if root is not None and s.root:
             groups.insert(0, stage_root_spec(root, s.root))
-        sub = WrapPlan(groups=groups, prefetch_depth=plan.prefetch_depth, order=list(s.blocks))
+        sub = WrapPlan(groups=groups, prefetch_depth=plan.prefetch_depth, order=list(s.blocks),
+                       tensor_parallel=plan.tensor_parallel)
         own = None
         if activations is not None:
             own = ActivationProfile(activations.root_bytes if i in (0, p - 1) else 0,
                                     [c for c in activations.calls if c.block in s.blocks], activations.object_bytes)
         zero = estimate(sub, shard_size, own)
-        zero.gathered = sum(held_gathered(g, shard_size) for g in groups if g.is_root)
-        step = sum(held_gathered(g, shard_size) for g in groups if not g.is_root)
+        zero.gathered = sum(held_gathered(g, shard_size, t) for g in groups if g.is_root)
+        step = sum(held_gathered(g, shard_size, t) for g in groups if not g.is_root)
         # What crosses a boundary: the inputs of the next stage's first block (its hidden states, and
         # whatever else it reads that the first stage computed), one micro-batch's worth.
         first = blocks.index(s.blocks[0])
@@ -235,7 +238,7 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
             held_gpipe=m * b_in if b_in is not None else None,
             held_1f1b=min(m, p - i) * b_in if b_in is not None else None,
             p2p=2 * m * (b_in + b_out) if known else None,
-            zero_traffic=sum(gathered_traffic(g, shard_size) for g in groups) + zero.comm_reduce_scatter))
+            zero_traffic=sum(gathered_traffic(g, shard_size, t) for g in groups) + zero.comm_reduce_scatter))
     return out
 
 

@@ -20,9 +20,9 @@ from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan
 from ..base.tp_plan import TensorParallelPlan
 from ..errors import PlanError
 from .budget import fit_budget
+from .capacity import scheduled_estimate
 from .capture import Capture
 from .discover import Discovery
-from .estimate import estimate, estimate_tp
 from .util import self_checkpointing_modules
 
 
@@ -141,8 +141,7 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
     new.memory_budget = memory_budget
     new.notes = [n for n in plan.notes if not n.startswith(SCHEDULE_NOTE)] + [SCHEDULE_NOTE + n for n in notes]
     # TP's activation traffic needs a batch: estimate_tp(plan, dp, tokens=) where one is known.
-    new.estimates = {str(world_size): estimate(new, world_size, activations) if new.tensor_parallel is None
-                     else estimate_tp(new, world_size, None, activations)}
+    new.estimates = {str(world_size): scheduled_estimate(new, world_size, activations)}
     return new
 
 

@@ -26,6 +26,7 @@ from torch import fx, nn
 from ..base.tp_plan import HeadRewrite, Replicated, TensorParallelPlan, TPEntry
 from ..errors import TensorParallelPlanError, listed
 from .discover import Discovery
+from .tp_uses import outside_reads
 
 #: transformers' style names -> ours (``base/tp_plan.py`` SPLIT_STYLES), or None: keep the module whole.
 STYLES: dict[str, str | None] = {
@@ -86,6 +87,7 @@ def plan_tensor_parallel(model: nn.Module, tp_size: int, discovery: Discovery,
     modules = dict(model.named_modules())
     chosen = _expand(styles, modules, plan, strict=plan.source == "user")
     _fill_entries(plan, chosen, modules, discovery)
+    _replicate(plan, outside_reads(model, plan))
     _keep_tied_consistent(plan, model)
     _rewrite_heads(plan, model, modules)
     _check_divisible(plan, model)
@@ -190,10 +192,22 @@ def _keep_tied_consistent(plan: TensorParallelPlan, model: nn.Module) -> None:
         dims = {split[n][1] if n in split else None for n in names}
         if len(names) > 1 and len(dims) > 1:
             bad.update(split[n][0].module for n in names if n in split)
-    if bad:
-        plan.entries = [e for e in plan.entries if e.module not in bad]
-        plan.replicated += [Replicated(m, "its weight is tied to a parameter not split the same way")
-                            for m in sorted(bad)]
+    _replicate(plan, {m: "its weight is tied to a parameter not split the same way" for m in bad})
+
+
+def _replicate(plan: TensorParallelPlan, reasons: dict[str, str]) -> None:
+    """Keep the modules of ``reasons`` whole, and the column/row Linears beside a column/row one kept whole
+    (same parent): a pair's layout assumed both were split."""
+    kept = defaultdict(list)  # parent -> its column/row Linears kept whole
+    for e in plan.entries:
+        if e.module in reasons and e.style in ("colwise", "rowwise"):
+            kept[_parent(e.module)].append(e.module)
+    partners = {e.module: f"its column/row partner beside it, {listed(kept[_parent(e.module)])}, is kept whole"
+                for e in plan.entries if e.module not in reasons and e.style in ("colwise", "rowwise")
+                and _parent(e.module) in kept}
+    gone = reasons | partners
+    plan.replicated += [Replicated(e.module, gone[e.module]) for e in plan.entries if e.module in gone]
+    plan.entries = [e for e in plan.entries if e.module not in gone]
 
 
 def _rewrite_heads(plan: TensorParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> None:

@@ -15,15 +15,12 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..errors import CheckpointCorruptError
 from .atomic import os_errors
-
-if TYPE_CHECKING:
-    from .formats import Source
 
 CHUNK = 16 << 20  # bytes read at a time: memory stays flat whatever the file's size
 
@@ -72,7 +69,21 @@ def parse_crc_table(text: str | None) -> dict[str, int]:
     return {name: int(crc, 16) for name, crc in table.items()}
 
 
-def tensor_crc32(source: Source, name: str) -> int:
+class TensorSource(Protocol):
+    """What a checksum reads a tensor through: formats.Source meets it (formats.py imports this module, so
+    the type is declared here instead of imported)."""
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The tensor's shape and dtype."""
+
+    def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor."""
+
+    def file_of(self, name: str) -> Path:
+        """The file holding the tensor."""
+
+
+def tensor_crc32(source: TensorSource, name: str) -> int:
     """The CRC-32 of tensor ``name``'s bytes in ``source``, read ``CHUNK`` bytes at a time."""
     shape, dtype = source.info(name)
     numel = math.prod(shape)
@@ -86,7 +97,7 @@ def tensor_crc32(source: Source, name: str) -> int:
     return crc
 
 
-def check_tensor_crc32(source: Source, name: str, expected: int) -> None:
+def check_tensor_crc32(source: TensorSource, name: str, expected: int) -> None:
     """Raise ``CheckpointCorruptError`` unless tensor ``name``'s bytes in ``source`` have CRC-32 ``expected``."""
     with os_errors(source.file_of(name), "read"):
         found = tensor_crc32(source, name)

@@ -32,11 +32,14 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def reseed(seed: int, step: int, rank: int) -> int:
+def reseed(seed: int | None, step: int, rank: int) -> int | None:
     """Seed every RNG with ``(seed * 1_000_003 + step) * 1_000_003 + rank`` (mod 2**63); returns it.
 
     Used when a checkpoint is resumed at another world size, where saved per-rank states have no owner.
+    A job saved under ``init_distributed(seed=None)`` seeds its RNGs itself: they are left alone (None).
     """
+    if seed is None:
+        return None
     derived = ((seed * 1_000_003 + step) * 1_000_003 + rank) % 2**63
     seed_everything(derived)
     return derived

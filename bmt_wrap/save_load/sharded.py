@@ -382,7 +382,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         if same_world:
             rng.restore(reader.state(state.rank)["rng"])
         else:
-            rng.reseed(int(reader.meta["seed"]), step or 0, state.rank)
+            rng.reseed(reader.meta["seed"], step or 0, state.rank)
         rebuild_lost_buffers(model)
         return CheckpointInfo(step=step, extra=common["extra"], saved_world_size=reader.world, rng_restored=same_world)
 

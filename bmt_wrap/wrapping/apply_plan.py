@@ -18,6 +18,7 @@ from ..base.dtypes import to_dtype
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..errors import PlanError, WrapError
+from ..loss.product_head import HeadWeight
 from ..optim import clip_grad_norm_, install_grad_scaler_guard
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import ParallelLayout
@@ -30,6 +31,7 @@ from ..runtime.standalone import full_value
 from .bound_block import CheckpointBlock, bind_block
 from .compiled import compiled_wrapper, never_traced
 from .offload_option import offload_store
+from .one_backward import refuse_second_backward
 from .pipeline import Stages, place_root, root_specs, sync_from_rank0
 from .sharded_module import ShardedModuleMixin, install_state_hooks
 
@@ -109,7 +111,7 @@ def apply_plan(model: nn.Module, plan: WrapPlan, mixed_precision: MixedPrecision
     root_group: ShardGroup | None = None
     sync_from: int | None = 0
     if stages is not None:
-        sync_from_rank0(plan.groups, by_name)  # each stage then keeps its own, from rank 0's values
+        sync_from_rank0(plan.groups, by_name, stages.layout.tp_rank, stages.layout.tp_size)  # then each stage keeps its own
         sync_from = None
     for spec in plan.groups:
         if spec.is_root and stages is not None:
@@ -291,9 +293,11 @@ def _regather_hook(engine: Engine, group: ShardGroup, index: int, attr: str) -> 
     reduce-scattered as soon as the module's backward ends, not after the blocks' (runtime/gather_function.py)."""
     def hook(module: nn.Module, args: tuple) -> None:
         installed = module._parameters.get(attr)
-        late = regathered(engine, group, index, installed) if installed is not None else None
-        if late is not None:
-            module._parameters[attr] = late  # the root's post-hook puts the shard back after the forward
+        marked = installed if isinstance(installed, HeadWeight) else None  # a fused product head's weight
+        late = regathered(engine, group, index, marked.value() if marked is not None else installed) \
+            if installed is not None else None
+        if late is not None:  # the root's post-hook puts the shard back after the forward
+            module._parameters[attr] = HeadWeight.of(late, marked._kind) if marked is not None else late
     return hook
 
 
@@ -339,6 +343,8 @@ def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
         # is rare) and with them memory that grows with depth: 37 MiB of a 14-layer Llama's 2-rank job.
         gc.collect()
     mp = model._bmt_mp
-    if mp is not None and mp.output_dtype is not None:
-        return pytree.tree_map(mp.cast_output, output)
-    return None
+    cast = mp is not None and mp.output_dtype is not None
+    result = pytree.tree_map(mp.cast_output, output) if cast else output
+    if getattr(model, "_bmt_outermost", True):
+        refuse_second_backward(type(model).__bases__[-1].__name__, result)  # the user's class (_root_class)
+    return result if cast else None

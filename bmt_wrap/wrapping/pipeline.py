@@ -25,7 +25,7 @@ from torch import nn
 from ..base._compat import pytree
 from ..base.pipeline_plan import PipelinePlan
 from ..base.plan import ROOT, ShardGroupSpec, WrapPlan
-from ..errors import PipelineError, PipelineInputMismatchError, PlanError, UnsupportedError
+from ..errors import PipelineError, PipelineInputMismatchError, PlanError
 from ..job.distributed import agree, get_state
 from ..job.tp_inputs import _digest
 from ..loss.lazy_logits import LazyLogits
@@ -48,6 +48,7 @@ from ..runtime.pipeline import (
     forward_tag,
     send_failure,
 )
+from ..runtime.tp_marks import tp_split_dim
 from .compiled import never_traced
 
 
@@ -78,10 +79,12 @@ class Stages:
         return StagePlacement(self.pp, stages[0], stages)
 
 
-def sync_from_rank0(specs: list[ShardGroupSpec], by_name: dict[str, ParamSite]) -> None:
+def sync_from_rank0(specs: list[ShardGroupSpec], by_name: dict[str, ParamSite], tp_rank: int = 0,
+                    tp_size: int = 1) -> None:
     """Give every rank rank 0's values of ``specs``' parameters, one broadcast per flat buffer over the job
     (as ZeRO-3's wrapping does), before each stage keeps only its own: the stages then start from one
-    model wherever it was built."""
+    model wherever it was built. Under TP, a buffer holding TP-split slices is broadcast from each of the
+    first TP group's ranks in turn (rank t = tp_rank t of stage 0), each rank keeping its own TP rank's."""
     comm = get_engine().comm
     if comm.world_size == 1:
         return
@@ -90,13 +93,17 @@ def sync_from_rank0(specs: list[ShardGroupSpec], by_name: dict[str, ParamSite]) 
             params = [by_name[s.fqn].param for s in b.slots]
             if any(p.is_meta for p in params):
                 continue
+            split = tp_size > 1 and any(tp_split_dim(p) is not None for p in params)
             flat = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)
             with torch.no_grad():
-                for s, p in zip(b.slots, params, strict=True):
-                    flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
-                comm.broadcast(flat, 0, label=f"{spec.name} parameters (pipeline)")
-                for s, p in zip(b.slots, params, strict=True):
-                    p.detach().copy_(flat[s.offset:s.offset + s.numel].view(p.shape))
+                for src in range(tp_size if split else 1):
+                    if src == tp_rank or not split:
+                        for s, p in zip(b.slots, params, strict=True):
+                            flat[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
+                    comm.broadcast(flat, src, label=f"{spec.name} parameters (pipeline)")
+                    if src == tp_rank or not split:
+                        for s, p in zip(b.slots, params, strict=True):
+                            p.detach().copy_(flat[s.offset:s.offset + s.numel].view(p.shape))
 
 
 def root_specs(root: ShardGroupSpec, stages: Stages) -> tuple[ShardGroupSpec | None, list[tuple[StagePlacement,
@@ -550,10 +557,6 @@ def pipeline_options(layout: ParallelLayout, microbatches: int | None, plan: Wra
         if microbatches not in (None, 1):
             raise PipelineError(f"pp_microbatches={microbatches} without pipeline stages: pass pp_size= too")
         return None
-    if layout.tp_size > 1:
-        raise UnsupportedError("pipeline stages with tensor parallelism in BMTrainModelWrapper are not supported "
-                               "yet: use pp_size= or tp_size=, or BMTrain's explicit API (init_distributed("
-                               "pipe_size=, tp_size=) with PipelineTransformerBlockList)")
     given = plan.pipeline.microbatches if plan is not None and plan.pipeline is not None else None
     m = microbatches if microbatches is not None else given or layout.pp_size
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:

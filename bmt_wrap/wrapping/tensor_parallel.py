@@ -45,6 +45,7 @@ def tensor_parallel_section(model: nn.Module, discovery: passes.Discovery,
         if given.tp_size != layout.tp_size:
             raise PlanError(f"plan= was made for tp_size={given.tp_size}, this job wraps with tp_size="
                             f"{layout.tp_size}; make the plan again for this size")
+        passes.refuse_outside_reads(model, given)
         return given
     if plan is not None:
         raise PlanError("plan= has no tensor_parallel section: use model.plan of a model wrapped with TP")

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import passes
 from ..base.expert_plan import ExpertPlan
-from ..base.host_allocator import EXACT_SETTING, counts_exactly
+from ..base.host_allocator import EXACT_SETTING, THRESHOLD_VAR, counts_exactly
 from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
@@ -62,13 +62,16 @@ class _FirstForward:
 
     def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
         state = get_state()
+        # Every rank captured the same model: each raises alike when its graph shows a split weight read elsewhere.
+        passes.check_captured_reads(self.skeleton, model.plan.tensor_parallel, cap.readers)
         budgeted = self.options["memory_budget"] is not None
         mine, failure = None, None
         try:
             if model.plan.pipeline is not None and state.rank == 0:
                 # Stages were placed from module order at wrap time; the captured forward must agree.
                 passes.check_root_order(model.plan.pipeline, cap.graph, model.plan)
-            section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss)
+            section = passes.fused_loss_section(self.skeleton, cap, enabled=self.fused_loss,
+                                                tensor_parallel=model.plan.tensor_parallel)
             mine = passes.schedule(model.plan, passes.with_fused_loss(cap, section), world_size=self.shard_size,
                                    **self.options)
             if cap.method == "export" and mine.tensor_parallel is not None and mine.tensor_parallel.sequence:
@@ -210,7 +213,8 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks;
     ``pipeline``: (stages, micro-batches) to cut it into; ``experts``: the expert-parallel section."""
     cap = passes.capture(model, discovery, example_inputs)
-    section = passes.fused_loss_section(model, cap, enabled=fused_loss)
+    passes.check_captured_reads(model, tp, cap.readers)
+    section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, experts=experts, **options)
     if pipeline is not None:
@@ -248,9 +252,12 @@ def _warn_if_budget_inexact() -> None:
     """Warn when a budget spent on host memory counts tensors the allocator does not give back."""
     if counts_exactly():
         return
+    given = os.environ.get(THRESHOLD_VAR)
+    setting = f"{THRESHOLD_VAR}={given}" if given is not None else "glibc's default allocator"
     warnings.warn(
-        "memory_budget= is spent by counting tensors, and under glibc's default allocator this CPU process "
-        "holds more than its tensors (its heap keeps what they free), so resident memory can pass the "
+        f"memory_budget= is spent by counting tensors, and under {setting} this CPU process "
+        "holds more than its tensors (its heap keeps what they free, or small ones take whole pages), so "
+        "resident memory can pass the "
         f"budget. Start the job with {EXACT_SETTING} in its environment (freed tensors then leave the process; "
         "it costs some step time: docs/design.md \"Capacity\"), or pass a budget with headroom.",
         UserWarning, stacklevel=3)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ...errors import CollectiveMismatchError, CommError, CommTimeoutError, PeerLostError
+
+_E = TypeVar("_E", bound=CommError)
 
 #: Reduction names accepted by every backend.
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -53,6 +55,9 @@ class Communicator(abc.ABC):
         self.timeout = timeout
         self.broken: str | None = None
         self.mismatch: str | None = None  # why ranks disagreed on a collective: every later op says it again
+        # The error that broke the group (a timeout, a lost peer): every later op repeats it, since the op
+        # that hit it may be one nobody waits on (an async reduce-scatter) and the next op is what the user sees.
+        self.failure: CommError | None = None
 
     # ---- public API -------------------------------------------------------------------------
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
@@ -176,20 +181,37 @@ class Communicator(abc.ABC):
     def timeout_error(self, what: str) -> CommTimeoutError:
         """Build the fatal timeout error for ``what`` and mark this communicator unusable."""
         self.broken = what
-        return CommTimeoutError(
+        return self._first_failure(CommTimeoutError(
             f"{what} did not complete within {self.timeout.total_seconds():.0f}s on the {self.describe()}. "
             "Usually another rank died or stopped calling collectives (it left a loop early: a different "
             "number of batches or generated tokens per rank), or, on GPU, ranks called different "
             "collectives (BMT_WRAP_DEBUG=1 names them). The process group is unusable "
-            "after this: restart the job (torchrun restarts it with --max-restarts).")
+            "after this: restart the job (torchrun restarts it with --max-restarts)."))
 
-    def peer_lost_error(self, what: str, detail: str) -> PeerLostError:
-        """Build the fatal error for a peer that left during ``what`` and mark this communicator unusable."""
+    def peer_lost_error(self, what: str, detail: str, peer: int | None = None) -> PeerLostError:
+        """Build the fatal error for a peer that left during ``what`` and mark this communicator unusable.
+
+        ``peer`` is the lost one's rank in this group when the failed transfer was with one rank; with two
+        ranks it can only be the other one.
+        """
+        if peer is None and self.world_size == 2:
+            peer = 1 - self.rank
+        who = "another rank" if peer is None else f"rank {self.global_rank(peer)}"
         self.broken = what
-        return PeerLostError(
-            f"{what} failed on the {self.describe()}: another rank closed its connection ({detail.strip()[:200]}). "
-            "It died, timed out first or tore its group down: look at the other ranks' output for the first "
-            "error. The process group is unusable after this: restart the job (torchrun --max-restarts).")
+        return self._first_failure(PeerLostError(
+            f"{what} failed on the {self.describe()}: {who} closed its connection ({detail.strip()[:200]}). "
+            f"It died, timed out first or tore its group down: look at {who}'s output for the first "
+            "error. The process group is unusable after this: restart the job (torchrun --max-restarts)."))
+
+    def _first_failure(self, error: _E) -> _E:
+        """``error``, kept as the group's failure unless an earlier one broke it first (that one is the cause)."""
+        if self.failure is None:
+            self.failure = error
+        return error
+
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this group's ``rank`` (what each rank's log lines are prefixed with)."""
+        return rank
 
     # ---- backend hooks --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -224,9 +246,13 @@ class Communicator(abc.ABC):
 
     def unusable_error(self, what: str) -> CommError:
         """The error for ``what`` on a group an earlier failure broke: the mismatch itself when ranks
-        disagreed (so every rank reports the divergence, whichever op it waits on first)."""
+        disagreed (so every rank reports the divergence, whichever op it waits on first), else that failure
+        again, of its type (a lost peer stays a ``PeerLostError`` naming the peer)."""
         if self.mismatch is not None:
             return CollectiveMismatchError(self.mismatch)
+        if self.failure is not None:
+            return type(self.failure)(f"{what} was not run: the {self.describe()} is unusable after an earlier "
+                                      f"failure. {self.failure}")
         return CommTimeoutError(f"{what}: the {self.describe()} is unusable after an earlier failure "
                                 f"({self.broken}); restart the job.")
 
@@ -286,6 +312,19 @@ class CommunicatorWrapper(Communicator):
     @mismatch.setter
     def mismatch(self, value: str | None) -> None:
         self.inner.mismatch = value
+
+    @property  # type: ignore[override]
+    def failure(self) -> CommError | None:
+        """The error that broke the wrapped backend, or None."""
+        return self.inner.failure
+
+    @failure.setter
+    def failure(self, value: CommError | None) -> None:
+        self.inner.failure = value
+
+    def global_rank(self, rank: int) -> int:
+        """The wrapped backend's answer."""
+        return self.inner.global_rank(rank)
 
     @property  # type: ignore[override]
     def device(self) -> torch.device | None:

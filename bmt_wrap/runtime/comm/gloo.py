@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError, CommError
 from .base import Communicator, Handle, split_offsets
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
-from .subgroups import process_group_subgroup
+from .subgroups import GroupRef, process_group_subgroup
 
 _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
@@ -39,6 +39,8 @@ _TAG_SPREAD = 1 << 20  # data tags: op tag + a hash of what defines the op, belo
 
 # How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
 _PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "application crash", "remote worker")
+
+_Work = tuple[Any, int | None]  # a torch Work and the peer rank it transfers with (None: a collective)
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -77,7 +79,7 @@ class GlooCommunicator(Communicator):
                  check_order: bool = True, global_ranks: Sequence[int] | None = None,
                  worker: GlooCommunicator | None = None) -> None:
         super().__init__(rank, world_size, timeout)
-        self._group = group
+        self._group = GroupRef(group)  # weak: the group dies with destroy_process_group
         # torch's point-to-point calls and broadcast name peers by their rank in the default group
         self._global = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.check_order = check_order  # BMT_WRAP_CHECK_COLLECTIVES=0 turns it off
@@ -112,6 +114,10 @@ class GlooCommunicator(Communicator):
     def _subgroup(self, ranks: tuple[int, ...], group: Any) -> Communicator:
         return process_group_subgroup(self, self._global, ranks, group, lambda g, rank, size, glob: GlooCommunicator(
             g, rank, size, self.timeout, self.check_order, global_ranks=glob, worker=self))
+
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this group's ``rank``."""
+        return self._global[rank]
 
     def describe(self) -> str:
         """The group, with its global ranks when it is a sub-group."""
@@ -167,17 +173,17 @@ class GlooCommunicator(Communicator):
         return fut
 
     def _post_order(self, op: OpDescription, peers: tuple[int, ...] | None = None
-                    ) -> tuple[dict[int, torch.Tensor], list]:
+                    ) -> tuple[dict[int, torch.Tensor], list[_Work]]:
         mine = op.encode()
         peers = peers if peers is not None else tuple(range(self.world_size))
         theirs = {p: torch.empty(RECORD_BYTES, dtype=torch.uint8) for p in peers if p != self.rank}
         works = []
         for peer, buf in theirs.items():
-            works.append(dist.isend(mine, self._global[peer], group=self._group, tag=_TAG_ORDER))
-            works.append(dist.irecv(buf, self._global[peer], group=self._group, tag=_TAG_ORDER))
+            works.append((dist.isend(mine, self._global[peer], group=self._group(), tag=_TAG_ORDER), peer))
+            works.append((dist.irecv(buf, self._global[peer], group=self._group(), tag=_TAG_ORDER), peer))
         return theirs, works
 
-    def _verify(self, posted: tuple[dict[int, torch.Tensor], list], op: OpDescription) -> None:
+    def _verify(self, posted: tuple[dict[int, torch.Tensor], list[_Work]], op: OpDescription) -> None:
         """Raise ``CollectiveMismatchError`` on every rank unless all ranks are running ``op`` now."""
         theirs, works = posted
         self._wait_all(works, f"the order check before {op.text}")
@@ -190,8 +196,10 @@ class GlooCommunicator(Communicator):
         self.broken = f"collective #{self._sequence} differed across ranks"
         raise CollectiveMismatchError(self.mismatch)
 
-    def _wait_all(self, works: list, what: str) -> None:
-        for work in works:
+    def _wait_all(self, works: list[_Work], what: str) -> None:
+        """Wait on each (work, peer); peer is the one rank a transfer is with (None: a collective), named
+        when its connection is lost."""
+        for work, peer in works:
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
@@ -199,7 +207,7 @@ class GlooCommunicator(Communicator):
                 if "timed out" in text or "timeout" in text:
                     raise self.timeout_error(what) from exc
                 if any(marker in text for marker in _PEER_GONE):
-                    raise self.peer_lost_error(what, str(exc)) from exc
+                    raise self.peer_lost_error(what, str(exc), peer) from exc
                 raise
 
     # ---- ops --------------------------------------------------------------------------------------
@@ -212,9 +220,9 @@ class GlooCommunicator(Communicator):
             works = []
             for peer in range(n):
                 if peer != r:
-                    works.append(dist.isend(shard, self._global[peer], group=self._group, tag=tag))
-                    works.append(dist.irecv(out[peer * size:(peer + 1) * size], self._global[peer],
-                                            group=self._group, tag=tag))
+                    works.append((dist.isend(shard, self._global[peer], group=self._group(), tag=tag), peer))
+                    works.append((dist.irecv(out[peer * size:(peer + 1) * size], self._global[peer],
+                                             group=self._group(), tag=tag), peer))
             out[r * size:(r + 1) * size].copy_(shard)
             verify()
             self._wait_all(works, desc.text)
@@ -238,8 +246,8 @@ class GlooCommunicator(Communicator):
             send = piece(r - 1)
             for step in range(n - 1):
                 recv = out if (n - 2 - step) % 2 == 0 else scratch
-                works = [dist.isend(send, self._global[nxt], group=self._group, tag=tag),
-                         dist.irecv(recv, self._global[prv], group=self._group, tag=tag)]
+                works = [(dist.isend(send, self._global[nxt], group=self._group(), tag=tag), nxt),
+                         (dist.irecv(recv, self._global[prv], group=self._group(), tag=tag), prv)]
                 if step == 0:
                     verify()
                 self._wait_all(works, desc.text)
@@ -254,10 +262,10 @@ class GlooCommunicator(Communicator):
         desc = describe_op("all_reduce", tensor, label, op)
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group,
+            work = dist.all_reduce(tensor, _TORCH_OPS.get(op, dist.ReduceOp.SUM), group=self._group(),
                                    async_op=True)
             verify()
-            self._wait_all([work], desc.text)
+            self._wait_all([(work, None)], desc.text)
             if op == "avg":
                 tensor.div_(self.world_size)
 
@@ -267,9 +275,9 @@ class GlooCommunicator(Communicator):
         desc = describe_op("broadcast", tensor, label, f"from rank {src}")
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.broadcast(tensor, self._global[src], group=self._group, async_op=True)
+            work = dist.broadcast(tensor, self._global[src], group=self._group(), async_op=True)
             verify()
-            self._wait_all([work], desc.text)
+            self._wait_all([(work, None)], desc.text)
 
         return self._submit(desc, run)
 
@@ -278,9 +286,9 @@ class GlooCommunicator(Communicator):
         desc = describe_op("barrier", None, label)
 
         def run(verify: Callable[[], None]) -> None:
-            work = dist.all_reduce(flag, group=self._group, async_op=True)
+            work = dist.all_reduce(flag, group=self._group(), async_op=True)
             verify()
-            self._wait_all([work], desc.text)
+            self._wait_all([(work, None)], desc.text)
 
         return self._submit(desc, run)
 
@@ -298,10 +306,10 @@ class GlooCommunicator(Communicator):
                     continue
                 if in_splits[peer]:  # an empty piece is not sent: the peer expects none (its out_splits)
                     piece = inp[starts_in[peer]:starts_in[peer] + in_splits[peer]]
-                    works.append(dist.isend(piece, self._global[peer], group=self._group, tag=tag))
+                    works.append((dist.isend(piece, self._global[peer], group=self._group(), tag=tag), peer))
                 if out_splits[peer]:
-                    works.append(dist.irecv(out[starts_out[peer]:starts_out[peer] + out_splits[peer]],
-                                            self._global[peer], group=self._group, tag=tag))
+                    works.append((dist.irecv(out[starts_out[peer]:starts_out[peer] + out_splits[peer]],
+                                             self._global[peer], group=self._group(), tag=tag), peer))
             out[starts_out[r]:starts_out[r] + out_splits[r]].copy_(inp[starts_in[r]:starts_in[r] + in_splits[r]])
             verify()
             self._wait_all(works, desc.text)
@@ -323,11 +331,11 @@ class GlooCommunicator(Communicator):
 
         def run(verify: Callable[[], None]) -> None:
             if src == self.rank:
-                work = dist.isend(tensor, self._global[dst], group=self._group, tag=data_tag)
+                work = dist.isend(tensor, self._global[dst], group=self._group(), tag=data_tag)
             else:
-                work = dist.irecv(tensor, self._global[src], group=self._group, tag=data_tag)
+                work = dist.irecv(tensor, self._global[src], group=self._group(), tag=data_tag)
             verify()
-            self._wait_all([work], desc.text)
+            self._wait_all([(work, peer)], desc.text)
 
         return self._submit(desc, run, peers=(self.rank, peer))
 
