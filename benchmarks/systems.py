@@ -93,6 +93,17 @@ def bmt_wrapper_pp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module
     return bmt.BMTrainModelWrapper(model, pp_size=2, pp_microbatches=int(os.environ.get("BMT_PP_MICROBATCHES", "4")))
 
 
+#: Systems with expert parallelism, and their EP size (every rank takes its own slice of the data).
+EP_SIZES = {"bmt_wrapper_ep2": 2, "bmt_wrapper_ep4": 4}
+
+
+def bmt_wrapper_ep(ep: int) -> Callable[[nn.Module, Workload, Batch], nn.Module]:
+    """The one-liner with expert parallelism over ``ep`` ranks (ZeRO-3 over the rest)."""
+    def wrap(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
+        return bmt.BMTrainModelWrapper(model, ep_size=ep)
+    return wrap
+
+
 def ddp_need(model: nn.Module, wl: Workload, example: Batch) -> int:
     """Bytes per rank DDP holds, by the plan's own measure: a whole replica's parameters, gradients and AdamW
     state, and every block's activations kept (DDP never recomputes) at this rank's batch shape."""
@@ -144,9 +155,10 @@ SYSTEMS: dict[str, Callable[[nn.Module, Workload, Batch], nn.Module]] = {
     "bmt_explicit": bmt_explicit,
     "bmt_wrapper": bmt_wrapper, "bmt_wrapper_budget": bmt_wrapper_budget, "bmt_engine": bmt_engine,
     "bmt_wrapper_tp2": bmt_wrapper_tp2, "bmt_wrapper_disk": bmt_wrapper, "bmt_wrapper_pp2": bmt_wrapper_pp2,
+    **{name: bmt_wrapper_ep(ep) for name, ep in EP_SIZES.items()},
 }
 #: Systems that bring their own optimizer (the others train with ``torch.optim.AdamW(lr=1e-4, fused=True)``).
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {"bmt_wrapper_disk": adam_on_disk}
 #: Systems that train on bmt_wrap's communicator, whose bytes ``bmt.comm_stats()`` counts.
 OURS = ("bmt_explicit", "bmt_wrapper", "bmt_wrapper_budget", "bmt_engine", "bmt_wrapper_tp2",
-        "bmt_wrapper_disk", "bmt_wrapper_pp2")
+        "bmt_wrapper_disk", "bmt_wrapper_pp2", *EP_SIZES)

@@ -79,6 +79,17 @@ def _llama(seq: int) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def _moe_gpt(seq: int) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # A MoE GPT whose experts hold most of the parameters: 16 experts, top-2, in each of 4 blocks.
+    cfg = MixtralConfig(vocab_size=2048, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=16, num_experts_per_tok=2,
+                        max_position_embeddings=max(seq, 64))
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
 def _toy_loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return model(idx, tgt)
 
@@ -99,4 +110,6 @@ WORKLOADS: dict[str, Workload] = {
                      _gpt2, "transformer.h", 50257, _hf_loss),
     "llama": Workload("llama", "transformers Llama config: 6 blocks x 1024 (GQA 16/4), vocab 32000",
                       _llama, "model.layers", 32000, _hf_loss),
+    "moe-gpt": Workload("moe-gpt", "transformers Mixtral config: 4 blocks x 256, 16 experts (top-2) of 256 "
+                        "each, vocab 2048", _moe_gpt, "model.layers", 2048, _hf_loss),
 }

@@ -7,6 +7,7 @@
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -24,6 +25,10 @@ are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stage
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
+``--ep-size E`` adds expert parallelism's view of the mixture-of-experts layers (found by structure, each
+one's experts placed over E ranks, what stays dense and why) and, per world size, each rank's expert bytes,
+the all-to-all bytes per step for --input's tokens (uniform routing) and the owners' ZeRO bytes, beside
+ZeRO-3's gather and reduce-scatter bytes for the same experts.
 ``--memory B`` (bytes summed over the job's ranks) answers whether a training process fits: its peak per
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping and the shards made while its
@@ -65,6 +70,7 @@ from torch import nn
 from . import process_baseline
 from .base._compat import pytree
 from .base.dtypes import to_dtype
+from .base.expert_plan import experts_text
 from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
 from .base.pipeline_plan import pipeline_text
@@ -91,6 +97,7 @@ from .passes.capacity import (
 from .passes.capture import Call, Capture, capture
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
+from .passes.experts import plan_experts
 from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .passes.pipeline import estimate_pipeline, pipeline_report, plan_pipeline
 from .passes.planner import build_plan
@@ -291,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp-size", type=int, default=None, metavar="T",
                       help="plan tensor parallelism over T adjacent ranks (tp_size=T): ZeRO shards over N/T "
                            "ranks; the TP traffic needs --input for its token count")
+    plan.add_argument("--ep-size", type=int, default=None, metavar="E",
+                      help="plan expert parallelism over E ranks (ep_size=E): the MoE layers, their experts' "
+                           "placement, and per rank the expert bytes and all-to-all bytes per step (--input's "
+                           "tokens) beside ZeRO-3's bytes for the same experts")
     plan.add_argument("--sequence-parallel", action="store_true",
                       help="with --tp-size: plan sequence_parallel=True (norms and residuals on sequence parts; "
                            "the traffic as all-gathers and reduce-scatters along the sequence)")
@@ -437,6 +448,11 @@ def _run(opts: argparse.Namespace) -> str:
             opts.memory is not None or opts.shard_size is not None or opts.sequence_parallel)):
         raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop --memory, "
                        "--shard-size and --sequence-parallel (their answers do not count stages yet)")
+    if opts.command == "plan" and opts.ep_size is not None and (
+            opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None
+            or opts.pp_size is not None):
+        raise CLIError("--ep-size plans expert parallelism beside ZeRO-3 over every rank: drop --memory, "
+                       "--tp-size, --shard-size and --pp-size (their answers do not count experts yet)")
     if opts.microbatches is not None and opts.pp_size is None:
         raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
@@ -495,6 +511,8 @@ def _run(opts: argparse.Namespace) -> str:
         raise budget_error(budget, over, opts.prefetch_depth)
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
+    if opts.command == "plan" and opts.ep_size is not None:
+        return "\n".join([_plan_report(opts, sizes, plans), *_ep_report(model, opts.ep_size, sizes, plans, inputs)])
     if opts.command == "plan":
         return _plan_report(opts, sizes, plans)
     graph = schedule_graph(captured, plans[0])
@@ -516,6 +534,31 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
              render_estimates(plans), *(fused_loss_text(plans[0].fused_loss) if plans[0].fused_loss else []),
              *(f"note: {n}" for n in shown_notes(plans[0], opts.verbose))]
     return "\n".join(lines)
+
+
+def _ep_report(model: nn.Module, ep_size: int, sizes: list[int], plans: list[WrapPlan],
+               inputs: Call | None) -> list[str]:
+    """``plan --ep-size E``: the experts section, then per world size what each rank holds and sends for
+    the experts under EP beside ZeRO-3 without it."""
+    bad = [n for n in sizes if ep_size < 1 or n % ep_size]
+    if bad:
+        raise CLIError(f"--ep-size {ep_size} must divide every --world-size; {bad} do not")
+    section = plan_experts(model, ep_size)
+    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
+    cols = [section.traffic(n, tokens, {g.name for g in p.blocks() if g.checkpoint})
+            for n, p in zip(sizes, plans, strict=True)]
+    rows = [("", *(f"N={n}" for n in sizes)),
+            ("expert bytes per rank (EP)", *(fmt_bytes(c["experts_per_rank"]) for c in cols)),
+            ("all-to-all / step (EP)", *(fmt_bytes(c["all_to_all"]) for c in cols)),
+            ("experts' ZeRO among owners / step (EP)", *(fmt_bytes(c["ep_zero"]) for c in cols)),
+            ("experts' ZeRO-3 gathers / step (no EP)", *(fmt_bytes(c["zero3"]) for c in cols))]
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, width,
+                                                                                            strict=True)))
+             for r in rows]
+    return [*experts_text(section), *table] + (
+        [] if tokens else ["note: the all-to-all bytes need --input (token ids) for their token count"])
 
 
 def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],

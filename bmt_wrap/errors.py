@@ -70,6 +70,12 @@ class TensorParallelPlanError(PlanError):
     TP size, or a ``tp_plan=`` naming a module the model does not have; raised before the model changes."""
 
 
+class ExpertParallelError(PlanError):
+    """Expert parallelism cannot split this model as asked: ``ep_size`` not dividing a layer's experts or the
+    data-parallel ranks, no mixture-of-experts layer found, or an expert weight shared outside its experts;
+    raised on every rank before the model changes."""
+
+
 class MemoryBudgetError(PlanError):
     """``memory_budget=`` is below what the plan needs with every block recomputed and resharded.
 

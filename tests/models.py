@@ -321,6 +321,52 @@ def qwen2() -> nn.Module:
     return seeded(lambda: Qwen2ForCausalLM(Qwen2Config(**_hf_small())))
 
 
+def _moe_small() -> dict[str, Any]:
+    return dict(_hf_small(), num_local_experts=4, num_experts_per_tok=2)
+
+
+def mixtral() -> nn.Module:
+    """transformers MixtralForCausalLM, 2 layers, 4 packed experts each, top-2 (``model.layers.*.mlp``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return seeded(lambda: MixtralForCausalLM(MixtralConfig(**_moe_small())))
+
+
+def qwen3_moe() -> nn.Module:
+    """transformers Qwen3MoeForCausalLM, 2 layers, 4 packed experts each, top-2."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = dict(_moe_small(), moe_intermediate_size=32, head_dim=8)
+    return seeded(lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)))
+
+
+def qwen2_moe() -> nn.Module:
+    """transformers Qwen2MoeForCausalLM, 2 layers, 4 packed experts and a gated shared expert each, top-2."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = dict(_moe_small(), num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    return seeded(lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(**cfg)))
+
+
+def deepseek_v3() -> nn.Module:
+    """transformers DeepseekV3ForCausalLM, 2 layers: layer 0 dense (``first_k_dense_replace=1``), layer 1
+    4 routed experts (top-2 of 2 groups) beside a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = dict(_hf_small(), n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+               qk_nope_head_dim=4, v_head_dim=8)
+    return seeded(lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)))
+
+
+def gpt_oss() -> nn.Module:
+    """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-2."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = dict(_moe_small(), head_dim=8)
+    return seeded(lambda: GptOssForCausalLM(GptOssConfig(**cfg)))
+
+
 def bert() -> nn.Module:
     """transformers BertForSequenceClassification, 2 layers (``bert.encoder.layer.0``, ``.1``), 3 labels."""
     from transformers import BertConfig, BertForSequenceClassification

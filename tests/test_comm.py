@@ -336,3 +336,58 @@ def test_single_process_sends_to_itself_through_a_mailbox() -> None:
     with pytest.raises(CommError, match="takes 2"):
         c.recv(torch.empty(2), 0, tag=2)
     assert c.snapshot()["send"] == {"calls": 2, "bytes": 24}
+
+
+# ---- all-to-all (expert parallelism's dispatch and combine) --------------------------------------------------
+def _a2a_piece(src: int, dst: int) -> torch.Tensor:
+    """What rank ``src`` sends rank ``dst``: (src + dst) % 3 elements (none for some pairs), telling both."""
+    return torch.arange((src + dst) % 3, dtype=torch.float64) + 100 * src + 10 * dst
+
+
+def _all_to_all_body() -> dict:
+    c = comm()
+    r, n = c.rank, c.world_size
+    c.reset()
+    inp = torch.cat([_a2a_piece(r, p) for p in range(n)])
+    in_splits = [(r + p) % 3 for p in range(n)]
+    out = torch.full((sum(in_splits),), -1.0, dtype=torch.float64)  # (p + r) % 3 from each p: the same sizes
+    c.all_to_all(out, inp, in_splits, in_splits, label="dispatch")
+    again = torch.empty_like(out)
+    c.all_to_all(again, inp, in_splits, in_splits, async_op=True, label="dispatch").wait()
+    with pytest.raises(CommError, match="sum"):
+        c.all_to_all(out[:-1] if out.numel() else torch.empty(1, dtype=torch.float64), inp, in_splits, in_splits)
+    with pytest.raises(CommError, match="non-negative sizes"):
+        c.all_to_all(out, inp, in_splits[:-1], in_splits)
+    return {"out": out.tolist(), "again": again.tolist(), "counted": c.snapshot()["all_to_all"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_moves_uneven_pieces_and_counts_what_leaves(world_size: int) -> None:
+    for r, got in enumerate(run_distributed(_all_to_all_body, world_size)):
+        expected = torch.cat([_a2a_piece(p, r) for p in range(world_size)]).tolist()
+        assert got["out"] == expected and got["again"] == expected
+        sent = sum(_a2a_piece(r, p).numel() for p in range(world_size) if p != r) * 8
+        assert got["counted"] == {"calls": 2, "bytes": 2 * sent}
+
+
+def _all_to_all_mismatch_body() -> str:
+    c = comm()
+    c.timeout = timedelta(seconds=20)
+    splits = [1] * c.world_size
+    try:  # rank 1 combines while rank 0 still dispatches: same sizes, different ops
+        c.all_to_all(torch.zeros(2), torch.zeros(2), splits, splits, label="dispatch" if c.rank == 0 else "combine")
+    except CollectiveMismatchError as exc:
+        assert "'dispatch" in str(exc) and "'combine" in str(exc), str(exc)
+        return "mismatch"
+    return "no error"
+
+
+def test_an_all_to_all_that_differs_names_both_sides() -> None:
+    assert run_distributed(_all_to_all_mismatch_body, 2) == ["mismatch", "mismatch"]
+
+
+def test_single_process_all_to_all_is_a_copy() -> None:
+    c = CountingCommunicator(SingleProcessCommunicator())
+    out = torch.empty(3)
+    c.all_to_all(out, torch.arange(3.0), [3], [3])
+    assert out.tolist() == [0.0, 1.0, 2.0] and c.snapshot()["all_to_all"] == {"calls": 1, "bytes": 0}

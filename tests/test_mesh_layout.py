@@ -52,3 +52,35 @@ def test_bad_layouts_are_mesh_errors() -> None:
         MeshLayout(shard=4, grid=(0, 1, 1, 3))
     with pytest.raises(MeshError, match="positive int"):
         MeshLayout(pp=0)
+
+
+@pytest.mark.parametrize("pp, replicate, tp, ep", [(1, 1, 1, 2), (1, 1, 1, 4), (1, 2, 1, 2), (2, 1, 2, 2),
+                                                   (1, 1, 2, 4)])
+def test_expert_parallel_ranks_are_the_fastest_part_of_the_shard_axis(pp: int, replicate: int, tp: int,
+                                                                      ep: int) -> None:
+    world = 16
+    mesh = MeshLayout.of(world, pp=pp, replicate=replicate, tp=tp, ep=ep)
+    owners = mesh.shard // ep
+    for rank in range(world):
+        c = mesh.coords(rank)
+        assert mesh.ep_rank(rank) == c["shard"] % ep
+        group = mesh.ep_group(rank)
+        # ep consecutive shard ranks of this rank's stage, replica and TP rank, in EP-rank order
+        assert [mesh.ep_rank(r) for r in group] == list(range(ep)) and rank in group
+        assert {mesh.coords(r)["shard"] // ep for r in group} == {c["shard"] // ep}
+        assert all({k: v for k, v in mesh.coords(r).items() if k != "shard"} ==
+                   {k: v for k, v in c.items() if k != "shard"} for r in group)
+        # the ranks owning the same experts within this replica: one per group of ep shard ranks
+        same = mesh.expert_shard_group(rank)
+        assert len(same) == owners and rank in same and {mesh.ep_rank(r) for r in same} == {c["shard"] % ep}
+        assert {mesh.coords(r)["replicate"] for r in same} == {c["replicate"]}
+    for group_of in (mesh.ep_group, mesh.expert_shard_group):
+        groups = mesh.every(group_of)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+    assert f"shard {mesh.shard} (ep {ep})" in mesh.describe()
+
+
+def test_ep_must_divide_the_shard_axis() -> None:
+    with pytest.raises(MeshError, match="ep 3 must be a positive int dividing the shard size 4"):
+        MeshLayout.of(8, tp=2, ep=3)
+    assert MeshLayout.of(4, ep=2) != MeshLayout.of(4)  # an EP layout is another layout (its own groups)

@@ -13,9 +13,13 @@ is in this order.
 
 Ranks that differ only along ``pp`` and ``tp`` compute on the same data (``data_parallel_rank``): TP peers
 split one computation, the stages of a pipeline run its parts one after another. Context parallelism
-(``cp``, a later axis between ``shard`` and ``tp``) will join them: its ranks split one sequence. Expert
-parallelism (``ep``) will not be an axis of its own: it groups ranks of the data-parallel axes, as
-torchtitan borrows its expert groups from ``dp_shard``.
+(``cp``, a later axis between ``shard`` and ``tp``) will join them: its ranks split one sequence.
+
+Expert parallelism (``ep``) is not an axis of its own: it borrows the fastest-varying ``ep`` ranks of the
+shard axis, as torchtitan borrows its expert groups from ``dp_shard`` (``shard = outer · ep + ep_rank``).
+The ``ep`` ranks of one group exchange tokens (each owns ``1/ep`` of every MoE layer's experts); the ranks
+with the same ``ep_rank`` in one stage and TP rank own the same experts and shard them ZeRO-3 (across
+replicas they are replicas, as every shard is). Every rank still takes its own data slice.
 
 Pure: sizes and rank numbers only. ``job/distributed.py`` builds the communicators for it
 (``runtime/comm/layout.py``) and is the one place that reads keywords and device meshes into one.
@@ -24,6 +28,7 @@ Pure: sizes and rank numbers only. ``job/distributed.py`` builds the communicato
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import MeshError
@@ -43,25 +48,30 @@ class MeshLayout:
     shard: int = 1
     tp: int = 1
     grid: tuple[int, ...] = ()  # empty: the default order, rank i at flat index i
+    ep: int = 1  # expert-parallel ranks, borrowed from the shard axis (its fastest-varying part)
 
     def __post_init__(self) -> None:
         for axis in AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {axis!r} must be a positive int, got {size!r}")
+        if not isinstance(self.ep, int) or self.ep < 1 or self.shard % self.ep:
+            raise MeshError(f"expert parallelism borrows ranks from the shard axis: ep {self.ep!r} must be a "
+                            f"positive int dividing the shard size {self.shard}")
         if self.grid and sorted(self.grid) != list(range(self.world)):
             raise MeshError(f"a mesh grid lists every rank of {self.world} once, got {list(self.grid)[:8]}")
         if self.grid == tuple(range(self.world)):
             object.__setattr__(self, "grid", ())  # one spelling of the default order: equal layouts compare equal
 
     @classmethod
-    def of(cls, world: int, *, pp: int = 1, replicate: int = 1, tp: int = 1) -> MeshLayout:
-        """The default-order layout of ``world`` ranks; the shard axis takes what the others leave."""
+    def of(cls, world: int, *, pp: int = 1, replicate: int = 1, tp: int = 1, ep: int = 1) -> MeshLayout:
+        """The default-order layout of ``world`` ranks; the shard axis takes what the others leave (``ep`` of
+        its ranks are expert-parallel)."""
         rest = pp * replicate * tp
         if world % rest:
             raise MeshError(f"pp {pp} x replicate {replicate} x tp {tp} = {rest} does not divide the "
                              f"world size {world}")
-        return cls(pp=pp, replicate=replicate, shard=world // rest, tp=tp)
+        return cls(pp=pp, replicate=replicate, shard=world // rest, tp=tp, ep=ep)
 
     @property
     def world(self) -> int:
@@ -115,9 +125,13 @@ class MeshLayout:
     def groups(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Every group along ``axes`` (each once), ordered by its first rank: the order every rank creates
         process groups in."""
+        return self.every(lambda rank: self.group(rank, axes))
+
+    def every(self, group_of: Callable[[int], tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Every group ``group_of`` puts a rank in (each once), ordered by its first rank."""
         seen: dict[int, tuple[int, ...]] = {}
         for rank in range(self.world):
-            g = self.group(rank, axes)
+            g = group_of(rank)
             seen.setdefault(min(g), g)
         return [seen[k] for k in sorted(seen)]
 
@@ -132,7 +146,25 @@ class MeshLayout:
         c = self.coords(rank)
         return c["replicate"] * self.shard + c["shard"]
 
+    # ---- expert parallelism: a split of the shard axis ------------------------------------------------
+    def ep_rank(self, rank: int) -> int:
+        """Which ``1/ep`` of every MoE layer's experts ``rank`` owns."""
+        return self.coords(rank)["shard"] % self.ep
+
+    def ep_group(self, rank: int) -> tuple[int, ...]:
+        """The ``ep`` ranks ``rank`` exchanges tokens with, in EP-rank order."""
+        c = self.coords(rank)
+        first = c["shard"] - c["shard"] % self.ep
+        return tuple(self.rank_at(c | {"shard": first + e}) for e in range(self.ep))
+
+    def expert_shard_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s replica that own its experts, which ZeRO-3 shards them over."""
+        c = self.coords(rank)
+        return tuple(self.rank_at(c | {"shard": o * self.ep + c["shard"] % self.ep})
+                     for o in range(self.shard // self.ep))
+
     def describe(self) -> str:
         """For messages: the axes larger than one, e.g. ``pp 2 x shard 2``."""
-        parts = [f"{a} {s}" for a, s in zip(AXES, self.sizes, strict=True) if s > 1]
+        parts = [f"{a} {s}" + (f" (ep {self.ep})" if a == "shard" and self.ep > 1 else "")
+                 for a, s in zip(AXES, self.sizes, strict=True) if s > 1]
         return " x ".join(parts) if parts else "one rank"

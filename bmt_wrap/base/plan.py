@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .dtypes import align_elems, dtype_name, itemsize
+from .expert_plan import ExpertPlan, experts_text
 from .fused_loss_plan import FusedLossPlan
 from .pipeline_plan import PipelinePlan, pipeline_text
 from .tp_plan import TensorParallelPlan, tp_text
@@ -73,9 +74,15 @@ class FlatBufferSpec:
     # Under tensor parallelism: parameters every TP peer holds whole, sharded over the shard group x the TP
     # group (each rank 1/(shard x T) of them) instead of over the shard group alone (#38 item 5).
     over_tp: bool = False
+    # Under expert parallelism (the EP size; 0: not an expert buffer): this EP rank's experts (values differ
+    # by EP rank), sharded over the shard_size / ep_split ranks that own the same experts instead of over
+    # the shard group (base/mesh.py ``expert_shard_group``).
+    ep_split: int = 0
 
     def ranks(self, shard_size: int, tp_size: int) -> int:
         """Ranks this buffer is split over when the shard group has ``shard_size`` and TP ``tp_size``."""
+        if self.ep_split:
+            return shard_size // self.ep_split
         return shard_size * tp_size if self.over_tp else shard_size
 
     @property
@@ -185,6 +192,7 @@ class ParamInfo:
     param_dtype: str | None = None  # see FlatBufferSpec
     reduce_dtype: str | None = None
     over_tp: bool = False  # see FlatBufferSpec
+    ep_split: int = 0  # see FlatBufferSpec
 
     @property
     def numel(self) -> int:
@@ -195,17 +203,18 @@ class ParamInfo:
 def layout_buffers(params: list[ParamInfo], alone: Collection[str] = ()) -> list[FlatBufferSpec]:
     """Lay parameters out in flat buffers, one per (dtypes, requires_grad), offsets aligned, order kept;
     a parameter named in ``alone`` gets a buffer of its own (its gradient is reduced as soon as it exists)."""
-    buffers: dict[tuple[str, bool, str | None, str | None, bool, str], FlatBufferSpec] = {}
+    buffers: dict[tuple[str, bool, str | None, str | None, bool, str, int], FlatBufferSpec] = {}
     for p in params:
         key = (dtype_name(p.dtype), p.requires_grad, p.param_dtype, p.reduce_dtype, p.over_tp,
-               p.fqn if p.fqn in alone else "")
+               p.fqn if p.fqn in alone else "", p.ep_split)
         buf = buffers.setdefault(key, FlatBufferSpec(dtype=key[0], requires_grad=key[1], slots=[],
-                                                     param_dtype=key[2], reduce_dtype=key[3], over_tp=key[4]))
+                                                     param_dtype=key[2], reduce_dtype=key[3], over_tp=key[4],
+                                                     ep_split=key[6]))
         align = align_elems(key[0])
         offset = -(-buf.numel // align) * align
         buf.slots.append(ParamSlot(fqn=p.fqn, shape=list(p.shape), offset=offset, aliases=list(p.aliases)))
     # Trainable buffers first, so a group's gradient buffers line up with its first flat buffers.
-    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype, b.over_tp))
+    return sorted(buffers.values(), key=lambda b: (not b.requires_grad, b.dtype, b.over_tp, b.ep_split))
 
 
 @dataclass
@@ -288,6 +297,7 @@ class WrapPlan:
     # "disk": shards and gradient shards in a file per rank; "host": in host memory (estimates count so)
     offload: str | None = None
     pipeline: PipelinePlan | None = None  # the stages each block and root parameter runs on (None: one stage)
+    experts: ExpertPlan | None = None  # mixture-of-experts layers and their placement (None: not looked for)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -334,7 +344,8 @@ class WrapPlan:
                 buffers=[FlatBufferSpec(dtype=b["dtype"], requires_grad=b["requires_grad"],
                                         slots=[ParamSlot(**s) for s in b["slots"]],
                                         param_dtype=b.get("param_dtype"), reduce_dtype=b.get("reduce_dtype"),
-                                        over_tp=b.get("over_tp", False))
+                                        over_tp=b.get("over_tp", False),
+                                        ep_split=b.get("ep_split", 0))
                          for b in g["buffers"]])
                 for g in raw["groups"]]
             estimates = {k: MemoryEstimate(**v) for k, v in raw.get("estimates", {}).items()}
@@ -346,7 +357,8 @@ class WrapPlan:
                                         if raw.get("tensor_parallel") else None),
                        fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
                        offload=raw.get("offload"),
-                       pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None)
+                       pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None,
+                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -525,6 +537,8 @@ def tables(plan: WrapPlan) -> list[str]:
         lines += fused_loss_text(plan.fused_loss)
     if plan.pipeline is not None:
         lines += pipeline_text(plan.pipeline)
+    if plan.experts is not None:
+        lines += experts_text(plan.experts)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines

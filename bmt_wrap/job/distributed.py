@@ -12,7 +12,8 @@ import os
 import random
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -306,13 +307,16 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
 
 # ---- the rank layout: the one place that reads keywords and device meshes ------------------------------------
 # Axis names a device mesh may carry, outermost first ("dp" is the shard axis of a ("dp", "tp") mesh).
-MESH_NAMES = ("pp", "replicate", "shard", "dp", "tp")
+MESH_NAMES = ("pp", "replicate", "shard", "dp", "ep", "tp")
+# Their order, outermost first: an "ep" dim is the fastest-varying part of the shard axis (base/mesh.py).
+_MESH_ORDER = ("pp", "replicate", "shard", "ep", "tp")
 _SCOPES = {"tp": "tp", "replicate": "replicate", "pp": "pp"}
 
 
-def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | None = None) -> MeshLayout:
-    """The rank layout ``mesh=``, ``tp_size=`` and ``pp_size=`` ask for, checked on every rank alike (a
-    collective for a device mesh: every rank must have built the same one).
+def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | None = None,
+               ep_size: int | None = None) -> MeshLayout:
+    """The rank layout ``mesh=``, ``tp_size=``, ``pp_size=`` and ``ep_size=`` ask for, checked on every rank
+    alike (a collective for a device mesh: every rank must have built the same one).
 
     Without a mesh: ``init_distributed``'s layout, with ``tp_size``/``pp_size`` in place of its own where
     given. A ``DeviceMesh`` names its dims among ``pp``, ``replicate``, ``shard`` (``dp``) and ``tp``, in that
@@ -324,11 +328,15 @@ def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | N
         default = state.default
         tp = default.tp if tp_size is None else tp_size
         pp = default.pp if pp_size is None else pp_size
-        return _sized(state.world_size, pp, tp, wrapper=True)
+        return _with_ep(_sized(state.world_size, pp, tp, wrapper=True), ep_size)
     problem, layout = None, None
     try:
         layout = _read_mesh(mesh, state, tp_size, pp_size)
-    except MeshError as exc:
+        if ep_size not in (None, layout.ep):
+            if layout.ep > 1:
+                raise MeshError(f"ep_size={ep_size} differs from the mesh's 'ep' dimension ({layout.ep}); pass one")
+            layout = _with_ep(layout, ep_size)
+    except (MeshError, errors.ExpertParallelError) as exc:
         problem = exc
     # Every rank's verdict and its mesh's digest: a rank whose mesh is wrong, or built differently from
     # rank 0's, fails every rank here instead of leaving the others in the first collective over it.
@@ -342,6 +350,19 @@ def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | N
                         "'shard')).")
     assert layout is not None
     return layout
+
+
+def _with_ep(layout: MeshLayout, ep_size: int | None) -> MeshLayout:
+    """``layout`` with ``ep_size`` of its shard ranks expert-parallel, or ``ExpertParallelError`` (alike on
+    every rank: the sizes are the job's)."""
+    if ep_size is None or ep_size == layout.ep:
+        return layout
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or layout.shard % ep_size:
+        raise errors.ExpertParallelError(
+            f"ep_size={ep_size!r} must be a positive int dividing the {layout.shard} data-parallel ranks it "
+            f"borrows from ({layout.world} ranks: {layout.describe()}): expert parallelism splits each shard "
+            "group into groups of ep_size ranks. Use a divisor of it")
+    return replace(layout, ep=ep_size)
 
 
 def _sized(world: int, pp: int, tp: int, wrapper: bool) -> MeshLayout:
@@ -379,13 +400,15 @@ def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | 
                         "others into them.")
     names = names or (("shard",) if mesh.ndim == 1 else ("replicate", "shard"))
     axes = tuple("shard" if n == "dp" else n for n in names)
-    if (mesh.ndim > 1 and (any(n not in MESH_NAMES for n in names) or list(axes) != sorted(axes, key=AXES.index)
+    if (mesh.ndim > 1 and (any(n not in MESH_NAMES for n in names) or list(axes) != sorted(axes, key=_MESH_ORDER.index)
                            or len(set(axes)) != len(axes) or ("dp" in names and "replicate" in names))):
         raise MeshError(f"this mesh names its dims {names}; bmt_wrap reads dims named 'pp', 'replicate', 'shard' "
                         "(or 'dp' without 'replicate') and 'tp', outermost first: FSDP2's order for HSDP is "
                         "mesh_dim_names=('replicate', 'shard') with the shard dim last (ranks of one node in a "
                         "row); ('dp', 'tp') or ('replicate', 'shard', 'tp') add TP, and a 'pp' dim goes first.")
-    sizes = dict(zip(axes, mesh.mesh.shape, strict=True)) if mesh.ndim > 1 else {"shard": mesh.mesh.numel()}
+    sizes = dict(zip(axes, mesh.mesh.shape, strict=True)) if mesh.ndim > 1 or axes == ("ep",) else \
+        {"shard": mesh.mesh.numel()}
+    sizes["shard"] = sizes.get("shard", 1) * sizes.get("ep", 1)  # EP ranks are shard ranks
     grid = [int(r) for r in mesh.mesh.flatten().tolist()]
     if sorted(grid) != list(range(world)):
         raise MeshError(f"mesh= covers ranks {sorted(grid)[:8]}{' ...' if len(grid) > 8 else ''} ({len(grid)} "
@@ -397,7 +420,7 @@ def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | 
     if axes == ("replicate", "shard", "tp") and sizes["tp"] == 1:
         raise MeshError("a ('replicate', 'shard', 'tp') mesh with a 'tp' dim of 1 has no tensor parallelism: pass "
                         "a 2-D mesh with mesh_dim_names=('replicate', 'shard')")
-    hsdp_only = set(axes) <= {"replicate", "shard"}
+    hsdp_only = set(axes) <= {"replicate", "shard"}  # an "ep" dim takes ranks in order, as TP does
     if not hsdp_only and grid != list(range(world)):
         raise MeshError(f"a {names} mesh must list ranks in order: TP peers on adjacent ranks, then shard ranks, "
                         "then replicas, then stages (BMTrain's layout: tp_rank = rank % T, stage = rank // "
@@ -415,7 +438,7 @@ def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | 
             call = "tp_size" if axis == "tp" else "pipe_size"
             raise MeshError(f"mesh= with init_distributed({call}={default}): models are laid out over the "
                             f"groups that {call}= defines; leave mesh= out, or name a {axis!r} dim in the mesh")
-    return MeshLayout(**{a: int(sizes.get(a, 1)) for a in AXES}, grid=tuple(grid))
+    return MeshLayout(**{a: int(sizes.get(a, 1)) for a in AXES}, grid=tuple(grid), ep=int(sizes.get("ep", 1)))
 
 
 def build_layout(mesh: MeshLayout) -> ParallelLayout:
@@ -428,27 +451,33 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
     # rank is the TP group) count their traffic apart.
     made: dict[tuple[tuple[int, ...], str], Communicator] = {}
 
-    def along(axes: tuple[str, ...], scope: str) -> Communicator:
-        ranks = mesh.group(state.rank, axes)
+    def along(axes: tuple[str, ...] | Callable[[int], tuple[int, ...]], scope: str) -> Communicator:
+        group_of = axes if callable(axes) else (lambda r: mesh.group(r, axes))
+        ranks = group_of(state.rank)
         if axes == ("shard",) and ranks == tuple(range(state.world_size)):
             return state.comm  # ZeRO-3 over the whole job: the job's own communicator (one rank: counted too)
         if (ranks, scope) not in made:
             if len(ranks) == 1:
                 made[ranks, scope] = SingleProcessCommunicator(state.timeout)
             else:
-                groups = {g: dist.new_group(list(g)) for g in mesh.groups(axes)}  # every rank, every group
+                groups = {g: dist.new_group(list(g)) for g in mesh.every(group_of)}  # every rank, every group
                 made[ranks, scope] = state.comm.subgroup_counted(ranks, groups[ranks], scope)
         return made[ranks, scope]
 
     shard_scope = "shard" if mesh.replicate > 1 else "dp"
-    # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage.
+    # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage,
+    # ep, experts.
     tp = along(("tp",), "tp")
     shard = along(("shard",), shard_scope)
     replicate = along(("replicate",), "replicate") if mesh.replicate > 1 else None
     whole = along(("shard", "tp"), shard_scope) if mesh.tp > 1 else None
     pp = along(("pp",), "pp") if mesh.pp > 1 else None
     stage = along(("replicate", "shard", "tp"), "stage") if mesh.pp > 1 else None
-    layout = ParallelLayout(mesh, state.rank, tp, RankLayout(shard, replicate), whole, pp, stage)
+    ep, experts = None, None
+    if mesh.ep > 1:  # then the experts' owners (ZeRO-3 over them), after every other group
+        ep = along(mesh.ep_group, "ep")
+        experts = RankLayout(along(mesh.expert_shard_group, "experts"), replicate)
+    layout = ParallelLayout(mesh, state.rank, tp, RankLayout(shard, replicate), whole, pp, stage, ep, experts)
     state.layouts[mesh] = layout
     return layout
 

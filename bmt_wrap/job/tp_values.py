@@ -1,4 +1,5 @@
-"""Whole values of TP-split parameters: what checkpoints and ``state_dict()`` hold, whatever the layout.
+"""Whole values of TP-split parameters (and of expert parameters under expert parallelism): what
+checkpoints and ``state_dict()`` hold, whatever the layout.
 
 A TP-split parameter's ZeRO value (``full_tensor()``, a dp gather) is this TP rank's slice; files hold
 the whole tensor (``_tp_original_shape``), so a checkpoint written at one tensor-parallel size loads at
@@ -14,8 +15,18 @@ from ..runtime.tp_ops import gather_tp_slices
 from .distributed import parallel_layout
 
 
+def expert_split(p: torch.Tensor) -> bool:
+    """True for an expert parameter under expert parallelism: it holds this EP rank's experts (dim 0), in a
+    buffer sharded over their owners (``FlatBufferSpec.ep_split``)."""
+    buffer = getattr(getattr(p, "_layout", None), "buffer", None)
+    return buffer is not None and bool(buffer.spec.ep_split)
+
+
 def whole_shape(p: torch.Tensor) -> torch.Size:
-    """The shape ``p`` has in a checkpoint: the whole tensor for a TP-split parameter, else ``p.shape``."""
+    """The shape ``p`` has in a checkpoint: the whole tensor for a TP-split parameter or an expert
+    parameter under expert parallelism (every EP rank's experts), else ``p.shape``."""
+    if expert_split(p):
+        return torch.Size([p.shape[0] * parallel_layout().ep_size, *p.shape[1:]])
     return tp_full_shape(p)
 
 
@@ -25,6 +36,9 @@ def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     must call it), else ``local``."""
     dim = tp_split_dim(p)
     layout = parallel_layout()
+    if expert_split(p):  # every EP rank's experts, in rank order (a collective over the EP group)
+        assert layout.ep is not None
+        return gather_tp_slices(local.contiguous(), layout.ep, 0)
     if dim is None or layout.tp_size == 1:
         return local
     parts = tp_split_parts(p)
@@ -34,9 +48,12 @@ def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """This TP rank's slice of ``whole`` for a TP-split ``p`` (no communication), else ``whole``."""
+    """This TP rank's slice of ``whole`` for a TP-split ``p``, this EP rank's experts of it for an expert
+    parameter under expert parallelism (no communication), else ``whole``."""
     dim = tp_split_dim(p)
     layout = parallel_layout()
+    if expert_split(p):
+        return whole.chunk(layout.ep_size)[layout.ep_rank]
     if dim is None or layout.tp_size == 1:
         return whole
     return tp_slice(whole, dim, layout.tp_rank, layout.tp_size, tp_split_parts(p))

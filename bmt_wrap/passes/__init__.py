@@ -15,6 +15,7 @@ from .capture import (
 )
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate, estimate_mesh, estimate_tp
+from .experts import plan_experts
 from .fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .pipeline import check_root_order, plan_pipeline
 from .planner import build_plan, place_parameters, schedule
@@ -29,7 +30,7 @@ from .util import self_checkpointing_modules
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_from_capture", "chain_graph",
-    "check_captured_reads", "check_root_order", "plan_pipeline",
+    "check_captured_reads", "check_root_order", "plan_experts", "plan_pipeline",
     "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
     "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "refuse_outside_reads", "render_dot",

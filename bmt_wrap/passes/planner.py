@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import dtype_name
+from ..base.expert_plan import ExpertPlan
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import ROOT, SCHEDULE_NOTE, ParamInfo, ShardGroupSpec, WrapPlan, layout_buffers
 from ..base.tp_plan import TensorParallelPlan
@@ -27,7 +28,8 @@ from .util import self_checkpointing_modules
 
 def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.dtype | None = None,
                      mixed_precision: MixedPrecision | None = None, local_shapes: dict[str, list[int]] | None = None,
-                     split: set[str] | None = None) -> tuple[list[ShardGroupSpec], list[str]]:
+                     split: set[str] | None = None, experts: set[str] | None = None, ep_size: int = 1
+                     ) -> tuple[list[ShardGroupSpec], list[str]]:
     """Shard groups (root first, then blocks in module order) and notes on parameters moved to the root.
 
     A parameter reachable from more than one block, or from a block and the root, goes to the root
@@ -36,6 +38,9 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
     ``mixed_precision`` sets the shard, gathered and gradient dtypes of their buffers. ``local_shapes``
     (tensor parallelism) gives a split parameter's shape on one TP rank, by any of its names; ``split``
     (TP) names the parameters split along a dimension: the others are sharded over shard x TP ranks.
+    ``experts`` (EP over ``ep_size`` ranks) names the expert parameters each EP rank holds its own experts of
+    (``local_shapes`` gives their shape there): they get buffers of their own, sharded over the ranks owning
+    the same experts.
     """
     names: dict[int, list[str]] = defaultdict(list)
     tensors: dict[int, nn.Parameter] = {}
@@ -60,7 +65,8 @@ def place_parameters(model: nn.Module, discovery: Discovery, dtype: str | torch.
         shape = next((local_shapes[n] for n in fqns if n in local_shapes), None) if local_shapes else None
         # Under TP a parameter no TP plan splits is held whole by every TP peer: shard it over them too.
         members[home].append(ParamInfo(fqns[0], list(shape or p.shape), shard, p.requires_grad, fqns[1:], gather,
-                                       reduce, over_tp=split is not None and not split.intersection(fqns)))
+                                       reduce, over_tp=split is not None and not split.intersection(fqns),
+                                       ep_split=ep_size if experts and experts.intersection(fqns) else 0))
     notes = []
     if shared:
         notes.append(f"{len(shared)} parameter(s) used by several blocks (or a block and the root) live in "
@@ -143,18 +149,24 @@ def build_plan(model: nn.Module, discovery: Discovery, *, world_size: int, check
                zero_level: int = 3, prefetch_depth: int = 1, memory_budget: int | None = None,
                dtype: str | torch.dtype | None = None, mixed_precision: MixedPrecision | None = None,
                capture: Capture | None = None, tensor_parallel: TensorParallelPlan | None = None,
-               offload: str | None = None) -> WrapPlan:
+               offload: str | None = None, experts: ExpertPlan | None = None) -> WrapPlan:
     """The full plan for ``model``: layout from the module tree, schedule from ``capture`` (if any).
 
     With ``tensor_parallel`` (``plan_tensor_parallel``'s section), split parameters are laid out in their
-    TP-local shapes and ``world_size`` is the data-parallel size ZeRO shards over.
+    TP-local shapes and ``world_size`` is the data-parallel size ZeRO shards over. With ``experts``
+    (``plan_experts``' section, ``ep_size > 1``), expert parameters are laid out in their EP-local shapes.
     """
     _check_options(world_size, zero_level, prefetch_depth)
     local = tensor_parallel.local_shapes() if tensor_parallel is not None else None
     split = tensor_parallel.split_names() if tensor_parallel is not None and tensor_parallel.tp_size > 1 else None
-    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local, split)
+    ep = experts.local_shapes() if experts is not None and experts.ep_size > 1 else None
+    if ep:
+        local = {**(local or {}), **ep}
+    groups, notes = place_parameters(model, discovery, dtype, mixed_precision, local, split, set(ep or ()),
+                                     experts.ep_size if experts is not None else 1)
     own = self_checkpointing_modules(model)
     plan = WrapPlan(groups=groups, notes=discovery.notes + notes + _self_checkpointing_notes(own, checkpoint),
-                    self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel)
+                    self_checkpointing_off=own if checkpoint else [], tensor_parallel=tensor_parallel,
+                    experts=experts)
     return schedule(plan, capture, world_size=world_size, checkpoint=checkpoint, zero_level=zero_level,
                     prefetch_depth=prefetch_depth, memory_budget=memory_budget, offload=offload)

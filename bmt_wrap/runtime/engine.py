@@ -20,7 +20,7 @@ from torch import nn
 
 from ..base.dtypes import to_dtype
 from ..base.plan import FlatBufferSpec, ShardGroupSpec
-from ..errors import OffloadError, UnsupportedError
+from ..errors import OffloadError, UnsupportedError, WrapError
 from .block_executor import BlockCall, _Tree
 from .buffer_pool import BufferPool
 from .comm import Communicator, ParallelLayout, RankLayout, SingleProcessCommunicator, StagePlacement
@@ -156,7 +156,8 @@ class Engine:
             if over is not layout.shard:
                 buf.own_comm = over
             if not meta:
-                if sync_from is not None and self.world_size > 1:
+                # An EP rank's experts are its own (wrapping/experts.py took them from rank 0's): loaded as given.
+                if sync_from is not None and self.world_size > 1 and not bspec.ep_split:
                     full = torch.empty(buf.full_numel, dtype=buf.dtype, device=buf.device)
                     buf.pack_full_flat([_or_zeros(t, s.shape, buf.dtype) for t, s in zip(tensors, bspec.slots, strict=True)],
                                        full)
@@ -188,6 +189,10 @@ class Engine:
                     copy_tp_marks(old, new)
                     if self.tp is not None and tp_split_dim(new) is not None:
                         new.shard_layout.tp = self.tp  # its norms (and its gradient's) combine over TP too
+            if buf.spec.ep_split:
+                # The owners' average is over the ranks owning the same experts; every EP peer's tokens
+                # reached them, so the job's average is that divided by the EP size.
+                buf.grad_scale = 1 / self._experts().ep_size
             if self.tp is not None and buf.spec.over_tp:
                 buf.tp_scale = tp_scale_ranges(buf, self.tp.world_size, sum_unmarked)
             elif self.tp is not None:
@@ -198,9 +203,20 @@ class Engine:
         return group
 
     def _buffer_comm(self, spec: FlatBufferSpec) -> Communicator:
-        """The ranks a new buffer is sharded over: the shard group, or under TP the shard x tp ranks for a
-        buffer of parameters every TP peer holds whole."""
+        """The ranks a new buffer is sharded over: the shard group, under TP the shard x tp ranks for a
+        buffer of parameters every TP peer holds whole, under EP the owners of an expert buffer's experts."""
+        if spec.ep_split:
+            experts = self._experts().experts
+            assert experts is not None
+            return experts.shard
         return self.whole if spec.over_tp and self.whole is not None else self.layout.shard
+
+    def _experts(self) -> ParallelLayout:
+        """The layout an expert buffer is placed in; ``WrapError`` without expert parallelism."""
+        if self.parallel is None or self.parallel.experts is None:
+            raise WrapError("this plan holds expert-parallel buffers (ep_split), but the job's layout has no "
+                            "expert parallelism: wrap with the ep_size= the plan was made for")
+        return self.parallel
 
     def _reserve_homes(self, spec: ShardGroupSpec, runtime: ModelRuntime | None) -> list[ShardHome | None]:
         """Each buffer's place in its model's offload store (None when not offloaded); a rank that cannot

@@ -45,6 +45,8 @@ class FlatBuffer:
         # A buffer sharded over shard x tp ranks (``spec.over_tp``): those ranks, else None (the group's),
         # and T with the shard ranges of sequence-part gradients, which the average over T peers divided by T.
         self.own_comm: Communicator | None = None
+        # What the reduced gradient is multiplied by (an expert buffer's 1 / ep_size), or None.
+        self.grad_scale: float | None = None
         self.tp_scale: tuple[int, list[tuple[int, int]]] | None = None
         # Under pipeline parallelism, a buffer of one stage's parameters: that stage (this rank's, or another's
         # in a GhostBuffer); None for a buffer every stage holds.

@@ -192,6 +192,8 @@ class GradReducer:
             handle = ThenSumOverTP(handle, *buffer.tp_sum, out, buffer.group_name)
         if buffer.tp_scale is not None:
             handle = ThenScale(handle, *buffer.tp_scale, out)
+        if buffer.grad_scale is not None:
+            handle = ThenScale(handle, buffer.grad_scale, [(0, out.numel())], out)
         self._pending.append(_Pending(handle, _then_release(done, grad_shard), discard))
 
     @property

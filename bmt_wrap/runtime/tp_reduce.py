@@ -80,7 +80,7 @@ def tp_scale_ranges(buf: FlatBuffer, tp_size: int, sum_unmarked: bool) -> tuple[
 class ThenScale(Handle):
     """A reduce-scatter into ``shard``, then some of its ranges multiplied by ``factor`` in place."""
 
-    def __init__(self, first: Handle, factor: int, ranges: list[tuple[int, int]], shard: torch.Tensor) -> None:
+    def __init__(self, first: Handle, factor: float, ranges: list[tuple[int, int]], shard: torch.Tensor) -> None:
         self._first, self._factor, self._ranges, self._shard = first, factor, ranges, shard
 
     def wait(self) -> None:

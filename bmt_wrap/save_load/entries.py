@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError, listed
 from ..job.distributed import parallel_layout
-from ..job.tp_values import local_value, whole_shape
+from ..job.tp_values import expert_split, local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
 from ..runtime.tp_marks import tp_split_dim, tp_split_parts
@@ -132,11 +132,24 @@ def model_entries(model: nn.Module) -> list[Entry]:
         if entry is not None:
             entry.names.append(name)
         elif isinstance(t, DistributedParameter):
-            split = tp_split_dim(t) is not None
+            # An expert parameter under EP holds this EP rank's experts: like a TP slice, its entry is the whole
+            # tensor, read and written through job/tp_values.py (local_range: the whole; assign: its part).
+            split = tp_split_dim(t) is not None or expert_split(t)
             by_id[id(t)] = Entry([name], tuple(whole_shape(t)), t.dtype, param=t, tp_split=split)
         else:
             by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
     return list(by_id.values())
+
+
+def refuse_expert_parallel(entries: list[Entry], what: str) -> None:
+    """``UnsupportedError`` naming ``what`` when ``entries`` hold expert parameters under expert parallelism
+    (sharded checkpoints record TP pieces only: an EP rank's experts would be placed as the whole tensor)."""
+    split = [e.name for e in entries if e.param is not None and expert_split(e.param)]
+    if split:
+        raise UnsupportedError(
+            f"{what} of expert-parallel parameters ({listed(split, 3)}, ep_size={parallel_layout().ep_size}) is not "
+            "built yet: save whole tensors with bmt.save(model, path) or model.state_dict(), and load them with "
+            "bmt.load / load_state_dict")
 
 
 def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]], list[Entry]]:

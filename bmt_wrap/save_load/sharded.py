@@ -46,7 +46,7 @@ from . import optim_state, rng
 from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .checksum import check_crc32
-from .entries import Entry, materialize, meta_names, model_entries
+from .entries import Entry, materialize, meta_names, model_entries, refuse_expert_parallel
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 from .reshard import Piece, copy_overlaps, overlaps, shared, span
 
@@ -127,6 +127,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         state = get_state()
         rank, world = state.rank, state.world_size
         entries = model_entries(model)
+        refuse_expert_parallel(entries, "bmt.save_checkpoint")
         if meta := meta_names(entries):
             raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
                                   "initialise them first (bmt.init_parameters(model))")
@@ -342,6 +343,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()
         entries = model_entries(model)
+        refuse_expert_parallel(entries, "bmt.load_checkpoint")
         names = _param_names(entries)
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         error: CheckpointError | str | None = None

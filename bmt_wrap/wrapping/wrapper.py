@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from .. import passes
+from ..base.expert_plan import ExpertPlan
 from ..base.host_allocator import EXACT_SETTING, THRESHOLD_VAR, counts_exactly
 from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
@@ -23,6 +24,7 @@ from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
+from .experts import apply_expert_parallel, expert_parallel_section
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .offload_option import check_offload
@@ -95,7 +97,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
-                        pp_microbatches: int | None = None) -> nn.Module:
+                        pp_microbatches: int | None = None, ep_size: int | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -129,6 +131,11 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``pp_microbatches`` (default P) micro-batches and runs GPipe; every stage returns the whole batch's loss
     (``out.loss.backward()`` on every rank runs the schedule). The stages of a pipeline take the same batch:
     slice data by ``bmt.data_parallel_rank()``. ``model.plan.pipeline`` lists the stages.
+    ``ep_size=E`` (or a mesh dim "ep" after the shard dim): expert parallelism over E ranks borrowed from the
+    shard axis. The mixture-of-experts layers are found by structure (a router whose top-k indices choose
+    among packed 3-D expert weights); each EP rank keeps ``num_experts / E`` of each layer's experts,
+    ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
+    all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -142,7 +149,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
-        parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size))
+        parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size))
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
         pipeline = pipeline_options(parallel, pp_microbatches, plan)
@@ -152,13 +159,14 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
         tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
+        experts = expert_parallel_section(model, parallel, plan)  # every rank, like TP's: errors alike
         built = plan is None
         if plan is None:
             mine, failure = None, None
             if state.rank == 0:
                 try:
                     mine = _plan_on_rank0(model, discovery, example_inputs, mixed_precision, options,
-                                          layout.shard_size, tp, fused_loss, pipeline)
+                                          layout.shard_size, tp, fused_loss, pipeline, experts)
                 except Exception as exc:  # any: the other ranks wait for this plan, so they must hear of it
                     failure = exc
             agree(failure, what="planning", error_type=WrapError)  # every rank raises rank 0's error, or none
@@ -181,6 +189,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         if tp is not None:
             apply_tensor_parallel(model, tp, tp_layout.tp)
             guard_tp_inputs(model)
+        if experts is not None:
+            apply_expert_parallel(model, experts, parallel)
         stages = check_pipeline_section(plan, parallel, pipeline)
         apply_plan(model, plan, mixed_precision, layout=parallel, offload=offload, offload_dir=offload_dir,
                    stages=stages)
@@ -198,14 +208,15 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
                    mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int,
-                   tp: TensorParallelPlan | None, fused_loss: bool, pipeline: tuple[int, int] | None) -> WrapPlan:
+                   tp: TensorParallelPlan | None, fused_loss: bool, pipeline: tuple[int, int] | None,
+                   experts: ExpertPlan | None = None) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks;
-    ``pipeline``: (stages, micro-batches) to cut it into."""
+    ``pipeline``: (stages, micro-batches) to cut it into; ``experts``: the expert-parallel section."""
     cap = passes.capture(model, discovery, example_inputs)
     passes.check_captured_reads(model, tp, cap.readers)
     section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
-                             mixed_precision=mixed_precision, tensor_parallel=tp, **options)
+                             mixed_precision=mixed_precision, tensor_parallel=tp, experts=experts, **options)
     if pipeline is not None:
         plan.pipeline = passes.plan_pipeline(model, plan, *pipeline, cap.graph if cap.method != "none" else None)
     return plan

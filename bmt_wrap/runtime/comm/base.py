@@ -100,6 +100,23 @@ class Communicator(abc.ABC):
             raise CommError(f"broadcast{_at(label)}: src {src} is not a rank of a group of {self.world_size}")
         return self._staged(lambda t: self._broadcast(t, src, label), async_op, tensor)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                   *, async_op: bool = False, label: str = "") -> Handle | None:
+        """Send ``inp``'s pieces to every rank (``in_splits[p]`` elements to rank p, in rank order) and receive
+        theirs into ``out`` (``out_splits[p]`` from rank p). Sizes may differ by rank and be zero (uneven:
+        expert parallelism's token dispatch); rank p's ``in_splits[q]`` must equal rank q's ``out_splits[p]``."""
+        self._check_usable("all_to_all", label)
+        _check_flat("all_to_all", out=out, inp=inp)
+        out_splits, in_splits = _splits(out_splits, self.world_size, label), _splits(in_splits, self.world_size, label)
+        if out_splits[self.rank] != in_splits[self.rank]:
+            raise CommError(f"all_to_all{_at(label)}: this rank's piece of its own must be as long coming in as "
+                            f"going out; got out_splits {out_splits}, in_splits {in_splits} at rank {self.rank}")
+        if sum(out_splits) != out.numel() or sum(in_splits) != inp.numel() or out.dtype != inp.dtype:
+            raise CommError(f"all_to_all{_at(label)}: out must hold sum(out_splits) and inp sum(in_splits) elements "
+                            f"of one dtype; got out {tuple(out.shape)} {out.dtype} for {out_splits}, inp "
+                            f"{tuple(inp.shape)} {inp.dtype} for {in_splits}")
+        return self._staged(lambda o, i: self._all_to_all(o, i, out_splits, in_splits, label), async_op, out, inp)
+
     def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False,
              label: str = "") -> Handle | None:
         """Send ``tensor`` to rank ``dst`` of this group, which takes it with ``recv(..., src=this rank, tag)``.
@@ -217,6 +234,10 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _barrier(self, label: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle: ...
 
     @abc.abstractmethod
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle: ...
@@ -343,6 +364,23 @@ def _check_flat(what: str, **tensors: torch.Tensor) -> None:
         if t.dim() != 1 or not t.is_contiguous():
             raise CommError(f"{what}: {name} must be a contiguous 1-D tensor (flatten it first); "
                             f"got shape {tuple(t.shape)}, contiguous={t.is_contiguous()}")
+
+
+def _splits(splits: Sequence[int], world_size: int, label: str) -> list[int]:
+    """``splits`` as a list of one non-negative int per rank, or ``CommError``."""
+    out = [int(s) for s in splits]
+    if len(out) != world_size or any(s < 0 for s in out):
+        raise CommError(f"all_to_all{_at(label)}: splits must be {world_size} non-negative sizes (one per rank), "
+                        f"got {list(splits)}")
+    return out
+
+
+def split_offsets(splits: list[int]) -> list[int]:
+    """Where each rank's piece starts in a buffer cut by ``splits``."""
+    starts = [0]
+    for s in splits[:-1]:
+        starts.append(starts[-1] + s)
+    return starts
 
 
 def _check_op(op: str, allowed: tuple[str, ...]) -> None:

@@ -3,7 +3,7 @@
 Algorithmic bytes are what a bandwidth-optimal algorithm moves per rank, independent of how the
 backend implements the op (gloo's native reduce-scatter is an all-reduce on the wire):
 all-gather and reduce-scatter ``shard_bytes * (N-1)``, all-reduce ``2 * bytes * (N-1) / N``,
-broadcast ``bytes``; point to point, ``send`` and ``recv`` each count the bytes this rank sent or received. ``trace()`` also records the ops themselves, in the order they are issued (tests
+broadcast ``bytes``, all-to-all the bytes this rank sends to the others; point to point, ``send`` and ``recv`` each count the bytes this rank sent or received. ``trace()`` also records the ops themselves, in the order they are issued (tests
 compare one model's collectives with and without another model beside it, and against its plan).
 
 Sub-group communicators (HSDP's shard and replicate groups) count into their parent's ledger, each bytes
@@ -102,6 +102,12 @@ class CountingCommunicator(CommunicatorWrapper):
     def _barrier(self, label: str) -> Handle:
         self._count("barrier", 0, label)
         return self.inner._barrier(label)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        # What this rank sends to the others (its own piece stays): uneven, so bytes differ by rank.
+        self._count("all_to_all", (inp.numel() - in_splits[self.rank]) * inp.element_size(), label, inp.numel())
+        return self.inner._all_to_all(out, inp, out_splits, in_splits, label)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
         self._count("send", _nbytes(tensor), label, tensor.numel())

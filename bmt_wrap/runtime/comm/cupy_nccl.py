@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CommError, InitError
-from .base import Communicator, Handle
+from .base import Communicator, Handle, split_offsets
 from .single import SingleProcessCommunicator
 from .watchdog import CompletionWatchdog
 
@@ -142,6 +142,24 @@ class CupyNcclCommunicator(Communicator):
     def _broadcast(self, tensor: torch.Tensor, src: int, label: str) -> Handle:
         return self._launch(f"broadcast {label}", [tensor], lambda s: self._comm.broadcast(
             tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s))
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        starts_in, starts_out, size = split_offsets(in_splits), split_offsets(out_splits), inp.element_size()
+
+        def call(s: int) -> None:
+            # One NCCL group of paired sends and receives: NCCL runs them together, none waits on another.
+            self._nccl.groupStart()
+            for peer in range(self.world_size):
+                if in_splits[peer]:
+                    self._comm.send(inp.data_ptr() + starts_in[peer] * size, in_splits[peer], self._dtype(inp),
+                                    peer, s)
+                if out_splits[peer]:
+                    self._comm.recv(out.data_ptr() + starts_out[peer] * size, out_splits[peer], self._dtype(out),
+                                    peer, s)
+            self._nccl.groupEnd()
+
+        return self._launch(f"all_to_all {label}", [out, inp], call)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
         # NCCL matches point-to-point calls between two ranks in posting order; it has no tags.

@@ -64,6 +64,11 @@ class FingerprintCommunicator(CommunicatorWrapper):
         self._check("barrier", None, label)
         return self.inner._barrier(label)
 
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        self._check("all_to_all", None, f"{label} ({inp.dtype})")  # sizes differ by rank: not part of the op
+        return self.inner._all_to_all(out, inp, out_splits, in_splits, label)
+
     # Point to point: two ranks of the group take part, so no group-wide fingerprint; the receiver checks
     # the sender's header (runtime/pipeline.py), and a missing peer times out.
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:

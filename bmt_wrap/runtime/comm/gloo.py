@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CommError
-from .base import Communicator, Handle
+from .base import Communicator, Handle, split_offsets
 from .purpose import RECORD_BYTES, OpDescription, describe_op, mismatch_message
 from .subgroups import GroupRef, process_group_subgroup
 
@@ -34,6 +34,7 @@ _TAG_ALL_GATHER = 11
 _TAG_REDUCE_SCATTER = 12
 _TAG_ORDER = 13
 _TAG_P2P = 14
+_TAG_ALL_TO_ALL = 15
 _TAG_SPREAD = 1 << 20  # data tags: op tag + a hash of what defines the op, below this
 
 # How gloo words a peer that exited, crashed or timed out and closed its sockets (torch 2.13).
@@ -144,7 +145,10 @@ class GlooCommunicator(Communicator):
         if fut._comm.broken is not None:  # the op's own group: sub-groups share this worker
             return fut._comm.unusable_error(fut._what)
         try:
-            fn()
+            # Grad mode is per thread, and this one's is on: the caller's views (made under no_grad in an
+            # autograd Function's forward) may only be written here under no_grad too.
+            with torch.no_grad():
+                fn()
         except BaseException as exc:  # reported to the waiting thread, which raises it
             return exc
         return None
@@ -285,6 +289,30 @@ class GlooCommunicator(Communicator):
             work = dist.all_reduce(flag, group=self._group(), async_op=True)
             verify()
             self._wait_all([(work, None)], desc.text)
+
+        return self._submit(desc, run)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        # Sizes differ by rank, so the op is defined by its label and dtype; pieces go straight into ``out``.
+        desc = describe_op("all_to_all", None, f"{label} ({inp.dtype})")
+        tag = _data_tag(_TAG_ALL_TO_ALL, desc)
+        r, starts_in, starts_out = self.rank, split_offsets(in_splits), split_offsets(out_splits)
+
+        def run(verify: Callable[[], None]) -> None:
+            works = []
+            for peer in range(self.world_size):
+                if peer == r:
+                    continue
+                if in_splits[peer]:  # an empty piece is not sent: the peer expects none (its out_splits)
+                    piece = inp[starts_in[peer]:starts_in[peer] + in_splits[peer]]
+                    works.append((dist.isend(piece, self._global[peer], group=self._group(), tag=tag), peer))
+                if out_splits[peer]:
+                    works.append((dist.irecv(out[starts_out[peer]:starts_out[peer] + out_splits[peer]],
+                                             self._global[peer], group=self._group(), tag=tag), peer))
+            out[starts_out[r]:starts_out[r] + out_splits[r]].copy_(inp[starts_in[r]:starts_in[r] + in_splits[r]])
+            verify()
+            self._wait_all(works, desc.text)
 
         return self._submit(desc, run)
 

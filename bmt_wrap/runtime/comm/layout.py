@@ -64,6 +64,20 @@ class ParallelLayout:
     whole: Communicator | None = None  # None with T = 1, where that is ``dp.shard``
     pp: Communicator | None = None  # None with one stage
     stage: Communicator | None = None  # None with one stage (then it is the job)
+    # Expert parallelism (``mesh.ep > 1``): the ranks exchanging tokens, and the owners of this rank's
+    # experts with their replicas (ZeRO-3 over ``experts.shard``).
+    ep: Communicator | None = None
+    experts: RankLayout | None = None
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks each MoE layer's experts are split over."""
+        return self.mesh.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """Which ``1/ep_size`` of each MoE layer's experts this rank owns."""
+        return self.mesh.ep_rank(self.rank)
 
     @property
     def tp_size(self) -> int:

@@ -42,6 +42,12 @@ class SingleProcessCommunicator(Communicator):
     def _barrier(self, label: str) -> Handle:
         return DoneHandle()
 
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return DoneHandle()
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
         self._mailbox.setdefault(tag, []).append(tensor.clone())
         return DoneHandle()

@@ -69,6 +69,11 @@ class TorchCommunicator(Communicator):
         work = dist.broadcast(tensor, self._global[src], group=self._group(), async_op=True)
         return _WorkHandle(self, work, f"broadcast({tensor.numel()} x {tensor.dtype}) {label}")
 
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    label: str) -> Handle:
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._group, async_op=True)
+        return _WorkHandle(self, work, f"all_to_all({inp.numel()} x {inp.dtype}) {label}")
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, label: str) -> Handle:
         work = dist.isend(tensor, self._global[dst], group=self._group(), tag=tag)
         return _WorkHandle(self, work, f"send({tensor.numel()} x {tensor.dtype}) to rank {dst} {label}")

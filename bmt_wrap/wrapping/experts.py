@@ -1,0 +1,92 @@
+"""Expert parallelism in the one-liner: ``BMTrainModelWrapper(model, ep_size=E)`` (or a mesh dim "ep").
+
+The pass (``passes/experts.py``) finds the MoE layers; here each EP rank keeps its ``num_experts / E``
+experts of each layer (rank 0's values: every rank takes its slice of them) and its experts module runs
+through ``runtime/experts.py`` (tokens dispatched to their owners and combined back). The plan then lays
+the kept experts out in buffers of their own, ZeRO-3 sharded over the ranks owning the same experts
+(``FlatBufferSpec.ep_split``); everything else is sharded over every rank as without EP.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import passes
+from ..base.expert_plan import ExpertPlan, MoELayer
+from ..base.plan import WrapPlan
+from ..errors import ExpertParallelError, PlanError
+from ..job.distributed import get_state
+from ..runtime.comm import Communicator, ParallelLayout
+from ..runtime.experts import expert_parallel_call
+
+
+def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None) -> ExpertPlan | None:
+    """The plan's experts section for this job: ``plan=``'s own or the pass's (every rank runs it, so its
+    errors come alike on every rank, before the model changes); None without expert parallelism."""
+    given = plan.experts if isinstance(plan, WrapPlan) else None
+    if layout.ep_size == 1:
+        if given is not None and given.ep_size > 1:
+            raise PlanError(f"plan= was made for ep_size={given.ep_size}; this job wraps without expert "
+                            "parallelism: pass the same ep_size=, or make the plan again")
+        return None
+    if layout.tp_size > 1 or layout.pp_size > 1:
+        raise ExpertParallelError(f"ep_size={layout.ep_size} with {layout.describe()}: expert parallelism beside "
+                                  "tensor or pipeline parallelism is not built yet; wrap with ep_size alone")
+    if given is not None:
+        if given.ep_size != layout.ep_size:
+            raise PlanError(f"plan= was made for ep_size={given.ep_size}, this job wraps with ep_size="
+                            f"{layout.ep_size}; make the plan again for this size")
+        return given
+    if plan is not None:
+        raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
+    section = passes.plan_experts(model, layout.ep_size)
+    lists = [la.experts for la in section.layers if la.layout != "packed"]
+    if lists:
+        raise ExpertParallelError(f"ep_size={layout.ep_size}: {lists[0]} holds its experts as a list of modules; "
+                                  "expert parallelism splits packed 3-D expert weights only so far (transformers' "
+                                  "current MoE models): wrap without ep_size")
+    return section
+
+
+def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
+    """Keep this EP rank's experts of each layer (rank 0's values) and route each experts module's calls
+    through the EP ranks; before ``apply_plan``, which lays the kept experts out."""
+    assert layout.ep is not None
+    for layer in section.layers:
+        experts = model.get_submodule(layer.experts)
+        owned = layer.owned(layout.ep_rank, layout.ep_size)
+        for name, p in list(experts.named_parameters(recurse=False)):
+            full = _from_rank0(p.detach(), f"{layer.experts}.{name}")
+            setattr(experts, name, nn.Parameter(full[owned.start:owned.stop].clone(), requires_grad=p.requires_grad))
+        for attr in layer.counts:  # its forward sizes its work by them: this rank's share
+            setattr(experts, attr, len(owned))
+        _route(experts, layer, layout.ep)
+
+
+def _from_rank0(p: torch.Tensor, name: str) -> torch.Tensor:
+    """``p`` with rank 0's values (every rank keeps a different slice: the shards' own broadcast from rank 0
+    does not reach them); a meta tensor stays meta (``init_parameters`` fills the slices later)."""
+    state = get_state()
+    if p.is_meta or state.world_size == 1:
+        return p
+    flat = p.contiguous().view(-1).clone()
+    state.comm.broadcast(flat, 0, label=f"{name} experts")
+    return flat.view(p.shape)
+
+
+def _route(experts: nn.Module, layer: MoELayer, comm: Communicator) -> None:
+    """Make ``experts``' forward the EP call, running its own forward on the tokens each rank receives."""
+    local = experts.forward
+
+    def forward(self: nn.Module, hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:
+            raise ExpertParallelError(f"{layer.experts} was called with more than (tokens, indices, weights) "
+                                      "under ep_size=: the plan's probe saw only those")
+        return expert_parallel_call(local, hidden, indices, weights, comm, layer.num_experts, layer.experts)
+
+    experts.forward = types.MethodType(forward, experts)

@@ -1,0 +1,172 @@
+"""The experts pass (passes/experts.py, pure, one process): mixture-of-experts layers found by structure in
+transformers' MoE families from their default configs shrunk, their placement over EP ranks, what stays
+dense and why, the plan section, ``bmt-wrap plan --ep-size`` and the pass's errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from bmt_wrap.cli import main
+from bmt_wrap.errors import ExpertParallelError
+from bmt_wrap.passes import plan_experts
+from bmt_wrap.plan import WrapPlan
+from tests import models
+
+# family -> (MoE layer modules, their router child, dense children beside the experts)
+FAMILIES = {
+    "mixtral": (["model.layers.0.mlp", "model.layers.1.mlp"], "gate", []),
+    "qwen3_moe": (["model.layers.0.mlp", "model.layers.1.mlp"], "gate", []),
+    "qwen2_moe": (["model.layers.0.mlp", "model.layers.1.mlp"], "gate", ["shared_expert", "shared_expert_gate"]),
+    "deepseek_v3": (["model.layers.1.mlp"], "gate", ["shared_experts"]),  # layer 0 is a dense MLP
+    "gpt_oss": (["model.layers.0.mlp", "model.layers.1.mlp"], "router", []),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_transformers_moe_layers_are_found_and_placed(family: str) -> None:
+    model = getattr(models, family)()
+    modules, router, dense = FAMILIES[family]
+    section = plan_experts(model, ep_size=2)
+    assert [la.module for la in section.layers] == modules and not section.dense
+    for layer in section.layers:
+        experts = model.get_submodule(layer.experts)
+        assert layer.router == f"{layer.module}.{router}" and layer.experts == f"{layer.module}.experts"
+        assert (layer.layout, layer.num_experts, layer.top_k) == ("packed", 4, 2)
+        assert layer.hidden == models.DIM and layer.activation_dtype == "float32"
+        assert layer.dense == [f"{layer.module}.{d}" for d in dense]
+        assert layer.params == {f"{layer.experts}.{n}": list(p.shape) for n, p in experts.named_parameters()}
+        assert all(s[0] == 4 for s in layer.params.values())
+        assert layer.expert_bytes == sum(p.numel() * 4 for p in experts.parameters())
+        assert [list(layer.owned(r, 2)) for r in range(2)] == [[0, 1], [2, 3]]
+    # The probe ran on a meta copy: the model is untouched (no hooks left, weights where they were).
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_plan_section_prints_and_round_trips() -> None:
+    section = plan_experts(models.qwen2_moe(), ep_size=2)
+    plan = WrapPlan(groups=[], experts=section)
+    text = str(plan)
+    assert "experts: 2 mixture-of-experts layer(s), ep_size=2" in text
+    assert ("model.layers.0.mlp: router model.layers.0.mlp.gate picks 2 of 4 experts in model.layers.0.mlp.experts"
+            in text)
+    assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
+    assert "dense beside them: model.layers.0.mlp.shared_expert, model.layers.0.mlp.shared_expert_gate" in text
+    again = WrapPlan.from_json(plan.to_json())
+    assert again.experts == section and str(again) == text
+
+
+def test_a_router_that_hands_a_dispatch_mask_stays_dense() -> None:
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    cfg = SwitchTransformersConfig(vocab_size=models.VOCAB, d_model=models.DIM, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, num_experts=4, num_sparse_encoder_layers=1,
+                                   num_sparse_decoder_layers=1)
+    model = models.seeded(lambda: SwitchTransformersForConditionalGeneration(cfg))
+    section = plan_experts(model)
+    assert not section.layers and section.dense
+    for d in section.dense:  # the router passes a one-hot [tokens, 1, experts] mask, not top-k indices
+        assert d.module.endswith("mlp") and "not top-k expert indices" in d.reason, d
+    text = str(WrapPlan(groups=[], experts=section))
+    assert f"{len(section.dense)} left dense" in text and f"  dense {section.dense[0].module}: " in text
+    with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer was found.*left dense: .*mlp"):
+        plan_experts(model, ep_size=2)
+
+
+class _ListMoE(nn.Module):
+    """A top-2 MoE layer whose experts are a ModuleList of MLPs, called with the router's indices."""
+
+    def __init__(self, dim: int = 8, num: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num, bias=False)
+        self.experts = _ListExperts(dim, num)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, x.shape[-1])
+        weights, idx = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        return self.experts(x, idx, weights)
+
+
+class _ListExperts(nn.ModuleList):
+    def __init__(self, dim: int, num: int) -> None:
+        super().__init__(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                         for _ in range(num))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out
+
+
+def test_a_list_of_expert_mlps_is_found() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), _ListMoE())
+    (layer,) = plan_experts(model, ep_size=4).layers
+    assert (layer.module, layer.layout, layer.num_experts, layer.top_k) == ("1", "list", 4, 2)
+    assert layer.params == {"1.experts.*.0.weight": [4, 16, 8], "1.experts.*.0.bias": [4, 16],
+                            "1.experts.*.2.weight": [4, 8, 16], "1.experts.*.2.bias": [4, 8]}
+
+
+def test_ep_size_errors_name_the_fix() -> None:
+    with pytest.raises(ExpertParallelError, match=r"ep_size=3 does not divide the experts of .*model.layers.0.mlp "
+                                                  r"\(4\).*ep_size in \[2, 4\]"):
+        plan_experts(models.mixtral(), ep_size=3)
+    with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer was found in LlamaForCausalLM"):
+        plan_experts(models.llama(), ep_size=2)
+    with pytest.raises(ExpertParallelError, match="positive int"):
+        plan_experts(models.mixtral(), ep_size=0)
+    tied = models.mixtral()
+    tied.model.layers[1].mlp.experts.down_proj = tied.model.layers[0].mlp.experts.down_proj
+    plain = plan_experts(tied)  # without EP a shared expert weight is only a layer left dense, with why
+    assert [d.module for d in plain.dense] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert "is the same Parameter as 'model.layers.1.mlp.experts.down_proj'" in plain.dense[0].reason
+    with pytest.raises(ExpertParallelError, match=r"model.layers.0.mlp.experts.down_proj is the same Parameter as "
+                                                  r"'model.layers.1.mlp.experts.down_proj'.*Untie it"):
+        plan_experts(tied, ep_size=2)
+
+
+def test_cli_plan_prints_expert_bytes_and_all_to_all(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tests/models.py:mixtral", "--world-size", "2", "4", "--ep-size", "2",
+                 "--input", "input_ids=int64[2,16]"]) == 0
+    out = capsys.readouterr().out
+    model = models.mixtral()
+    experts = [model.get_submodule(f"model.layers.{i}.mlp.experts") for i in range(2)]
+    total = sum(p.numel() * 4 for e in experts for p in e.parameters())
+    # 32 tokens x top-2 x 32 wide x 4 bytes, half to the other EP rank; dispatch and combine in forward,
+    # backward and the checkpointed blocks' recompute; two layers.
+    a2a = 32 * 2 * models.DIM * 4 // 2 * 6 * 2
+
+    def row(label: str) -> list[str]:
+        line = next(x for x in out.splitlines() if x.startswith(label))
+        return re.split(r"\s{2,}", line[len(label):].strip())
+
+    kib = lambda n: f"{n / 1024:.2f} KiB"  # noqa: E731
+    assert row("expert bytes per rank (EP)") == [kib(total / 2), kib(total / 4)]
+    assert row("all-to-all / step (EP)") == [kib(a2a), kib(a2a)]
+    assert row("experts' ZeRO among owners / step (EP)") == ["0 B", kib(3 * total / 4)]
+    assert row("experts' ZeRO-3 gathers / step (no EP)") == [kib(3 * total / 2), kib(3 * total / 4 * 3)]
+    assert "ep rank 1: experts 2-3" in out
+
+
+def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -> None:
+    from bmt_wrap.passes import build_plan, discover_blocks
+
+    model = models.mixtral()
+    experts = plan_experts(model, ep_size=2)
+    total = experts.expert_bytes()
+    dense = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    for world in (2, 4):  # ep2 alone, then ep2 x dp2: each expert shard is split over world / 2 owners
+        plan = build_plan(model, discover_blocks(model), world_size=world, experts=experts)
+        bufs = [b for g in plan.groups for b in g.buffers if b.ep_split]
+        assert {s.fqn: s.shape for b in bufs for s in b.slots} == experts.local_shapes()
+        assert all(b.ep_split == 2 and b.ranks(world, 1) == world // 2 for b in bufs)
+        assert {s[0] for s in experts.local_shapes().values()} == {2}
+        shard = plan.estimates[str(world)].params
+        # every rank: 1/world of the dense parameters and 1/world of all experts (half of them, over world/2)
+        assert abs(shard - (dense + total) / world) <= 0.02 * shard, (shard, dense, total)
+        assert plan.experts is experts or plan.experts == experts
