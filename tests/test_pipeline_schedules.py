@@ -22,7 +22,7 @@ def _llama_labels(ids):
     return labels
 
 
-def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", tp_size: int = 1) -> list[float]:
+def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
     checked inside)."""
     if kind == "llama":
@@ -40,7 +40,7 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", tp_si
 
         def step_fn(m, ids, targets):
             return m.pipeline_step(ids, targets, schedule=schedule)
-    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, pp_microbatches=micro, tp_size=tp_size), batches,
+    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, pp_microbatches=micro), batches,
                                 optimizer=optimizer, loss_fn=loss_fn, step_fn=step_fn,
                                 data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
     gc.collect()  # the wrapped model goes before the next one takes the engine
@@ -109,11 +109,12 @@ def _pp2_dp2_body() -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=4)
     out["pp4"] = _train("toy", "1F1B", 4)
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
-    out["pp2_tp2"] = _train("toy", "1F1B", 4, tp_size=2)  # each stage's blocks split over its TP pair
+    tp = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=4, tp_size=2)
+    out["pp2_tp2"] = _raises(lambda: tp.pipeline_step(ids.chunk(2)[0], targets.chunk(2)[0]))
     return out
 
 
-def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp2_and_reduces_once() -> None:
+def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_and_pp4_and_reduces_once() -> None:
     results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
         assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
@@ -121,4 +122,5 @@ def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp2_and_reduces_o
     for a, b in ((0, 2), (1, 3)):
         assert results[a]["toy"] == results[b]["toy"] and results[a]["llama"] == results[b]["llama"]
     assert all(r["pp4"] == results[0]["pp4"] for r in results)
-    assert all(r["pp2_tp2"] == results[0]["pp2_tp2"] for r in results)
+    for r in results:  # not yet with TP inside the stages (a pp2 x tp2 1F1B run once left a stage waiting)
+        assert r["pp2_tp2"][0] == "UnsupportedError" and "tensor parallelism" in r["pp2_tp2"][1], r["pp2_tp2"]
