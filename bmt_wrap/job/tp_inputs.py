@@ -49,12 +49,16 @@ def check_pipeline_inputs_agree(tensors: Iterable[torch.Tensor], what: str = "th
     layout = parallel_layout()
     if layout.pp is None:
         return
-    seen = digests(layout.pp, tensors, "pipeline input digests")
+    raise_if_stages_differ(digests(layout.pp, tensors, "pipeline input digests"), what, layout.dp_rank)
+
+
+def raise_if_stages_differ(seen: list[int], what: str, dp_rank: int) -> None:
+    """Raise ``PipelineInputMismatchError`` if the stages' input digests ``seen`` (by stage) differ."""
     if len(set(seen)) > 1:
         differ = [s for s, d in enumerate(seen) if d != seen[0]]
         raise PipelineInputMismatchError(
             f"{what} differ between the stages of one pipeline (stages {differ} differ from stage 0; data-parallel "
-            f"rank {layout.dp_rank}): every stage of a pipeline must get the same batch. Shard the data over the "
+            f"rank {dp_rank}): every stage of a pipeline must get the same batch. Shard the data over the "
             "data-parallel ranks: DistributedSampler(dataset, num_replicas=bmt.data_parallel_size(), "
             "rank=bmt.data_parallel_rank()).")
 

@@ -25,9 +25,9 @@ from torch import nn
 from ..base._compat import pytree
 from ..base.pipeline_plan import PipelinePlan
 from ..base.plan import ROOT, ShardGroupSpec, WrapPlan
-from ..errors import PipelineError, PipelineInputMismatchError, PlanError
+from ..errors import PipelineError, PlanError
 from ..job.distributed import agree, get_state
-from ..job.tp_inputs import _digest
+from ..job.tp_inputs import _digest, raise_if_stages_differ
 from ..loss.lazy_logits import LazyLogits
 from ..passes.capture import to_meta
 from ..passes.pipeline import stage_root_spec
@@ -463,14 +463,7 @@ def _check_inputs(runtime: PipelineRuntime, args: tuple, kwargs: dict, batch: in
     table = agree(error, [_digest(tensors)], what="pipeline inputs")
     state, mesh = get_state(), runtime.layout.mesh
     peers = mesh.group(state.rank, ("pp",))
-    seen = [table[r][0] for r in peers]
-    if len(set(seen)) > 1:
-        differ = [s for s, d in enumerate(seen) if d != seen[0]]
-        raise PipelineInputMismatchError(
-            f"the inputs differ between the stages of one pipeline (stages {differ} differ from stage 0; "
-            f"data-parallel rank {runtime.layout.dp_rank}): every stage must get the same batch. Shard the data "
-            "over the data-parallel ranks: DistributedSampler(dataset, num_replicas=bmt.data_parallel_size(), "
-            "rank=bmt.data_parallel_rank()).")
+    raise_if_stages_differ([table[r][0] for r in peers], "the inputs", runtime.layout.dp_rank)
 
 
 def _micro_call(args: tuple, kwargs: dict, batch: int, micros: int, m: int) -> tuple[tuple, dict]:
