@@ -176,13 +176,7 @@ class Engine:
             buffers.append(buf)
         mode = StorageMode.GRAPH if used_outside_blocks or spec.is_root else storage_mode(spec)
         group = ShardGroup(spec, buffers, locations, layout.shard, self.pool, mode, replicas=layout.replicate)
-        originals = [[locs[0][0]._parameters.get(locs[0][1]) if locs else None for locs in per_buffer]
-                     for per_buffer in locations]
-        group.restore()
-        for olds, buf in zip(originals, buffers, strict=True):
-            for old, new in zip(olds, buf.params, strict=True):
-                if old is not None and old is not new:
-                    mark_replaced(old, new)
+        self._install(group, locations)
         for olds, buf in zip(marked, buffers, strict=True):
             for old, new in zip(olds, buf.params, strict=True):
                 if old is not None and old is not new:
@@ -197,10 +191,7 @@ class Engine:
                 buf.tp_scale = tp_scale_ranges(buf, self.tp.world_size, sum_unmarked)
             elif self.tp is not None:
                 buf.tp_sum = tp_sum_ranges(buf, self.tp, sum_unmarked)
-        runtime = runtime or self.explicit
-        runtime.groups.append(group)
-        self._runtime_of[group] = weakref.ref(runtime)
-        return group
+        return self._register(group, runtime)
 
     def _buffer_comm(self, spec: FlatBufferSpec) -> Communicator:
         """The ranks a new buffer is sharded over: the shard group, under TP the shard x tp ranks for a
@@ -267,17 +258,27 @@ class Engine:
                                      for b in spec.buffers]
         group = ShardGroup(spec, buffers, locations, SingleProcessCommunicator(self.comm.timeout), self.pool,
                            StorageMode.GRAPH)
+        for old, new in self._install(group, locations):
+            copy_tp_marks(old, new)
+            if self.tp is not None and tp_split_dim(new) is not None:
+                new.shard_layout.tp = self.tp
+        self.reducer.staged.extend(weakref.ref(buf) for buf in buffers)
+        return self._register(group, runtime)
+
+    @staticmethod
+    def _install(group: ShardGroup, locations: list[list[list[Location]]]) -> list[tuple[Any, Any]]:
+        """Put ``group``'s parameters at ``locations``; each (original, new) pair it replaced, marked so."""
         originals = [[locs[0][0]._parameters.get(locs[0][1]) if locs else None for locs in per_buffer]
                      for per_buffer in locations]
         group.restore()
-        for olds, buf in zip(originals, buffers, strict=True):
-            for old, new in zip(olds, buf.params, strict=True):
-                if old is not None and old is not new:
-                    mark_replaced(old, new)
-                    copy_tp_marks(old, new)
-                    if self.tp is not None and tp_split_dim(new) is not None:
-                        new.shard_layout.tp = self.tp
-            self.reducer.staged.append(weakref.ref(buf))
+        pairs = [(old, new) for olds, buf in zip(originals, group.buffers, strict=True)
+                 for old, new in zip(olds, buf.params, strict=True) if old is not None and old is not new]
+        for old, new in pairs:
+            mark_replaced(old, new)
+        return pairs
+
+    def _register(self, group: ShardGroup, runtime: ModelRuntime | None) -> ShardGroup:
+        """Make ``group`` one of ``runtime``'s (the explicit API's by default)."""
         runtime = runtime or self.explicit
         runtime.groups.append(group)
         self._runtime_of[group] = weakref.ref(runtime)
