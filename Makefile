@@ -37,8 +37,11 @@ install-bench: install-test
 install-examples: $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[examples]"
 
+# Two pytest workers (pytest-xdist), each taking whole test files, so a file's shared job runs once: a
+# multi-rank body leaves cores idle while its ranks wait on each other, and the other worker fills them.
+TEST_WORKERS ?= 2
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # tests/conftest.py marks `process` every test whose code starts one; the variable makes any process
 # started anyway fail its test, so a miss of that analysis shows instead of slowing the inner loop.

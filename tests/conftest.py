@@ -28,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
         patch = pytest.MonkeyPatch()
         forbid_processes(patch)
         config.add_cleanup(patch.undo)
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerStarts(), "bmt-worker-starts")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,6 +55,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_all()
+    # Under pytest-xdist (`make test` runs two pytest workers), each worker starts its own worker groups:
+    # it hands their list to the controller, which prints them with its own.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["bmt_starts"] = list(STARTS)
+
+
+class _WorkerStarts:
+    """On the xdist controller: collect each pytest worker's worker-group starts for the summary."""
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node: object, error: object) -> None:
+        STARTS.extend(tuple(start) for start in getattr(node, "workeroutput", {}).get("bmt_starts", ()))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
