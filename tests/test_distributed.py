@@ -60,16 +60,18 @@ def test_calling_distributed_functions_before_init_names_the_fix() -> None:
 
 
 def test_bad_environment_is_refused() -> None:
-    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed()\n"
-                     "except bmt.errors.InitError as e:\n    print('MASTER_ADDR' in str(e))\n",
-                     env={"RANK": "0", "WORLD_SIZE": "2"})
-    assert out.stdout.strip() == "True", out.stderr
-    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed(backend='mpi')\n"
-                     "except bmt.errors.InitError as e:\n    print('unknown backend' in str(e))\n")
-    assert out.stdout.strip() == "True", out.stderr
-    out = _run_fresh("import bmt_wrap as bmt\ntry:\n    bmt.init_distributed(backend='nccl')\n"
-                     "except bmt.errors.InitError as e:\n    print('CUDA' in str(e))\n")
-    assert out.stdout.strip() == "True", out.stderr
+    # One fresh interpreter tries the three: a refused init leaves nothing behind, so each try is a first.
+    out = _run_fresh("import os\nimport bmt_wrap as bmt\n"
+                     "def why(env, **kw):\n"
+                     "    os.environ.update(env)\n"
+                     "    try:\n        bmt.init_distributed(**kw)\n"
+                     "    except bmt.errors.InitError as e:\n        return str(e)\n"
+                     "    finally:\n        [os.environ.pop(k) for k in env]\n"
+                     "    return 'initialised'\n"
+                     "print('MASTER_ADDR' in why({'RANK': '0', 'WORLD_SIZE': '2'}))\n"
+                     "print('unknown backend' in why({}, backend='mpi'))\n"
+                     "print('CUDA' in why({}, backend='nccl'))\n")
+    assert out.stdout.split() == ["True"] * 3, out.stderr
 
 
 def _reinit_body() -> None:
@@ -136,7 +138,7 @@ def test_print_rank_and_logger_prefix_the_rank() -> None:
     assert results[1] == ["[rank 1] hello 42", "[rank 1] everyone"]
 
 
-def test_finished_jobs_exit_cleanly_under_load() -> None:
+def test_finished_jobs_exit_cleanly() -> None:
     # Issues 12 and 22: a job that finished its last line aborted at interpreter exit (SIGABRT, "terminate
     # called without an active exception") when gloo's threads were still alive there. Issue 22: the group
     # outlived destroy_process_group, held by torch modules the first wrap loads. Aborts are rare per run,
@@ -147,14 +149,9 @@ def test_finished_jobs_exit_cleanly_under_load() -> None:
 
     script = os.path.join(os.path.dirname(__file__), "exit_jobs.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        out = subprocess.run([sys.executable, script, "2", "3"], capture_output=True, text=True, timeout=600,
-                             env=env)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+    # The suite's other pytest worker (make test runs two) is the load; the threads-left check below does
+    # not depend on it.
+    out = subprocess.run([sys.executable, script, "2", "3"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["kind"] for r in runs] == ["plain", "save", "unsharded"]
