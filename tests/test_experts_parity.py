@@ -18,36 +18,34 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import bmt_wrap as bmt
 from bmt_wrap.job.distributed import parallel_layout
+from bmt_wrap.job.tp_values import whole_value
 from bmt_wrap.runtime.sharded_tensor import ShardedTensor
 from tests import models
 
 STEPS, BATCH, SEQ = 3, 4, 8
 
 
-def _whole(t: torch.Tensor, expert: bool) -> torch.Tensor:
-    """A parameter or gradient read whole: an expert tensor's EP ranks' experts joined in rank order."""
-    full = t.full_tensor() if isinstance(t, ShardedTensor) else t.detach()
-    if not expert:
-        return full
-    ep = parallel_layout().ep
-    out = torch.empty(ep.world_size * full.numel(), dtype=full.dtype)
-    ep.all_gather_into(out, full.contiguous().view(-1), label="test: whole experts")
-    return out.view(ep.world_size * full.shape[0], *full.shape[1:])
+def _whole(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Parameter ``p``'s value or gradient ``t`` read whole: an expert tensor's EP ranks' experts joined in
+    rank order, a TP-split one's TP slices joined."""
+    return whole_value(p, t.full_tensor() if isinstance(t, ShardedTensor) else t.detach())
 
 
 def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, output_router_logits=True).loss
 
 
-def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: object = None) -> dict:
-    """Train a wrapped copy (``ep_size=ep``) and the sliced reference side by side; assert parity every step."""
-    rank, n = bmt.rank(), bmt.world_size()
+def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: object = None, tp: int | None = None
+           ) -> dict:
+    """Train a wrapped copy (``ep_size=ep``, ``tp_size=tp``) and the sliced reference side by side; assert
+    parity every step."""
     ref = build()
     if skew:  # every token's top-2 are experts 0 and 1: both on EP rank 0
         with torch.no_grad():
             for layer in ref.model.layers:
                 layer.mlp.router.bias[:2] = 100.0
-    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep, mesh=mesh)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep, mesh=mesh, tp_size=tp)
+    rank, n = bmt.data_parallel_rank(), bmt.data_parallel_size()  # TP peers take the same slice
     experts = set(model.plan.experts.expert_params())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -69,34 +67,36 @@ def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: obje
             want = ref_params[name].grad
             assert (p.grad is None) == (want is None), name
             if want is not None:
-                torch.testing.assert_close(_whole(p.grad, name in experts), want, **SGD_TOL,
+                torch.testing.assert_close(_whole(p, p.grad), want, **SGD_TOL,
                                            msg=lambda m, name=name: f"grad {name}: {m}")
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
         for name, p in model.named_parameters():
             want = ref_params[name].detach()
-            rel = float((_whole(p, name in experts) - want).norm() / want.norm().clamp_min(1e-12))
+            rel = float((_whole(p, p) - want).norm() / want.norm().clamp_min(1e-12))
             assert rel <= ADAMW_REL, f"{name}: relative difference {rel:.2e}"
         routed.append(bmt.distributed.comm().snapshot().get("all_to_all", {}).get("calls", 0))
     if readers:
-        _check_readers(model, ref, experts, readers)
+        _check_readers(model, ref, readers)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if n in experts}
     held = {id(p.flat_buffer): p.flat_buffer.shard for n, p in model.named_parameters() if n in experts}
+    q = dict(model.named_parameters()).get("model.layers.0.self_attn.q_proj.weight")
     return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed,
+            "q_shape": list(q.shape) if q is not None else None,
             "expert_bytes": sum(s.numel() * s.element_size() for s in held.values())}
 
 
-def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[str], tmp: str) -> None:
+def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> None:
     """state_dict() and bmt.save hold whole expert tensors under their names, load_state_dict() and bmt.load
     take them back; sharded checkpoints (not built yet) refuse by name."""
     state = model.state_dict()
     params = dict(model.named_parameters())
     for name, value in state.items():
         if name in params:
-            assert torch.equal(value, _whole(params[name], name in experts)), name
+            assert torch.equal(value, _whole(params[name], params[name])), name
     model.load_state_dict(ref.state_dict())
     for name, p in model.named_parameters():
-        assert torch.equal(_whole(p, name in experts), ref.get_parameter(name).detach()), name
+        assert torch.equal(_whole(p, p), ref.get_parameter(name).detach()), name
     path = f"{tmp}/ep.safetensors"
     bmt.save(model, path)
     from safetensors.torch import load_file
@@ -108,7 +108,7 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, experts: set[st
             p.to_local().zero_()
     bmt.load(model, path)
     for name, p in model.named_parameters():
-        assert torch.equal(_whole(p, name in experts), ref.get_parameter(name).detach()), f"bmt.load {name}"
+        assert torch.equal(_whole(p, p), ref.get_parameter(name).detach()), f"bmt.load {name}"
     kind, text = raised(lambda: bmt.save_checkpoint(f"{tmp}/ckpt", model))
     assert kind == "UnsupportedError" and "bmt.save_checkpoint of expert-parallel parameters" in text, (kind, text)
     from bmt_wrap.save_load import dcp
@@ -177,19 +177,24 @@ def _four_ranks_body() -> dict:
     gc.collect()  # the models above go before one of another layout is wrapped
     # HSDP: two replicas of a 2-rank shard group, ep2 within each (expert gradients averaged across replicas)
     out["hsdp"] = _train(models.mixtral, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    gc.collect()
+    # ep2 with tp2: attention split over TP peers, each TP rank's tokens routed within its own EP group; the
+    # experts' owners (TP peers among them) shard them ZeRO-3
+    out["tp"] = _train(models.mixtral, tp=2)
     return out
 
 
-def test_ep2_by_dp2_ep4_and_hsdp_ep2_match_plain_pytorch_and_hold_their_share() -> None:
+def test_ep2_by_dp2_ep4_hsdp_ep2_and_ep2_with_tp2_match_plain_pytorch_and_hold_their_share() -> None:
     model = models.mixtral()
     total = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
     for got in run_distributed(_four_ranks_body, 4):
         for ep, run in got.items():
-            assert all(s[0] == 4 // (2 if ep == "hsdp" else ep) for s in run["expert_shapes"].values())
+            assert all(s[0] == 4 // (ep if isinstance(ep, int) else 2) for s in run["expert_shapes"].values())
             # this rank's expert shards: its experts split over the world / ep ranks owning them (HSDP: each
             # replica holds all experts, half on each of its two ranks)
             share = total / 2 if ep == "hsdp" else total / 4
             assert run["expert_bytes"] <= 1.05 * share, (ep, run["expert_bytes"], total)
+        assert got["tp"]["q_shape"] == [16, 32]  # the attention ran split over the TP peers
 
 
 def _composed_body() -> dict:
@@ -197,7 +202,6 @@ def _composed_body() -> dict:
     rank, n = bmt.rank(), bmt.world_size()
     ref = models.mixtral()
     model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=2, fused_loss=True)
-    experts = set(model.plan.experts.expert_params())
     g = torch.Generator().manual_seed(11)
     halves = [torch.randint(0, models.VOCAB, (n, SEQ), generator=g) for _ in range(2)]
     for i, ids in enumerate(halves):  # two micro-batches, the first without communication
@@ -205,7 +209,7 @@ def _composed_body() -> dict:
             _loss(model, ids.chunk(n)[rank]).backward()
     sum(torch.stack([_loss(ref, s) for s in ids.chunk(n)]).mean() for ids in halves).backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_whole(p.grad, name in experts), ref.get_parameter(name).grad, **SGD_TOL,
+        torch.testing.assert_close(_whole(p, p.grad), ref.get_parameter(name).grad, **SGD_TOL,
                                    msg=lambda m, name=name: f"no_sync grad {name}: {m}")
     prompt = torch.randint(0, models.VOCAB, (1, 5), generator=torch.Generator().manual_seed(rank))
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
@@ -228,9 +232,8 @@ def _offload_body(tmp: str) -> dict:
     grads = []
     for kw in ({}, {"offload": "disk", "offload_dir": tmp}, {"memory_budget": 64 << 20}):
         model = bmt.BMTrainModelWrapper(models.mixtral(), ep_size=2, **kw)
-        experts = set(model.plan.experts.expert_params())
         _loss(model, ids).backward()
-        grads.append({name: _whole(p.grad, name in experts) for name, p in model.named_parameters()})
+        grads.append({name: _whole(p, p.grad) for name, p in model.named_parameters()})
         del model
         gc.collect()
     for other in grads[1:]:

@@ -18,32 +18,45 @@ from torch import nn
 from .. import passes
 from ..base.expert_plan import ExpertPlan, MoELayer
 from ..base.plan import WrapPlan
+from ..base.tp_plan import TensorParallelPlan
 from ..errors import ExpertParallelError, PlanError
 from ..job.distributed import get_state
 from ..runtime.comm import Communicator, ParallelLayout
 from ..runtime.experts import expert_parallel_call
 
 
-def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None) -> ExpertPlan | None:
+def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None,
+                            tp: TensorParallelPlan | None = None) -> ExpertPlan | None:
     """The plan's experts section for this job: ``plan=``'s own or the pass's (every rank runs it, so its
-    errors come alike on every rank, before the model changes); None without expert parallelism."""
+    errors come alike on every rank, before the model changes); None without expert parallelism. ``tp``
+    (the TP section) may split the dense parts, never an expert weight."""
     given = plan.experts if isinstance(plan, WrapPlan) else None
     if layout.ep_size == 1:
         if given is not None and given.ep_size > 1:
             raise PlanError(f"plan= was made for ep_size={given.ep_size}; this job wraps without expert "
                             "parallelism: pass the same ep_size=, or make the plan again")
         return None
-    if layout.tp_size > 1 or layout.pp_size > 1:
+    if layout.pp_size > 1:
         raise ExpertParallelError(f"ep_size={layout.ep_size} with {layout.describe()}: expert parallelism beside "
-                                  "tensor or pipeline parallelism is not built yet; wrap with ep_size alone")
+                                  "pipeline parallelism is not built yet; wrap without pp_size")
+    if tp is not None and tp.sequence is not None and tp.sequence.enabled:
+        # TP peers would route different parts of the sequence: their experts' gradients would be parts.
+        raise ExpertParallelError(f"ep_size={layout.ep_size} with sequence_parallel=True: expert parallelism "
+                                  "beside sequence parallelism is not built yet; wrap without sequence_parallel")
     if given is not None:
         if given.ep_size != layout.ep_size:
             raise PlanError(f"plan= was made for ep_size={given.ep_size}, this job wraps with ep_size="
                             f"{layout.ep_size}; make the plan again for this size")
-        return given
-    if plan is not None:
+        section = given
+    elif plan is not None:
         raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
-    section = passes.plan_experts(model, layout.ep_size)
+    else:
+        section = passes.plan_experts(model, layout.ep_size)
+    split = sorted(set(section.expert_params()) & tp.split_names()) if tp is not None else []
+    if split:
+        raise ExpertParallelError(f"ep_size={layout.ep_size}: the tensor-parallel plan splits expert weight "
+                                  f"{split[0]}; expert parallelism places whole experts: leave the experts out "
+                                  "of tp_plan=")
     lists = [la.experts for la in section.layers if la.layout != "packed"]
     if lists:
         raise ExpertParallelError(f"ep_size={layout.ep_size}: {lists[0]} holds its experts as a list of modules; "

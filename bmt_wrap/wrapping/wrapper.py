@@ -159,7 +159,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
         tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
-        experts = expert_parallel_section(model, parallel, plan)  # every rank, like TP's: errors alike
+        experts = expert_parallel_section(model, parallel, plan, tp)  # every rank, like TP's: errors alike
         built = plan is None
         if plan is None:
             mine, failure = None, None
