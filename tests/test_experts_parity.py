@@ -166,6 +166,8 @@ def test_ep_errors_are_named_on_every_rank() -> None:
         assert kind == "ExpertParallelError" and "ep_size=3 must be a positive int dividing the 2" in text
         kind, text = got["experts"]
         assert kind == "ExpertParallelError" and "does not divide the experts of model.layers.0.mlp (3)" in text
+        # 3 experts, 2 ranks: no size fits both (it once suggested 3, which the 2 ranks refuse)
+        assert "No ep_size > 1 divides every layer's experts and the 2 ranks" in text and "[3]" not in text
         kind, text = got["dense"]
         assert kind == "ExpertParallelError" and "no mixture-of-experts layer was found in LlamaForCausalLM" in text
 

@@ -116,6 +116,10 @@ def test_ep_size_errors_name_the_fix() -> None:
     with pytest.raises(ExpertParallelError, match=r"ep_size=3 does not divide the experts of .*model.layers.0.mlp "
                                                   r"\(4\).*ep_size in \[2, 4\]"):
         plan_experts(models.mixtral(), ep_size=3)
+    # a suggestion also divides the ranks EP borrows from: 4 would not divide 6 ranks
+    with pytest.raises(ExpertParallelError, match=r"\(4\): .*ep_size in \[2\] \(they divide every layer's experts "
+                                                  r"and the 6 ranks it borrows from\)"):
+        plan_experts(models.mixtral(), ep_size=3, shard_size=6)
     with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer was found in LlamaForCausalLM"):
         plan_experts(models.llama(), ep_size=2)
     with pytest.raises(ExpertParallelError, match="positive int"):

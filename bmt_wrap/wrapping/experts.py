@@ -51,7 +51,7 @@ def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: Wrap
     elif plan is not None:
         raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
     else:
-        section = passes.plan_experts(model, layout.ep_size)
+        section = passes.plan_experts(model, layout.ep_size, layout.mesh.shard)
     split = sorted(set(section.expert_params()) & tp.split_names()) if tp is not None else []
     if split:
         raise ExpertParallelError(f"ep_size={layout.ep_size}: the tensor-parallel plan splits expert weight "
