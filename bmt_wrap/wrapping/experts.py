@@ -52,17 +52,68 @@ def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: Wrap
         raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
     else:
         section = passes.plan_experts(model, layout.ep_size, layout.mesh.shard)
-    split = sorted(set(section.expert_params()) & tp.split_names()) if tp is not None else []
+    every = {n for la in section.layers for n in la.local_params(la.num_experts)}
+    split = sorted(every & tp.split_names()) if tp is not None else []
     if split:
         raise ExpertParallelError(f"ep_size={layout.ep_size}: the tensor-parallel plan splits expert weight "
                                   f"{split[0]}; expert parallelism places whole experts: leave the experts out "
                                   "of tp_plan=")
-    lists = [la.experts for la in section.layers if la.layout != "packed"]
-    if lists:
-        raise ExpertParallelError(f"ep_size={layout.ep_size}: {lists[0]} holds its experts as a list of modules; "
-                                  "expert parallelism splits packed 3-D expert weights only so far (transformers' "
-                                  "current MoE models): wrap without ep_size")
+    named = [la.experts for la in section.layers
+             if la.layout == "list" and not isinstance(model.get_submodule(la.experts), nn.ModuleList)]
+    if named:
+        raise ExpertParallelError(f"ep_size={layout.ep_size}: {named[0]} holds its experts in a ModuleDict; expert "
+                                  "parallelism splits packed 3-D expert weights or a ModuleList of experts (whose "
+                                  "order numbers them): use a ModuleList, or wrap without ep_size")
     return section
+
+
+def keep_own_list_experts(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
+    """Each list of experts keeps this EP rank's (rank 0's values), numbered from 0 as the plan names them on
+    every rank; before planning, so rank 0 plans what every rank holds. ``name_list_experts`` gives them
+    their own numbers back once the plan is applied."""
+    for layer in section.layers:
+        if layer.layout != "list":
+            continue
+        experts = model.get_submodule(layer.experts)
+        for name, p in experts.named_parameters():  # every rank takes part in each expert's broadcast
+            with torch.no_grad():
+                p.copy_(_from_rank0(p.detach(), f"{layer.experts}.{name}"))
+        owned = layer.owned(layout.ep_rank, layout.ep_size)
+        mine = list(experts.children())[owned.start:owned.stop]
+        experts._modules = dict(zip(map(str, range(len(mine))), mine, strict=True))
+        experts.__class__ = _own_experts_class(type(experts))
+
+
+def name_list_experts(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
+    """After the plan is applied: each list's experts under their own numbers (rank 1 of 2 holds experts
+    ``E/2 ..`` under those names), as ``named_parameters()`` names the originals; marked for the readers."""
+    for layer in section.layers:
+        if layer.layout == "list":
+            experts = model.get_submodule(layer.experts)
+            start = layer.owned(layout.ep_rank, layout.ep_size).start
+            experts._modules = {str(start + j): m for j, m in enumerate(experts._modules.values())}
+            for p in experts.parameters():
+                p._bmt_list_expert = True
+
+
+class _OwnExperts(nn.ModuleList):
+    """A list holding one EP rank's experts under their own numbers: ``self[i]`` is its i-th, the index its
+    forward receives (local expert indices), as iteration and ``len`` already are."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, int):
+            return list(self._modules.values())[idx]
+        return super().__getitem__(idx)
+
+
+_OWN_CLASSES: dict[type, type] = {}
+
+
+def _own_experts_class(cls: type) -> type:
+    """``cls`` with ``_OwnExperts``' indexing (one subclass per class, so isinstance checks still hold)."""
+    if cls not in _OWN_CLASSES:
+        _OWN_CLASSES[cls] = type(cls.__name__, (_OwnExperts, cls), {"__module__": cls.__module__})
+    return _OWN_CLASSES[cls]
 
 
 def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
@@ -72,7 +123,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: Paralle
     for layer in section.layers:
         experts = model.get_submodule(layer.experts)
         owned = layer.owned(layout.ep_rank, layout.ep_size)
-        for name, p in list(experts.named_parameters(recurse=False)):
+        for name, p in list(experts.named_parameters(recurse=False)):  # packed (a list kept its own already)
             full = _from_rank0(p.detach(), f"{layer.experts}.{name}")
             setattr(experts, name, nn.Parameter(full[owned.start:owned.stop].clone(), requires_grad=p.requires_grad))
         for attr in layer.counts:  # its forward sizes its work by them: this rank's share
