@@ -416,11 +416,11 @@ def deepseek_v3() -> nn.Module:
     return seeded(lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)))
 
 
-def gpt_oss() -> nn.Module:
-    """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-2."""
+def gpt_oss(top_k: int = 2) -> nn.Module:
+    """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-``top_k``."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = dict(_moe_small(), head_dim=8)
+    cfg = dict(_moe_small(), head_dim=8, num_experts_per_tok=top_k)
     return seeded(lambda: GptOssForCausalLM(GptOssConfig(**cfg)))
 
 
