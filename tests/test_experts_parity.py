@@ -238,7 +238,9 @@ def _hsdp_and_tp_body() -> dict:
     out["tp"] = _train(models.mixtral, tp=2)
     gc.collect()
     out["tp_qwen3"] = _train(models.qwen3_moe, tp=2)  # its plan splits the embedding and head, not attention
-    return out
+    split = {"layers.*.moe.experts.*.0": "colwise", "layers.*.moe.experts.*.2": "rowwise"}
+    refused = raised(lambda: bmt.BMTrainModelWrapper(models.list_moe(), ep_size=2, tp_size=2, tp_plan=split))
+    return {**out, "split_experts": refused}
 
 
 def _check_shares(results: list[dict]) -> None:
@@ -261,6 +263,9 @@ def test_ep2_by_dp2_and_a_skewed_ep4_match_plain_pytorch_and_hold_their_share() 
 
 def test_hsdp_ep2_and_ep2_with_tp2_match_plain_pytorch_and_hold_their_share() -> None:
     results = run_distributed(_hsdp_and_tp_body, 4)
+    for got in results:  # a tp_plan splitting expert weights is refused on every rank, naming one
+        kind, text = got.pop("split_experts")
+        assert kind == "ExpertParallelError" and "splits expert weight layers.0.moe.experts.0.0.bias" in text
     _check_shares(results)
     assert all(got["tp"]["q_shape"] == [16, 32] for got in results)  # the attention ran split over TP peers
 
