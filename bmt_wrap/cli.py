@@ -55,6 +55,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -543,7 +544,7 @@ def _ep_report(model: nn.Module, ep_size: int, sizes: list[int], plans: list[Wra
     bad = [n for n in sizes if ep_size < 1 or n % ep_size]
     if bad:
         raise CLIError(f"--ep-size {ep_size} must divide every --world-size; {bad} do not")
-    section = plan_experts(model, ep_size)
+    section = plan_experts(model, ep_size, math.gcd(*sizes))
     ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
     tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
     cols = [section.traffic(n, tokens, {g.name for g in p.blocks() if g.checkpoint})

@@ -118,6 +118,63 @@ class ToyGPT(nn.Module):
         return logits
 
 
+class ListExperts(nn.ModuleList):
+    """Experts as users write them: a ModuleList of MLPs, called with each token's top-k indices and weights."""
+
+    def __init__(self, dim: int, num: int) -> None:
+        super().__init__(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                         for _ in range(num))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            rows, slot = torch.where(idx == e)
+            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out
+
+
+class ListMoE(nn.Module):
+    """A top-2 MoE layer: a linear router (``gate``) and ``ListExperts``."""
+
+    def __init__(self, dim: int = DIM, num: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num, bias=False)
+        self.experts = ListExperts(dim, num)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = torch.topk(self.gate(flat).softmax(-1), 2, dim=-1)
+        return self.experts(flat, idx, weights).reshape(x.shape)
+
+
+class ListMoEBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.moe = ListMoE(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ln(x))
+
+
+class ListMoEGPT(nn.Module):
+    """An attention-free LM whose blocks (``layers.0``, ``layers.1``) are ``ListMoE`` layers: 4 experts in a
+    ModuleList each, top-2."""
+
+    def __init__(self, dim: int = 16, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(ListMoEBlock(dim) for _ in range(2))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return logits if targets is None else lm_loss(logits, targets)
+
+
 class FunctionalTiedGPT(ToyGPT):
     """No head module: the root's forward computes the logits as ``F.linear(h, self.embed.weight)`` (OLMo's
     tied head, as many research models write it). Blocks: ``layers.0``, ``layers.1``."""
@@ -359,12 +416,17 @@ def deepseek_v3() -> nn.Module:
     return seeded(lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)))
 
 
-def gpt_oss() -> nn.Module:
-    """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-2."""
+def gpt_oss(top_k: int = 2) -> nn.Module:
+    """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-``top_k``."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = dict(_moe_small(), head_dim=8)
+    cfg = dict(_moe_small(), head_dim=8, num_experts_per_tok=top_k)
     return seeded(lambda: GptOssForCausalLM(GptOssConfig(**cfg)))
+
+
+def list_moe() -> nn.Module:
+    """``ListMoEGPT``: experts held as a ModuleList of MLPs in each of its two blocks."""
+    return seeded(ListMoEGPT)
 
 
 def bert() -> nn.Module:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from torch import nn
 
 from bmt_wrap.cli import main
@@ -77,35 +76,8 @@ def test_a_router_that_hands_a_dispatch_mask_stays_dense() -> None:
         plan_experts(model, ep_size=2)
 
 
-class _ListMoE(nn.Module):
-    """A top-2 MoE layer whose experts are a ModuleList of MLPs, called with the router's indices."""
-
-    def __init__(self, dim: int = 8, num: int = 4) -> None:
-        super().__init__()
-        self.gate = nn.Linear(dim, num, bias=False)
-        self.experts = _ListExperts(dim, num)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, x.shape[-1])
-        weights, idx = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
-        return self.experts(x, idx, weights)
-
-
-class _ListExperts(nn.ModuleList):
-    def __init__(self, dim: int, num: int) -> None:
-        super().__init__(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-                         for _ in range(num))
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self):
-            rows, slot = torch.where(idx == e)
-            out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return out
-
-
 def test_a_list_of_expert_mlps_is_found() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), _ListMoE())
+    model = nn.Sequential(nn.Linear(8, 8), models.ListMoE(8))
     (layer,) = plan_experts(model, ep_size=4).layers
     assert (layer.module, layer.layout, layer.num_experts, layer.top_k) == ("1", "list", 4, 2)
     assert layer.params == {"1.experts.*.0.weight": [4, 16, 8], "1.experts.*.0.bias": [4, 16],
@@ -116,6 +88,10 @@ def test_ep_size_errors_name_the_fix() -> None:
     with pytest.raises(ExpertParallelError, match=r"ep_size=3 does not divide the experts of .*model.layers.0.mlp "
                                                   r"\(4\).*ep_size in \[2, 4\]"):
         plan_experts(models.mixtral(), ep_size=3)
+    # a suggestion also divides the ranks EP borrows from: 4 would not divide 6 ranks
+    with pytest.raises(ExpertParallelError, match=r"\(4\): .*ep_size in \[2\] \(they divide every layer's experts "
+                                                  r"and the 6 ranks it borrows from\)"):
+        plan_experts(models.mixtral(), ep_size=3, shard_size=6)
     with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer was found in LlamaForCausalLM"):
         plan_experts(models.llama(), ep_size=2)
     with pytest.raises(ExpertParallelError, match="positive int"):

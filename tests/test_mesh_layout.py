@@ -70,10 +70,12 @@ def test_expert_parallel_ranks_are_the_fastest_part_of_the_shard_axis(pp: int, r
         assert {mesh.coords(r)["shard"] // ep for r in group} == {c["shard"] // ep}
         assert all({k: v for k, v in mesh.coords(r).items() if k != "shard"} ==
                    {k: v for k, v in c.items() if k != "shard"} for r in group)
-        # the ranks owning the same experts within this replica: one per group of ep shard ranks
+        # the ranks owning the same experts within this replica and stage: one per group of ep shard ranks
+        # and TP rank (TP peers hold the same tokens and run the same experts on them)
         same = mesh.expert_shard_group(rank)
-        assert len(same) == owners and rank in same and {mesh.ep_rank(r) for r in same} == {c["shard"] % ep}
-        assert {mesh.coords(r)["replicate"] for r in same} == {c["replicate"]}
+        assert len(same) == owners * tp and rank in same and {mesh.ep_rank(r) for r in same} == {c["shard"] % ep}
+        assert {(mesh.coords(r)["replicate"], mesh.coords(r)["pp"]) for r in same} == {(c["replicate"], c["pp"])}
+        assert set(mesh.group(rank, ("tp",))) <= set(same)
     for group_of in (mesh.ep_group, mesh.expert_shard_group):
         groups = mesh.every(group_of)
         assert sorted(r for g in groups for r in g) == list(range(world))

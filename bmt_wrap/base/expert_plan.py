@@ -39,6 +39,14 @@ class MoELayer:
         per = self.num_experts // ep_size
         return range(ep_rank * per, (ep_rank + 1) * per)
 
+    def local_params(self, count: int) -> dict[str, list[int]]:
+        """Each expert parameter's name and shape on a rank holding ``count`` of this layer's experts: a packed
+        one's ``count`` experts on dim 0; a list's children numbered ``0 .. count - 1`` (when planned)."""
+        if self.layout == "packed":
+            return {n: [count, *s[1:]] for n, s in self.params.items()}
+        star = f"{self.experts}.*."
+        return {n.replace(star, f"{self.experts}.{j}.", 1): s[1:] for n, s in self.params.items() for j in range(count)}
+
     def token_bytes(self, tokens: int) -> int:
         """Bytes of one copy of the (token, expert) pairs one rank routes: ``tokens x k x hidden``."""
         return tokens * self.top_k * self.hidden * itemsize(self.activation_dtype)
@@ -66,9 +74,9 @@ class ExpertPlan:
         return {n: s for layer in self.layers for n, s in layer.params.items()}
 
     def local_shapes(self) -> dict[str, list[int]]:
-        """Each packed expert parameter's shape on one EP rank: its ``num_experts / ep_size`` experts."""
-        return {n: [s[0] // self.ep_size, *s[1:]] for layer in self.layers if layer.layout == "packed"
-                for n, s in layer.params.items()}
+        """Each expert parameter's name and shape on one EP rank, holding ``num_experts / ep_size`` experts
+        (a list's numbered from 0 when planned: ``wrapping/experts.py``)."""
+        return {n: s for layer in self.layers for n, s in layer.local_params(layer.num_experts // self.ep_size).items()}
 
     def expert_bytes(self) -> int:
         """Every expert's parameter bytes, unsharded."""

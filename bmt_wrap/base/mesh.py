@@ -17,9 +17,12 @@ split one computation, the stages of a pipeline run its parts one after another.
 
 Expert parallelism (``ep``) is not an axis of its own: it borrows the fastest-varying ``ep`` ranks of the
 shard axis, as torchtitan borrows its expert groups from ``dp_shard`` (``shard = outer · ep + ep_rank``).
-The ``ep`` ranks of one group exchange tokens (each owns ``1/ep`` of every MoE layer's experts); the ranks
-with the same ``ep_rank`` in one stage and TP rank own the same experts and shard them ZeRO-3 (across
-replicas they are replicas, as every shard is). Every rank still takes its own data slice.
+The ``ep`` ranks of one group exchange tokens (each owns ``1/ep`` of every MoE layer's experts); an EP
+group never crosses the ``tp`` axis: TP peers hold the same tokens, so each TP rank routes them within
+its own EP group. The ranks of one stage and replica with the same ``ep_rank``, TP peers included, own
+the same experts and shard them ZeRO-3 (across replicas they are replicas, as every shard is): TP peers
+run those experts on the same tokens and get the same gradients, so averaging over them changes nothing.
+Every ``tp`` group still takes one data slice, every other rank its own.
 
 Pure: sizes and rank numbers only. ``job/distributed.py`` builds the communicators for it
 (``runtime/comm/layout.py``) and is the one place that reads keywords and device meshes into one.
@@ -158,10 +161,11 @@ class MeshLayout:
         return tuple(self.rank_at(c | {"shard": first + e}) for e in range(self.ep))
 
     def expert_shard_group(self, rank: int) -> tuple[int, ...]:
-        """The ranks of ``rank``'s replica that own its experts, which ZeRO-3 shards them over."""
+        """The ranks of ``rank``'s stage and replica that own its experts (its TP peers among them), which
+        ZeRO-3 shards them over."""
         c = self.coords(rank)
-        return tuple(self.rank_at(c | {"shard": o * self.ep + c["shard"] % self.ep})
-                     for o in range(self.shard // self.ep))
+        return tuple(self.rank_at(c | {"shard": o * self.ep + c["shard"] % self.ep, "tp": t})
+                     for o in range(self.shard // self.ep) for t in range(self.tp))
 
     def describe(self) -> str:
         """For messages: the axes larger than one, e.g. ``pp 2 x shard 2``."""

@@ -75,15 +75,14 @@ class FlatBufferSpec:
     # group (each rank 1/(shard x T) of them) instead of over the shard group alone (#38 item 5).
     over_tp: bool = False
     # Under expert parallelism (the EP size; 0: not an expert buffer): this EP rank's experts (values differ
-    # by EP rank), sharded over the shard_size / ep_split ranks that own the same experts instead of over
-    # the shard group (base/mesh.py ``expert_shard_group``).
+    # by EP rank), sharded over the shard_size / ep_split ranks that own the same experts (x T under TP, which
+    # never splits them) instead of over the shard group (base/mesh.py ``expert_shard_group``).
     ep_split: int = 0
 
     def ranks(self, shard_size: int, tp_size: int) -> int:
         """Ranks this buffer is split over when the shard group has ``shard_size`` and TP ``tp_size``."""
-        if self.ep_split:
-            return shard_size // self.ep_split
-        return shard_size * tp_size if self.over_tp else shard_size
+        ranks = shard_size * tp_size if self.over_tp else shard_size
+        return ranks // self.ep_split if self.ep_split else ranks
 
     @property
     def gather_dtype(self) -> str:

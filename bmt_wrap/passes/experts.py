@@ -42,10 +42,11 @@ class _ExpertsCalled(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-def plan_experts(model: nn.Module, ep_size: int = 1) -> ExpertPlan:
-    """The experts section of ``model``'s plan for ``ep_size`` expert-parallel ranks; raises
-    ``ExpertParallelError`` when ``ep_size > 1`` finds no MoE layer, does not divide a layer's experts, or a
-    layer's expert weight is shared with a module outside its experts."""
+def plan_experts(model: nn.Module, ep_size: int = 1, shard_size: int | None = None) -> ExpertPlan:
+    """The experts section of ``model``'s plan for ``ep_size`` expert-parallel ranks borrowed from
+    ``shard_size`` (None: any); raises ``ExpertParallelError`` when ``ep_size > 1`` finds no MoE layer, does
+    not divide a layer's experts (suggesting sizes that divide them and ``shard_size``), or a layer's expert
+    weight is shared with a module outside its experts."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ExpertParallelError(f"ep_size must be a positive int, got {ep_size!r}")
     section = ExpertPlan(ep_size=ep_size)
@@ -66,7 +67,7 @@ def plan_experts(model: nn.Module, ep_size: int = 1) -> ExpertPlan:
         else:
             section.layers.append(layer)
     if ep_size > 1:
-        _check_split(model, section)
+        _check_split(model, section, shard_size)
     return section
 
 
@@ -189,7 +190,7 @@ def _stacked(experts: nn.Module) -> dict[str, list[int]]:
     return {f"*.{n}": list(p.shape) for n, p in first.named_parameters()}
 
 
-def _check_split(model: nn.Module, section: ExpertPlan) -> None:
+def _check_split(model: nn.Module, section: ExpertPlan, shard_size: int | None) -> None:
     """The errors expert parallelism raises before anything changes (every rank runs this alike)."""
     e, what = section.ep_size, type(model).__name__
     shared = [d for d in section.dense if d.reason.startswith("expert weight ")]
@@ -205,7 +206,12 @@ def _check_split(model: nn.Module, section: ExpertPlan) -> None:
     bad = [layer for layer in section.layers if layer.num_experts % e]
     if bad:
         counts = listed([f"{b.module} ({b.num_experts})" for b in bad], 3, fmt=str)
-        fits = [d for d in range(2, math.gcd(*(la.num_experts for la in section.layers)) + 1)
-                if all(la.num_experts % d == 0 for la in section.layers)]
+        # A suggestion must also divide the ranks EP borrows from, or it fails the next wrap.
+        whole = math.gcd(*(la.num_experts for la in section.layers), shard_size or 0)
+        fits = [d for d in range(2, whole + 1) if whole % d == 0]
+        where = f" and the {shard_size} ranks it borrows from" if shard_size else ""
         raise ExpertParallelError(f"ep_size={e} does not divide the experts of {counts}: each EP rank must own "
-                                  f"the same number of each layer's experts. Use an ep_size in {fits or [1]}")
+                                  f"the same number of each layer's experts. "
+                                  + (f"Use an ep_size in {fits} (they divide every layer's experts{where})" if fits
+                                     else f"No ep_size > 1 divides every layer's experts{where}: wrap without "
+                                     "ep_size"))

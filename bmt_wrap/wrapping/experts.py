@@ -18,38 +18,102 @@ from torch import nn
 from .. import passes
 from ..base.expert_plan import ExpertPlan, MoELayer
 from ..base.plan import WrapPlan
+from ..base.tp_plan import TensorParallelPlan
 from ..errors import ExpertParallelError, PlanError
 from ..job.distributed import get_state
 from ..runtime.comm import Communicator, ParallelLayout
 from ..runtime.experts import expert_parallel_call
 
 
-def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None) -> ExpertPlan | None:
+def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None,
+                            tp: TensorParallelPlan | None = None) -> ExpertPlan | None:
     """The plan's experts section for this job: ``plan=``'s own or the pass's (every rank runs it, so its
-    errors come alike on every rank, before the model changes); None without expert parallelism."""
+    errors come alike on every rank, before the model changes); None without expert parallelism. ``tp``
+    (the TP section) may split the dense parts, never an expert weight."""
     given = plan.experts if isinstance(plan, WrapPlan) else None
     if layout.ep_size == 1:
         if given is not None and given.ep_size > 1:
             raise PlanError(f"plan= was made for ep_size={given.ep_size}; this job wraps without expert "
                             "parallelism: pass the same ep_size=, or make the plan again")
         return None
-    if layout.tp_size > 1 or layout.pp_size > 1:
+    if layout.pp_size > 1:
         raise ExpertParallelError(f"ep_size={layout.ep_size} with {layout.describe()}: expert parallelism beside "
-                                  "tensor or pipeline parallelism is not built yet; wrap with ep_size alone")
+                                  "pipeline parallelism is not built yet; wrap without pp_size")
+    if tp is not None and tp.sequence is not None and tp.sequence.enabled:
+        # TP peers would route different parts of the sequence: their experts' gradients would be parts.
+        raise ExpertParallelError(f"ep_size={layout.ep_size} with sequence_parallel=True: expert parallelism "
+                                  "beside sequence parallelism is not built yet; wrap without sequence_parallel")
     if given is not None:
         if given.ep_size != layout.ep_size:
             raise PlanError(f"plan= was made for ep_size={given.ep_size}, this job wraps with ep_size="
                             f"{layout.ep_size}; make the plan again for this size")
-        return given
-    if plan is not None:
+        section = given
+    elif plan is not None:
         raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
-    section = passes.plan_experts(model, layout.ep_size)
-    lists = [la.experts for la in section.layers if la.layout != "packed"]
-    if lists:
-        raise ExpertParallelError(f"ep_size={layout.ep_size}: {lists[0]} holds its experts as a list of modules; "
-                                  "expert parallelism splits packed 3-D expert weights only so far (transformers' "
-                                  "current MoE models): wrap without ep_size")
+    else:
+        section = passes.plan_experts(model, layout.ep_size, layout.mesh.shard)
+    every = {n for la in section.layers for n in la.local_params(la.num_experts)}
+    split = sorted(every & tp.split_names()) if tp is not None else []
+    if split:
+        raise ExpertParallelError(f"ep_size={layout.ep_size}: the tensor-parallel plan splits expert weight "
+                                  f"{split[0]}; expert parallelism places whole experts: leave the experts out "
+                                  "of tp_plan=")
+    named = [la.experts for la in section.layers
+             if la.layout == "list" and not isinstance(model.get_submodule(la.experts), nn.ModuleList)]
+    if named:
+        raise ExpertParallelError(f"ep_size={layout.ep_size}: {named[0]} holds its experts in a ModuleDict; expert "
+                                  "parallelism splits packed 3-D expert weights or a ModuleList of experts (whose "
+                                  "order numbers them): use a ModuleList, or wrap without ep_size")
     return section
+
+
+def keep_own_list_experts(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
+    """Each list of experts keeps this EP rank's (rank 0's values), numbered from 0 as the plan names them on
+    every rank; before planning, so rank 0 plans what every rank holds. ``name_list_experts`` gives them
+    their own numbers back once the plan is applied."""
+    for layer in section.layers:
+        if layer.layout != "list":
+            continue
+        experts = model.get_submodule(layer.experts)
+        for name, p in experts.named_parameters():  # every rank takes part in each expert's broadcast
+            with torch.no_grad():
+                p.copy_(_from_rank0(p.detach(), f"{layer.experts}.{name}"))
+        owned = layer.owned(layout.ep_rank, layout.ep_size)
+        mine = list(experts.children())[owned.start:owned.stop]
+        experts._modules = dict(zip(map(str, range(len(mine))), mine, strict=True))
+        experts.__class__ = _own_experts_class(type(experts))
+
+
+def name_list_experts(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
+    """After the plan is applied: each list's experts under their own numbers (rank 1 of 2 holds experts
+    ``E/2 ..`` under those names), as ``named_parameters()`` names the originals; marked for the readers."""
+    for layer in section.layers:
+        if layer.layout == "list":
+            experts = model.get_submodule(layer.experts)
+            start = layer.owned(layout.ep_rank, layout.ep_size).start
+            experts._modules = {str(start + j): m for j, m in enumerate(experts._modules.values())}
+            for p in experts.parameters():
+                p._bmt_list_expert = True
+
+
+class _OwnExperts(nn.ModuleList):
+    """A list holding one EP rank's experts under their own numbers: ``self[i]`` is its i-th, the index its
+    forward receives (local expert indices), as iteration and ``len`` already are."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, int):
+            return list(self._modules.values())[idx]
+        return super().__getitem__(idx)
+
+
+_OWN_CLASSES: dict[type, type] = {}
+
+
+def _own_experts_class(cls: type) -> type:
+    """``cls`` with ``_OwnExperts``' indexing (one subclass per class, so isinstance checks still hold)."""
+    if cls not in _OWN_CLASSES:
+        _OWN_CLASSES[cls] = type(cls.__name__, (_OwnExperts, cls), {"__module__": cls.__module__})
+    return _OWN_CLASSES[cls]
 
 
 def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
@@ -59,7 +123,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: Paralle
     for layer in section.layers:
         experts = model.get_submodule(layer.experts)
         owned = layer.owned(layout.ep_rank, layout.ep_size)
-        for name, p in list(experts.named_parameters(recurse=False)):
+        for name, p in list(experts.named_parameters(recurse=False)):  # packed (a list kept its own already)
             full = _from_rank0(p.detach(), f"{layer.experts}.{name}")
             setattr(experts, name, nn.Parameter(full[owned.start:owned.stop].clone(), requires_grad=p.requires_grad))
         for attr in layer.counts:  # its forward sizes its work by them: this rank's share

@@ -24,7 +24,7 @@ from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
-from .experts import apply_expert_parallel, expert_parallel_section
+from .experts import apply_expert_parallel, expert_parallel_section, keep_own_list_experts, name_list_experts
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
 from .offload_option import check_offload
@@ -133,7 +133,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     slice data by ``bmt.data_parallel_rank()``. ``model.plan.pipeline`` lists the stages.
     ``ep_size=E`` (or a mesh dim "ep" after the shard dim): expert parallelism over E ranks borrowed from the
     shard axis. The mixture-of-experts layers are found by structure (a router whose top-k indices choose
-    among packed 3-D expert weights); each EP rank keeps ``num_experts / E`` of each layer's experts,
+    among packed 3-D expert weights or a ModuleList of expert MLPs); each EP rank keeps ``num_experts / E`` of each layer's experts,
     ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
     all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
     """
@@ -159,7 +159,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
         tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
-        experts = expert_parallel_section(model, parallel, plan)  # every rank, like TP's: errors alike
+        experts = expert_parallel_section(model, parallel, plan, tp)  # every rank, like TP's: errors alike
+        if experts is not None:
+            keep_own_list_experts(model, experts, parallel)  # rank 0 plans what every rank holds
         built = plan is None
         if plan is None:
             mine, failure = None, None
@@ -194,6 +196,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         stages = check_pipeline_section(plan, parallel, pipeline)
         apply_plan(model, plan, mixed_precision, layout=parallel, offload=offload, offload_dir=offload_dir,
                    stages=stages)
+        if experts is not None:
+            name_list_experts(model, experts, parallel)
         if stages is not None:
             assert skeleton is not None
             apply_pipeline(model, stages, skeleton)
