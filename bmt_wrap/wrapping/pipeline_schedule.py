@@ -148,10 +148,6 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
                             "pipeline stages: wrap it with BMTrainModelWrapper(model, pp_size=P) with P > 1 (or "
                             "init_distributed(pipe_size=P)), or train with loss = model(...); loss.backward()")
     cls = schedule_class(schedule)
-    if runtime.layout.mesh.tp > 1:  # seen: a 4-rank pp2 x tp2 1F1B run left one stage waiting in torch's P2P
-        raise UnsupportedError(f"model.pipeline_step() does not run with tensor parallelism yet (tp_size="
-                               f"{runtime.layout.mesh.tp}): train pp_size= with tp_size= by the GPipe loop, "
-                               "loss = model(...); loss.backward()")
     micros, size = runtime.section.microbatches, runtime.section.size
     if not torch.is_grad_enabled():
         raise PipelineError("model.pipeline_step() runs a training step's backward: call it with gradients enabled "
