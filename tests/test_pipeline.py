@@ -234,6 +234,24 @@ def _errors_body() -> dict:
     exploding.layers[3].explode = bmt.config["pipe_rank"] == 1
     n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
     out["stage"] = _raises(lambda m=exploding: m(ids.chunk(n)[r], targets.chunk(n)[r]))
+    # The same under torch's 1F1B (model.pipeline_step): the last stage raising leaves stage 0 expecting its
+    # gradients, the first stage raising leaves stage 1 expecting its activations.
+    local = ids.chunk(n)[r], targets.chunk(n)[r]
+    out["step_last"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    exploding.layers[3].explode = False
+    exploding.layers[0].explode = bmt.config["pipe_rank"] == 0
+    out["step_first"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    # A failed step leaves nothing behind (no transfer left pending between the stages, no partial sums):
+    # the next step's gradients are those of a step on its own.
+    exploding.layers[0].explode = False
+    exploding.zero_grad()
+    exploding.pipeline_step(*local)
+    after_failure = [p.grad.clone() for p in exploding.parameters() if p.grad is not None]
+    exploding.zero_grad()
+    exploding.pipeline_step(*local)
+    alone = [p.grad.clone() for p in exploding.parameters() if p.grad is not None]
+    out["clean_after"] = len(alone) > 0 and len(after_failure) == len(alone) and all(
+        torch.equal(a, b) for a, b in zip(after_failure, alone, strict=True))
     del exploding
     gc.collect()
     depth = 4 if bmt.rank() < 2 else 5  # ranks that built different models
@@ -252,8 +270,15 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
             assert name == "ValueError" and "boom on rank 2" in message, r["stage"]
         else:  # every other rank stops and names it
             assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
+        for key, failing in (("step_last", 2), ("step_first", 0)):
+            name, message, seconds = r[key]
+            if rank == failing:
+                assert name == "ValueError" and f"boom on rank {failing}" in message, r[key]
+            else:  # every other rank stops at the step's end and names it
+                assert name == PipelineError.__name__ and f"rank {failing}" in message and "boom" in message, r[key]
+        assert r["clean_after"], "a step after a failed pipeline_step got other gradients than a step alone"
         assert r["models"][0] == ModelMismatchError.__name__, r["models"]
-        assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "models")), r  # no hang
+        assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "step_last", "step_first", "models")), r
 
 
 # ---- the plan's pipeline section (pure) ----------------------------------------------------------------------
