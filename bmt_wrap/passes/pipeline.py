@@ -192,6 +192,8 @@ class StageEstimate:
     held_1f1b: int | None  # 1F1B holds at most (P - stage) of them
     p2p: int | None  # bytes this rank sends and receives per step (activations forward, gradients back)
     zero_traffic: int = 0  # the stage's all-gathers (each group once per step) and reduce-scatters per rank
+    microbatches: int = 1
+    in_flight_1f1b: int = 1  # micro-batches whose forward 1F1B has run and backward not: min(M, P - stage)
 
     @property
     def total(self) -> int:
@@ -200,6 +202,15 @@ class StageEstimate:
         root = self.zero.gathered  # the root group (the blocks' pooled buffers are the held ones here)
         return (self.zero.params + self.zero.grads + self.zero.optimizer + 2 * self.gathered_step + root
                 + (self.zero.activations or 0) + (self.held_gpipe or 0))
+
+    def peak(self, schedule: str = "GPipe") -> int:
+        """``total`` under ``schedule``: GPipe (the loop users write) holds every micro-batch's activations
+        and received inputs until its backward; 1F1B holds ``in_flight_1f1b`` micro-batches' of each."""
+        if schedule.lower() == "gpipe":
+            return self.total
+        kept = self.zero.activations or 0
+        return (self.total - kept - (self.held_gpipe or 0) + kept * self.in_flight_1f1b // self.microbatches
+                + (self.held_1f1b or 0))
 
 
 def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
@@ -238,7 +249,8 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
             held_gpipe=m * b_in if b_in is not None else None,
             held_1f1b=min(m, p - i) * b_in if b_in is not None else None,
             p2p=2 * m * (b_in + b_out) if known else None,
-            zero_traffic=sum(gathered_traffic(g, shard_size, t) for g in groups) + zero.comm_reduce_scatter))
+            zero_traffic=sum(gathered_traffic(g, shard_size, t) for g in groups) + zero.comm_reduce_scatter,
+            microbatches=m, in_flight_1f1b=min(m, p - i)))
     return out
 
 
