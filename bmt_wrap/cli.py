@@ -465,7 +465,8 @@ def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, 
     plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                       memory_budget=budget, capture=captured)
     try:
-        plan.pipeline = plan_pipeline(model, plan, p, m, captured.graph if captured.method != "none" else None)
+        plan.pipeline = plan_pipeline(model, plan, p, m, captured.graph if captured.method != "none" else None,
+                                      captured.activations)
     except (PipelineError, PlanError) as exc:
         raise CLIError(f"--pp-size {p}: {exc}") from None
     stages = estimate_pipeline(plan, plan.pipeline, dp, captured.activations)
@@ -671,7 +672,7 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                           memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
-            plan.pipeline = plan_pipeline(model, plan, p, m, graph)
+            plan.pipeline = plan_pipeline(model, plan, p, m, graph, captured.activations)  # type: ignore[attr-defined]
         except (PipelineError, PlanError) as exc:
             raise CLIError(f"--pp-size {p}: {exc}") from None
         plans.append(plan)

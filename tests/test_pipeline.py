@@ -316,6 +316,55 @@ def test_stages_are_balanced_contiguous_runs_of_blocks() -> None:
                                 plan)
 
 
+class _Repeat(nn.Module):
+    """A block whose compute grows with ``times`` at the same parameters (one signature for every ``times``)."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(models.DIM, models.DIM)
+        self.times = times
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = x + self.fc(x)
+        return x
+
+
+class _Uneven(nn.Module):
+    """Six blocks of equal parameters; the last computes as much as five of the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Repeat(t) for t in (1, 1, 1, 1, 1, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.mean()
+
+
+def test_stages_are_balanced_by_the_blocks_compute() -> None:
+    from bmt_wrap.passes.activations import ActivationProfile, BlockCallActivations
+    from bmt_wrap.passes.pipeline import block_costs
+
+    model = _Uneven()
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery, ((torch.randn(2, 8, models.DIM),), {}))
+    plan = passes.build_plan(model, discovery, world_size=2, capture=cap)
+    assert len(plan.blocks()) == 6 and cap.activations is not None
+    # planned from inputs, the stages split the forward's FLOPs: 5 x 1 against 1 x 5 repeats (by parameter
+    # bytes it was 3 blocks each: 3 against 7 repeats, the second stage pacing the pipeline)
+    by_compute = plan_pipeline(model, plan, 2, 2, cap.graph, cap.activations)
+    assert [len(s.blocks) for s in by_compute.stages] == [5, 1]
+    assert [len(s.blocks) for s in plan_pipeline(model, plan, 2, 2, cap.graph).stages] == [3, 3]  # no inputs
+    # equal compute goes by parameter bytes
+    profile = ActivationProfile(0, [BlockCallActivations(b, 0, 0, flops=7) for b in "abc"])
+    assert balanced_split(block_costs(list("abc"), {"a": 1, "b": 1, "c": 5}, profile), 2) == [2]
+    assert balanced_split(block_costs(list("abc"), {"a": 5, "b": 1, "c": 1}, profile), 2) == [1]
+    # a profile without FLOPs for some block (none counted) falls back to parameter bytes
+    assert block_costs(list("ab"), {"a": 3, "b": 4}, ActivationProfile(0, [BlockCallActivations("a", 0, 0, 9)])) == [3, 4]
+
+
 # ---- everything that reads parameters -------------------------------------------------------------------------
 def _readers_body(tmp: str) -> dict:
     import copy

@@ -1,7 +1,8 @@
 """Where pipeline stages are cut, pure: the plan's pipeline section (``base/pipeline_plan.py``).
 
-Stages are cut between discovered blocks, in call order, balanced by each block's parameter bytes (a
-contiguous split minimising the largest stage). The root's parameters go where the forward uses them:
+Stages are cut between discovered blocks, in call order, balanced by each block's forward FLOPs when the
+plan was made from inputs (parameter bytes breaking ties), else by its parameter bytes (a contiguous split
+minimising the largest stage). The root's parameters go where the forward uses them:
 those used before the first block to the first stage, after the last block to the last stage; one used on
 both sides (a tied embedding and head) to both. Their place is read from the captured graph when there is
 one (a parameter's first and last use against the first and last block call), else from module
@@ -33,8 +34,9 @@ from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
-                  graph: fx.Graph | None = None) -> PipelinePlan:
-    """The pipeline section for ``plan`` over ``size`` stages (``graph``: the captured forward, if any)."""
+                  graph: fx.Graph | None = None, activations: ActivationProfile | None = None) -> PipelinePlan:
+    """The pipeline section for ``plan`` over ``size`` stages (``graph``: the captured forward, if any;
+    ``activations``: its profile at a batch, whose FLOPs balance the stages)."""
     if not isinstance(size, int) or size < 1:
         raise PipelineError(f"pp_size={size!r}: a positive int")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -48,7 +50,7 @@ def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int
         raise PipelineError(f"{type(model).__name__} calls a block more than once per forward ({plan.order}); "
                             "pipeline stages are cut between blocks called once each, in order")
     cost = {g.name: g.param_bytes() for g in plan.blocks()}
-    cuts = balanced_split([cost[b] for b in order], size)
+    cuts = balanced_split(block_costs(order, cost, activations), size)
     stages = [PipelineStage(order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)], strict=True)]
     root = plan.group(ROOT) if any(g.is_root for g in plan.groups) else None
     names = [s.fqn for _, s in root.slots()] if root is not None else []
@@ -91,6 +93,20 @@ def balanced_split(costs: list[int], parts: int) -> list[int]:
         i = cut[k][i]
         points.append(i)
     return sorted(points)
+
+
+def block_costs(order: list[str], param_bytes: dict[str, int], activations: ActivationProfile | None) -> list[int]:
+    """What each block of ``order`` weighs in the stage split: its forward FLOPs at the profiled batch (a
+    stage's compute, which paces the pipeline) when the profile counted some for every block, its parameter
+    bytes breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
+    flops = dict.fromkeys(order, 0)
+    for call in activations.calls if activations is not None else []:
+        if call.block in flops:
+            flops[call.block] += call.flops
+    if not all(flops.values()):
+        return [param_bytes[b] for b in order]
+    scale = sum(param_bytes[b] for b in order) + 1
+    return [flops[b] * scale + param_bytes[b] for b in order]
 
 
 def root_sides_from_graph(graph: fx.Graph, names: list[str], aliases: dict[str, str],
