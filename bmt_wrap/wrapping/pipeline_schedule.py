@@ -181,7 +181,7 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     if items is not None:
         calls = [(a, {**k, "num_items_in_batch": items}) for a, k in calls]
     stage, sched = _scheduled(runtime, model, cls, schedule, calls[0])
-    stage.submod.calls = calls
+    stage.submod.calls, stage.submod.failure = calls, None  # a step that raised out of the schedule left one
     # transformers' losses were divided by the whole batch's token count: they sum to its mean; other losses
     # are micro-batch means, weighted by their share of the batch.
     stage.submod.weights = [1.0 if items is not None else 1.0 / micros] * micros
