@@ -7,6 +7,7 @@
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N --pp-size P [--microbatches M] --memory 8GiB --input SPEC ... [--grow KW]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
@@ -21,7 +22,8 @@ every rank, each with its traffic split into intra-node and inter-node bytes for
 stage split, each stage's bytes per rank (shards, its blocks held gathered for the step, activations and the
 received activations GPipe holds, 1F1B's bound beside), the bubble (P-1)/(M+P-1) and the point-to-point
 and ZeRO bytes per rank per step (with --input for the activations); with ``--tp-size T`` the stages' blocks
-are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages.
+are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages; with ``--memory`` the answer
+is the peak of the stage whose ranks peak highest under the GPipe loop.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
@@ -91,6 +93,7 @@ from .passes.capacity import (
     ProcessPeak,
     largest_fitting,
     optimizer_on_disk,
+    pipeline_peak,
     process_peak,
     training_phases,
     with_peak,
@@ -386,6 +389,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         discovery = discover_blocks(model)
         captured = capture(model, discovery, inputs)
         section = fused_loss_section(model, captured, enabled=opts.fused_loss)
+        if opts.pp_size is not None:
+            return _stages_peak(model, discovery, opts, n, with_fused_loss(captured, section), budget, baseline, k)
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload)
         est = plan.estimates[str(n)]
@@ -415,10 +420,13 @@ def _capacity(opts: argparse.Namespace) -> str:
         return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
     if opts.grow:
+        # Pipeline stages need a block each: k counts from pp_size layers up.
+        least = (opts.pp_size or 1) - 1
         try:
-            k, _ = largest_fitting(lambda k: peak(k)[0].total, limit // n, start=8)
+            k, _ = largest_fitting(lambda k: peak(k + least)[0].total, limit // n, start=8)
         except PlanError as exc:
             raise CLIError(f"--memory {opts.memory} over {n} ranks: {exc}") from None
+        k += least
         chosen, detail, phases = peak(k)
     else:
         k = None
@@ -433,7 +441,8 @@ def _capacity(opts: argparse.Namespace) -> str:
               "streaming": opts.streaming, "optimizer_state": opts.optimizer_state or "memory",
               "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "offload": opts.offload,
               "shards_read_per_step": shards_io[k][0] if k in shards_io else None,
-              "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING}
+              "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING,
+              "pp_size": opts.pp_size, "microbatches": (opts.microbatches or opts.pp_size) if opts.pp_size else None}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
@@ -444,11 +453,47 @@ def _capacity(opts: argparse.Namespace) -> str:
             "\"Capacity\")")
 
 
+def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, n: int, captured: Capture,
+                 budget: int | None, baseline: ProcessBaseline, k: int | None
+                 ) -> tuple[ProcessPeak, str, dict[str, int]]:
+    """``plan --memory --pp-size P``: the process's peak per rank on the stage that peaks highest under the
+    GPipe loop (each stage's shards, its blocks held for the step and their summed gradients, and the
+    activations GPipe holds: every micro-batch's), with each stage's peak under GPipe and 1F1B."""
+    p, m = opts.pp_size, opts.microbatches or opts.pp_size
+    if p < 1 or n % p:
+        raise CLIError(f"--pp-size {p} must divide --world-size {n} (stages x data-parallel size)")
+    dp = n // p
+    plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
+                      memory_budget=budget, capture=captured)
+    try:
+        plan.pipeline = plan_pipeline(model, plan, p, m, captured.graph if captured.method != "none" else None,
+                                      captured.activations)
+    except (PipelineError, PlanError) as exc:
+        raise CLIError(f"--pp-size {p}: {exc}") from None
+    stages = estimate_pipeline(plan, plan.pipeline, dp, captured.activations)
+    worst, chosen = pipeline_peak(plan, stages, baseline.resident, built_full=not opts.streaming,
+                                  beside=baseline.per_layer * (k - 1) if k is not None else 0,
+                                  wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
+    params = sum(g.param_numel() for g in plan.groups)
+    margin = f" + margin {fmt_bytes(chosen.margin)} ({chosen.margin_fraction:.0%} of the count: {MARGIN_REASON})"
+    lines = [f"{params:,} parameters in {p} stages x data-parallel {dp}, {m} micro-batches: peak per rank "
+             f"{fmt_bytes(chosen.total)} on stage {worst} = max(wrapping {fmt_bytes(chosen.wrapping)} + the process "
+             f"before its first step {fmt_bytes(chosen.before_first_step)}, training {fmt_bytes(chosen.training)} "
+             f"+ the process baseline {fmt_bytes(chosen.baseline)}){margin}"]
+    lines += [f"stage {e.stage}: training {fmt_bytes(e.peak('GPipe'))} under GPipe (model(...) and "
+              f"pipeline_step(schedule='GPipe')), {fmt_bytes(e.peak('1F1B'))} under 1F1B" for e in stages]
+    phases = {f"stage {e.stage}": e.peak("GPipe") for e in stages}
+    return chosen, "\n  ".join(lines), phases
+
+
 def _run(opts: argparse.Namespace) -> str:
-    if opts.pp_size is not None and (opts.command == "plan" and (
-            opts.memory is not None or opts.shard_size is not None or opts.sequence_parallel)):
-        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop --memory, "
+    if opts.pp_size is not None and (opts.command == "plan" and (opts.shard_size is not None or opts.sequence_parallel)):
+        raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop "
                        "--shard-size and --sequence-parallel (their answers do not count stages yet)")
+    if opts.pp_size is not None and opts.command == "plan" and opts.memory is not None and (
+            opts.optimizer_state == "disk" or opts.offload is not None):
+        raise CLIError("--memory with --pp-size counts every stage's shards and optimizer state in memory: drop "
+                       "--optimizer-state disk and --offload (or plan without --pp-size)")
     if opts.command == "plan" and opts.ep_size is not None and (
             opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None
             or opts.pp_size is not None):
@@ -628,7 +673,7 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                           memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
-            plan.pipeline = plan_pipeline(model, plan, p, m, graph)
+            plan.pipeline = plan_pipeline(model, plan, p, m, graph, captured.activations)  # type: ignore[attr-defined]
         except (PipelineError, PlanError) as exc:
             raise CLIError(f"--pp-size {p}: {exc}") from None
         plans.append(plan)

@@ -22,10 +22,12 @@ from bmt_wrap.passes.capacity import (
     ProcessPeak,
     largest_fitting,
     optimizer_on_disk,
+    pipeline_peak,
     process_peak,
     training_peak,
     training_phases,
 )
+from bmt_wrap.passes.pipeline import estimate_pipeline, plan_pipeline
 
 TOY = str(Path(__file__).with_name("toy.py"))
 MIB = 2**20
@@ -293,6 +295,8 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
     (["--world-size", "2", "--memory", "2GiB", "--baseline", "0"], "e.g. --input input_ids=int64[4,512]"),
     (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2"], "--memory answers for ZeRO-3 over every rank"),
     (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "drop --tp-size/--shard-size"),
+    (["--world-size", "4", "--memory", "4GiB", "--pp-size", "2", "--optimizer-state", "disk", *INPUT],
+     "--memory with --pp-size counts every stage's shards and optimizer state in memory"),
     # It answered as if the flag were absent: fp32 masters and bf16 gathers went uncounted.
     (["--world-size", "2", "--memory", "1GiB", "--baseline", "0", "--mixed-precision", "bf16"],
      "--memory does not count --mixed-precision"),
@@ -589,3 +593,73 @@ def test_moving_more_off_the_process_never_counts_more(layers: int, dim: int, vo
     with torch.device("meta"):
         model = M.ToyGPT(n_layers=layers, dim=dim, vocab=vocab, tie=tie)
     _assert_more_off_counts_no_more(_peaks_by_placement(model, batch, world_size))
+
+
+# ---- pipeline stages (--pp-size) -------------------------------------------------------------------------------
+MODELS = str(Path(__file__).with_name("models.py"))
+
+
+def _stage_plan(n_layers: int, world_size: int = 4, stages: int = 2, micro: int = 2):
+    """models.ToyGPT's plan over ``stages`` pipeline stages, as ``plan --pp-size`` makes it, with its stages'
+    estimates for ``INPUT``'s batch."""
+    from models import ToyGPT
+
+    with torch.device("meta"):
+        model = ToyGPT(n_layers=n_layers)
+    discovery = discover_blocks(model)
+    ids, targets = (torch.empty(2, 16, dtype=torch.int64, device="meta") for _ in range(2))  # as INPUT's two
+    captured = capture(model, discovery, ((ids, targets), {}))
+    dp = world_size // stages
+    plan = build_plan(model, discovery, world_size=dp, capture=captured)
+    plan.pipeline = plan_pipeline(model, plan, stages, micro, captured.graph)
+    return model, plan, estimate_pipeline(plan, plan.pipeline, dp, captured.activations)
+
+
+def test_plan_memory_counts_pipeline_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --memory --pp-size``: the worst stage's shards, its blocks held for the step with their summed
+    gradients, its root parameters and the activations the schedule holds (GPipe: every micro-batch's
+    boundary activations; 1F1B: min(M, P - stage) of them), beside the baseline, with the 4% margin."""
+    from models import DIM
+
+    baseline, world, stages, micro, batch, seq = 100 * MIB, 4, 2, 2, 2, 16
+    dp = world // stages
+    model, plan, estimates = _stage_plan(4, world, stages, micro)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    expected: dict[str, list[float]] = {"GPipe": [], "1F1B": []}
+    for s, (stage, est) in enumerate(zip(plan.pipeline.stages, estimates, strict=True)):
+        blocks = sum(n for name, n in numel.items() if any(name.startswith(b + ".") for b in stage.blocks))
+        root = sum(numel[name] for name in stage.root)
+        fixed = (4 * 4 * (blocks + root) / dp  # fp32 parameter, gradient and AdamW's two moments, sharded
+                 + 2 * 4 * blocks  # the stage's blocks gathered for the step, and their summed gradients
+                 + 4 * root)  # its root parameters gathered
+        boundary = 4 * (batch // micro) * seq * DIM if s > 0 else 0  # one micro-batch's hidden states
+        kept = est.zero.activations  # the whole local batch's activations of the stage (the capture's profile)
+        in_flight = min(micro, stages - s)
+        expected["GPipe"].append(fixed + kept + micro * boundary)
+        expected["1F1B"].append(fixed + kept * in_flight / micro + in_flight * boundary)
+    for schedule, values in expected.items():
+        assert [e.peak(schedule) for e in estimates] == pytest.approx(values, rel=0.01), schedule
+    assert estimates[1].peak("1F1B") < estimates[1].peak("GPipe")  # the last stage holds one micro-batch
+
+    argv = ["plan", f"{MODELS}:ToyGPT", "--world-size", str(world), "--pp-size", str(stages), "--microbatches",
+            str(micro), "--memory", "1GiB", "--baseline", str(baseline), "--streaming", *INPUT]
+    assert main([*argv, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    worst = max(expected["GPipe"])
+    assert answer["peak_per_rank"] == pytest.approx((baseline + worst) * (1 + MARGIN), rel=1e-4)
+    assert answer["training_phases"] == {f"stage {e.stage}": e.peak("GPipe") for e in estimates}
+    assert answer["margin"] == round(answer["counted_per_rank"] * MARGIN) > 0 and answer["pp_size"] == stages
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"on stage {expected['GPipe'].index(worst)}" in out and "under 1F1B" in out
+
+    # --grow answers the largest layer count whose worst stage fits
+    def peak(k: int) -> int:
+        _, p, e = _stage_plan(k, world, stages, micro)
+        return pipeline_peak(p, e, baseline, margin_fraction=MARGIN)[1].total
+
+    limit = world * peak(6) + 1
+    assert main(["plan", f"{MODELS}:ToyGPT", "--world-size", str(world), "--pp-size", str(stages), "--memory",
+                 str(limit), "--grow", "n_layers", "--baseline", str(baseline), "--json", *INPUT]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["layers"] == 6 and answer["peak_per_rank"] == peak(6) and peak(7) > limit // world

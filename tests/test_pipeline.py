@@ -234,6 +234,26 @@ def _errors_body() -> dict:
     exploding.layers[3].explode = bmt.config["pipe_rank"] == 1
     n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
     out["stage"] = _raises(lambda m=exploding: m(ids.chunk(n)[r], targets.chunk(n)[r]))
+    # The same under torch's 1F1B (model.pipeline_step): the last stage raising leaves stage 0 expecting its
+    # gradients, the first stage raising leaves stage 1 expecting its activations.
+    local = ids.chunk(n)[r], targets.chunk(n)[r]
+    out["step_last"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    exploding.layers[3].explode = False
+    exploding.layers[0].explode = bmt.config["pipe_rank"] == 0
+    out["step_first"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    # A failed step leaves nothing behind (no transfer left pending between the stages, no partial sums):
+    # the next step's gradients are those of a step on its own.
+    exploding.layers[0].explode = False
+    # as a step that raised out of torch's schedule (a timeout) leaves it: the next step starts afresh
+    exploding._bmt_pipeline.scheduled[1].submod.failure = RuntimeError("left over")
+    exploding.zero_grad()
+    exploding.pipeline_step(*local)
+    after_failure = [p.grad.clone() for p in exploding.parameters() if p.grad is not None]
+    exploding.zero_grad()
+    exploding.pipeline_step(*local)
+    alone = [p.grad.clone() for p in exploding.parameters() if p.grad is not None]
+    out["clean_after"] = len(alone) > 0 and len(after_failure) == len(alone) and all(
+        torch.equal(a, b) for a, b in zip(after_failure, alone, strict=True))
     del exploding
     gc.collect()
     depth = 4 if bmt.rank() < 2 else 5  # ranks that built different models
@@ -252,8 +272,15 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
             assert name == "ValueError" and "boom on rank 2" in message, r["stage"]
         else:  # every other rank stops and names it
             assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
+        for key, failing in (("step_last", 2), ("step_first", 0)):
+            name, message, seconds = r[key]
+            if rank == failing:
+                assert name == "ValueError" and f"boom on rank {failing}" in message, r[key]
+            else:  # every other rank stops at the step's end and names it
+                assert name == PipelineError.__name__ and f"rank {failing}" in message and "boom" in message, r[key]
+        assert r["clean_after"], "a step after a failed pipeline_step got other gradients than a step alone"
         assert r["models"][0] == ModelMismatchError.__name__, r["models"]
-        assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "models")), r  # no hang
+        assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "step_last", "step_first", "models")), r
 
 
 # ---- the plan's pipeline section (pure) ----------------------------------------------------------------------
@@ -289,6 +316,55 @@ def test_stages_are_balanced_contiguous_runs_of_blocks() -> None:
         wrong.stages[0].root, wrong.stages[1].root = wrong.stages[1].root, wrong.stages[0].root
         passes.check_root_order(wrong, passes.capture(llama, discovery, {"input_ids": models.token_ids(2)}).graph,
                                 plan)
+
+
+class _Repeat(nn.Module):
+    """A block whose compute grows with ``times`` at the same parameters (one signature for every ``times``)."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(models.DIM, models.DIM)
+        self.times = times
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = x + self.fc(x)
+        return x
+
+
+class _Uneven(nn.Module):
+    """Six blocks of equal parameters; the last computes as much as five of the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Repeat(t) for t in (1, 1, 1, 1, 1, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.mean()
+
+
+def test_stages_are_balanced_by_the_blocks_compute() -> None:
+    from bmt_wrap.passes.activations import ActivationProfile, BlockCallActivations
+    from bmt_wrap.passes.pipeline import block_costs
+
+    model = _Uneven()
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery, ((torch.randn(2, 8, models.DIM),), {}))
+    plan = passes.build_plan(model, discovery, world_size=2, capture=cap)
+    assert len(plan.blocks()) == 6 and cap.activations is not None
+    # planned from inputs, the stages split the forward's FLOPs: 5 x 1 against 1 x 5 repeats (by parameter
+    # bytes it was 3 blocks each: 3 against 7 repeats, the second stage pacing the pipeline)
+    by_compute = plan_pipeline(model, plan, 2, 2, cap.graph, cap.activations)
+    assert [len(s.blocks) for s in by_compute.stages] == [5, 1]
+    assert [len(s.blocks) for s in plan_pipeline(model, plan, 2, 2, cap.graph).stages] == [3, 3]  # no inputs
+    # equal compute goes by parameter bytes
+    profile = ActivationProfile(0, [BlockCallActivations(b, 0, 0, flops=7) for b in "abc"])
+    assert balanced_split(block_costs(list("abc"), {"a": 1, "b": 1, "c": 5}, profile), 2) == [2]
+    assert balanced_split(block_costs(list("abc"), {"a": 5, "b": 1, "c": 1}, profile), 2) == [1]
+    # a profile without FLOPs for some block (none counted) falls back to parameter bytes
+    assert block_costs(list("ab"), {"a": 3, "b": 4}, ActivationProfile(0, [BlockCallActivations("a", 0, 0, 9)])) == [3, 4]
 
 
 # ---- everything that reads parameters -------------------------------------------------------------------------

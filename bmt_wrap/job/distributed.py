@@ -460,7 +460,9 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
             if len(ranks) == 1:
                 made[ranks, scope] = SingleProcessCommunicator(state.timeout)
             else:
-                groups = {g: dist.new_group(list(g)) for g in mesh.every(group_of)}  # every rank, every group
+                # every rank, every group; with the job's timeout, not torch's 30 minutes: torch's own waits
+                # on them (a pipeline schedule's transfers) pass none
+                groups = {g: dist.new_group(list(g), timeout=state.timeout) for g in mesh.every(group_of)}
                 made[ranks, scope] = state.comm.subgroup_counted(ranks, groups[ranks], scope)
         return made[ranks, scope]
 

@@ -22,6 +22,7 @@ from ..base.plan import GRADS_IN_FLIGHT, FlatBufferSpec, MemoryEstimate, WrapPla
 from ..errors import PlanError
 from .activations import ActivationProfile
 from .estimate import estimate, estimate_tp, tp_of
+from .pipeline import StageEstimate
 
 #: The count's known error, kept beside it on ``plan --memory``'s answers instead of answering at 99% of the
 #: limit: its largest shortfall measured against a job, 1.04x per rank (issue 49: a 2-rank Llama with
@@ -241,6 +242,19 @@ def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full:
     (``bmt_wrap.process_baseline``); ``margin_fraction``: of the count, kept beside it (``MARGIN``)."""
     wrapping = wrapping_bytes(plan, est) if built_full else 0
     return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline, margin_fraction)
+
+
+def pipeline_peak(plan: WrapPlan, stages: list[StageEstimate], baseline: int, schedule: str = "GPipe",
+                  built_full: bool = True, beside: int = 0, wrapping_baseline: int | None = None,
+                  margin_fraction: float = 0.0) -> tuple[int, ProcessPeak]:
+    """The stage whose ranks peak highest under ``schedule`` and that peak, for ``plan`` cut into ``stages``
+    (``estimate_pipeline``): its shards, its blocks held for the step with their summed gradients, the root
+    group, and the activations the schedule holds (``StageEstimate.peak``). Every rank builds the whole model
+    before wrapping (``wrapping_bytes`` over every group: more than a stage keeps, never less)."""
+    worst = max(stages, key=lambda e: e.peak(schedule))
+    wrapping = wrapping_bytes(plan, worst.zero) if built_full else 0
+    return worst.stage, ProcessPeak(baseline, wrapping, worst.peak(schedule), beside, wrapping_baseline,
+                                    margin_fraction)
 
 
 def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:

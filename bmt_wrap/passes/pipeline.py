@@ -1,7 +1,8 @@
 """Where pipeline stages are cut, pure: the plan's pipeline section (``base/pipeline_plan.py``).
 
-Stages are cut between discovered blocks, in call order, balanced by each block's parameter bytes (a
-contiguous split minimising the largest stage). The root's parameters go where the forward uses them:
+Stages are cut between discovered blocks, in call order, balanced by each block's forward FLOPs when the
+plan was made from inputs (parameter bytes breaking ties), else by its parameter bytes (a contiguous split
+minimising the largest stage). The root's parameters go where the forward uses them:
 those used before the first block to the first stage, after the last block to the last stage; one used on
 both sides (a tied embedding and head) to both. Their place is read from the captured graph when there is
 one (a parameter's first and last use against the first and last block call), else from module
@@ -33,8 +34,9 @@ from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
-                  graph: fx.Graph | None = None) -> PipelinePlan:
-    """The pipeline section for ``plan`` over ``size`` stages (``graph``: the captured forward, if any)."""
+                  graph: fx.Graph | None = None, activations: ActivationProfile | None = None) -> PipelinePlan:
+    """The pipeline section for ``plan`` over ``size`` stages (``graph``: the captured forward, if any;
+    ``activations``: its profile at a batch, whose FLOPs balance the stages)."""
     if not isinstance(size, int) or size < 1:
         raise PipelineError(f"pp_size={size!r}: a positive int")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -48,7 +50,7 @@ def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int
         raise PipelineError(f"{type(model).__name__} calls a block more than once per forward ({plan.order}); "
                             "pipeline stages are cut between blocks called once each, in order")
     cost = {g.name: g.param_bytes() for g in plan.blocks()}
-    cuts = balanced_split([cost[b] for b in order], size)
+    cuts = balanced_split(block_costs(order, cost, activations), size)
     stages = [PipelineStage(order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)], strict=True)]
     root = plan.group(ROOT) if any(g.is_root for g in plan.groups) else None
     names = [s.fqn for _, s in root.slots()] if root is not None else []
@@ -91,6 +93,20 @@ def balanced_split(costs: list[int], parts: int) -> list[int]:
         i = cut[k][i]
         points.append(i)
     return sorted(points)
+
+
+def block_costs(order: list[str], param_bytes: dict[str, int], activations: ActivationProfile | None) -> list[int]:
+    """What each block of ``order`` weighs in the stage split: its forward FLOPs at the profiled batch (a
+    stage's compute, which paces the pipeline) when the profile counted some for every block, its parameter
+    bytes breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
+    flops = dict.fromkeys(order, 0)
+    for call in activations.calls if activations is not None else []:
+        if call.block in flops:
+            flops[call.block] += call.flops
+    if not all(flops.values()):
+        return [param_bytes[b] for b in order]
+    scale = sum(param_bytes[b] for b in order) + 1
+    return [flops[b] * scale + param_bytes[b] for b in order]
 
 
 def root_sides_from_graph(graph: fx.Graph, names: list[str], aliases: dict[str, str],
@@ -192,6 +208,8 @@ class StageEstimate:
     held_1f1b: int | None  # 1F1B holds at most (P - stage) of them
     p2p: int | None  # bytes this rank sends and receives per step (activations forward, gradients back)
     zero_traffic: int = 0  # the stage's all-gathers (each group once per step) and reduce-scatters per rank
+    microbatches: int = 1
+    in_flight_1f1b: int = 1  # micro-batches whose forward 1F1B has run and backward not: min(M, P - stage)
 
     @property
     def total(self) -> int:
@@ -200,6 +218,15 @@ class StageEstimate:
         root = self.zero.gathered  # the root group (the blocks' pooled buffers are the held ones here)
         return (self.zero.params + self.zero.grads + self.zero.optimizer + 2 * self.gathered_step + root
                 + (self.zero.activations or 0) + (self.held_gpipe or 0))
+
+    def peak(self, schedule: str = "GPipe") -> int:
+        """``total`` under ``schedule``: GPipe (the loop users write) holds every micro-batch's activations
+        and received inputs until its backward; 1F1B holds ``in_flight_1f1b`` micro-batches' of each."""
+        if schedule.lower() == "gpipe":
+            return self.total
+        kept = self.zero.activations or 0
+        return (self.total - kept - (self.held_gpipe or 0) + kept * self.in_flight_1f1b // self.microbatches
+                + (self.held_1f1b or 0))
 
 
 def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
@@ -238,7 +265,8 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
             held_gpipe=m * b_in if b_in is not None else None,
             held_1f1b=min(m, p - i) * b_in if b_in is not None else None,
             p2p=2 * m * (b_in + b_out) if known else None,
-            zero_traffic=sum(gathered_traffic(g, shard_size, t) for g in groups) + zero.comm_reduce_scatter))
+            zero_traffic=sum(gathered_traffic(g, shard_size, t) for g in groups) + zero.comm_reduce_scatter,
+            microbatches=m, in_flight_1f1b=min(m, p - i)))
     return out
 
 

@@ -28,12 +28,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..base._compat import pytree
 from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
+from ..job.distributed import agree
 from ..passes.capture import to_meta
 from ..runtime.active_engine import get_engine
 from ..runtime.group import StorageMode
 from ..runtime.module_params import installed
 from ..runtime.pipeline import broadcast_tensors, count_transfer_time
-from .grad_sync import no_sync
+from .grad_sync import discard_unsynced, no_sync
 from .pipeline import (
     PipelineRuntime,
     _batch_size,
@@ -92,6 +93,8 @@ class _StageModule(nn.Module):
         self.calls: list[tuple[tuple, dict]] = []
         self.weights: list[float] = []  # each micro-batch loss's weight in the batch's loss
         self.micro = 0
+        self.sends: tuple[torch.Tensor, ...] = ()  # examples of what it returns per micro-batch
+        self.failure: Exception | None = None  # what this rank's forward raised during the step
 
     def forward(self, *received: torch.Tensor) -> Any:
         runtime = self.runtime
@@ -99,13 +102,21 @@ class _StageModule(nn.Module):
         assert run is not None
         run.micro, run.given, run.taken = self.micro, received if runtime.stage > 0 else None, []
         args, kwargs = self.calls[self.micro]
-        try:
-            out = self.call_model(*args, **kwargs)
-        except _StageDone:
-            return tuple(run.taken)
-        loss = _loss_of(out)
-        assert loss is not None  # checked on the meta skeleton before the schedule ran
-        return loss * self.weights[self.micro]
+        if self.failure is None:
+            try:
+                out = self.call_model(*args, **kwargs)
+            except _StageDone:
+                return tuple(run.taken)
+            except Exception as exc:  # the other stages must hear of it: see pipeline_step
+                self.failure = exc
+            else:
+                loss = _loss_of(out)
+                assert loss is not None  # checked on the meta skeleton before the schedule ran
+                return loss * self.weights[self.micro]
+        # After a failure the stage keeps the schedule's transfers going with zeros, so no stage waits for
+        # one that left (the GPipe loop's failure headers, in torch's fixed order); nothing reads them.
+        stand_in = tuple(torch.zeros_like(t, requires_grad=t.is_floating_point()) for t in self.sends)
+        return stand_in[0] if runtime.last_stage else stand_in
 
 
 class _Stage(PipelineStage):
@@ -148,10 +159,6 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
                             "pipeline stages: wrap it with BMTrainModelWrapper(model, pp_size=P) with P > 1 (or "
                             "init_distributed(pipe_size=P)), or train with loss = model(...); loss.backward()")
     cls = schedule_class(schedule)
-    if runtime.layout.mesh.tp > 1:  # seen: a 4-rank pp2 x tp2 1F1B run left one stage waiting in torch's P2P
-        raise UnsupportedError(f"model.pipeline_step() does not run with tensor parallelism yet (tp_size="
-                               f"{runtime.layout.mesh.tp}): train pp_size= with tp_size= by the GPipe loop, "
-                               "loss = model(...); loss.backward()")
     micros, size = runtime.section.microbatches, runtime.section.size
     if not torch.is_grad_enabled():
         raise PipelineError("model.pipeline_step() runs a training step's backward: call it with gradients enabled "
@@ -174,7 +181,7 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     if items is not None:
         calls = [(a, {**k, "num_items_in_batch": items}) for a, k in calls]
     stage, sched = _scheduled(runtime, model, cls, schedule, calls[0])
-    stage.submod.calls = calls
+    stage.submod.calls, stage.submod.failure = calls, None  # a step that raised out of the schedule left one
     # transformers' losses were divided by the whole batch's token count: they sum to its mean; other losses
     # are micro-batch means, weighted by their share of the batch.
     stage.submod.weights = [1.0 if items is not None else 1.0 / micros] * micros
@@ -187,7 +194,13 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     start = time.perf_counter()
     try:
         with installed(ghost_placeholders(runtime)), engine.reducer.stages_agree_after():
-            sched.step(target=torch.zeros(micros), losses=losses, return_outputs=False)
+            _run_schedule(sched, micros, losses, runtime)
+            failure, stage.submod.failure = stage.submod.failure, None
+            if failure is not None:
+                discard_unsynced(model)  # earlier micro-batches' unreduced sums: the step is void
+            # A stage whose forward raised ran the schedule to its end with zeros, so every rank reaches this
+            # all-reduce over the job: each raises the failing rank's error, before the stages' agreement.
+            agree(failure, what="pipeline_step", error_type=PipelineError)
     finally:
         runtime.run = None
         _release(runtime)
@@ -195,6 +208,18 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     ends = runtime.ends
     total = [torch.stack([loss.detach() for loss in losses]).sum()] if ends.last else None
     return broadcast_tensors(ends.comm, total, ends.comm.world_size - 1, f"{ends.label} loss", engine.device)[0]
+
+
+def _run_schedule(sched: Any, micros: int, losses: list[torch.Tensor], runtime: PipelineRuntime) -> None:
+    """``sched.step``; torch's point-to-point wait timing out (a peer that died or left the schedule) is
+    ``CommTimeoutError`` naming the pipe group, as our own transfers' is."""
+    try:
+        sched.step(target=torch.zeros(micros), losses=losses, return_outputs=False)
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise runtime.ends.comm.timeout_error(f"stage {runtime.stage}'s point-to-point transfers in torch's "
+                                              f"{type(sched).__name__} ({runtime.ends.label})") from exc
 
 
 def _hold_root(runtime: PipelineRuntime, model: nn.Module) -> None:
@@ -225,7 +250,9 @@ def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
                                "group; this job's communicator has none (CuPy NCCL): init_distributed with "
                                "backend='nccl' or 'gloo', or train with loss = model(...); loss.backward()")
     inputs, outputs = _stage_tensors(runtime, call)
-    stage = _Stage(_StageModule(runtime, model), model, group, inputs, outputs)
+    module = _StageModule(runtime, model)
+    module.sends = outputs
+    stage = _Stage(module, model, group, inputs, outputs)
     sched = cls(stage, runtime.section.microbatches, loss_fn=lambda out, target: out, scale_grads=False)
     runtime.scheduled = (key, stage, sched)
     return stage, sched

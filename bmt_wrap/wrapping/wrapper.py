@@ -222,7 +222,8 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, experts=experts, **options)
     if pipeline is not None:
-        plan.pipeline = passes.plan_pipeline(model, plan, *pipeline, cap.graph if cap.method != "none" else None)
+        plan.pipeline = passes.plan_pipeline(model, plan, *pipeline, cap.graph if cap.method != "none" else None,
+                                             cap.activations)
     return plan
 
 
