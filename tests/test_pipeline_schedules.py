@@ -22,9 +22,9 @@ def _llama_labels(ids):
     return labels
 
 
-def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> list[float]:
+def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1) -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
-    checked inside)."""
+    checked inside); ``virtual``: stages per rank."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -39,8 +39,14 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> li
         batches, loss_fn = lm_batches(3, 8, seq=8, vocab=models.VOCAB), None
 
         def step_fn(m, ids, targets):
+            if schedule == "loop":  # the loop users write: model(...), loss.backward()
+                loss = m(ids, targets)
+                loss.backward()
+                return loss.detach()
             return m.pipeline_step(ids, targets, schedule=schedule)
-    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, pp_microbatches=micro), batches,
+    def wrap(m):
+        return bmt.BMTrainModelWrapper(m, pp_microbatches=micro, pp_virtual_stages=virtual)
+    result = train_side_by_side(build, wrap, batches,
                                 optimizer=optimizer, loss_fn=loss_fn, step_fn=step_fn,
                                 data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
     gc.collect()  # the wrapped model goes before the next one takes the engine
