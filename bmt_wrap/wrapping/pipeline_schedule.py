@@ -64,11 +64,11 @@ SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 #: Those it offers with any number of stages per rank (the plan's stage ``s`` on rank ``s % P``).
 MULTI: dict[str, type] = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}
 
-_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights': a block's backward is "
-          "one autograd node that recomputes the block and takes the gradients of its inputs and parameters in "
-          "one pass, its parameters' going to ZeRO-3's reduce-scatter (or no_sync's accumulator), not to "
-          "their .grad, so torch's weight pass over a stage's parameters would find nothing left to do and "
-          "the bubble it fills would stay")
+_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights' (torch's weight pass "
+          "runs from the stage module's parameters): here a block's parameters enter the graph through one node "
+          "per block call that hands their gradients to ZeRO-3's reduce-scatter, not to .grad, and a "
+          "checkpointed block's recompute serves one backward pass per call, so the split would lose the "
+          "blocks' gradients (docs/design.md, 'Pipeline schedules')")
 _V_SHAPE = "; and it places stage s on rank s or 2P-1-s (a V), while the plan places it on rank s % P"
 #: Torch's other schedules, and why they are not offered here.
 NOT_OFFERED = {
