@@ -16,9 +16,9 @@ blocks real (``_Run.active``); torch maps stage ``s`` to rank ``s % P``, as the 
 ZeRO-3 under a schedule: the rank's blocks are gathered once for the step; every backward but a stage's
 last accumulates unreduced (``no_sync``'s accumulators, over every group of the rank but that stage's on its
 last backward), and a stage's last backward reduce-scatters the step's sum of its blocks (torch passes
-``last_backward``); the root's groups go with the first and last stage. The stages' agreement (a tied weight's summed gradient, which parameters
-got one) runs once after the schedule: a pipe-group collective inside one stage's backward would wait for
-a stage that waits for this one's gradients.
+``last_backward``); the root's groups go with the first and last stage. The stages' agreement (a tied
+weight's summed gradient, which parameters got one) runs once after the schedule: a pipe-group collective
+inside one stage's backward would wait for a stage that waits for this one's gradients.
 """
 
 from __future__ import annotations
@@ -66,9 +66,8 @@ MULTI: dict[str, type] = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS
 
 _SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights' (torch's weight pass "
           "runs from the stage module's parameters): here a block's parameters enter the graph through one node "
-          "per block call that hands their gradients to ZeRO-3's reduce-scatter, not to .grad, and a "
-          "checkpointed block's recompute serves one backward pass per call, so the split would lose the "
-          "blocks' gradients (docs/design.md, 'Pipeline schedules')")
+          "per block call that hands their gradients to ZeRO-3's reduce-scatter, not to .grad, so torch's "
+          "split would lose the blocks' gradients (docs/design.md, 'Pipeline schedules')")
 _V_SHAPE = "; and it places stage s on rank s or 2P-1-s (a V), while the plan places it on rank s % P"
 #: Torch's other schedules, and why they are not offered here.
 NOT_OFFERED = {
@@ -139,8 +138,8 @@ class _Stage(PipelineStage):
         every = module_groups(model)
         mine = {id(model.get_submodule(b)._bmt_group) for b in stages[module.stage].blocks}
         ends = module.stage in (0, runtime.count - 1)
-        self.reduced = [g for g in every if id(g) in mine or (ends and id(g) not in blocks)]
-        self.others = [g for g in every if g not in self.reduced]
+        reduced = [g for g in every if id(g) in mine or (ends and id(g) not in blocks)]
+        self.others = [g for g in every if g not in reduced]
         self.every = every
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
