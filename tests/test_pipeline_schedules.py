@@ -16,7 +16,32 @@ from dist_harness import COMM_TIMEOUT, run_distributed
 from parity import LOSS_RTOL, lm_batches, train_side_by_side
 
 import bmt_wrap as bmt
+from bmt_wrap import passes
 from bmt_wrap.errors import PipelineError, PipelineScheduleError
+from bmt_wrap.passes.pipeline import plan_pipeline
+
+
+def test_virtual_stages_are_placed_round_the_ranks() -> None:
+    # pure: the plan's section at pp_size=2, pp_virtual_stages=2 (no process group)
+    model = models.ToyGPT(n_layers=4, tie=True)
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery)
+    plan = passes.build_plan(model, discovery, world_size=1, capture=cap)
+    section = plan_pipeline(model, plan, 2, 4, cap.graph, virtual=2)
+    assert [s.blocks for s in section.stages] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    assert [section.rank_of(s) for s in range(4)] == [0, 1, 0, 1] and section.stages_on(1) == [1, 3]
+    assert section.rank_of_block("layers.2") == 0
+    # the tied weight: used by stage 0 (rank 0) and stage 3 (rank 1), so both ranks hold it
+    assert section.stages[3].root == ["embed.weight", "ln_f.weight", "ln_f.bias"]
+    assert section.root_sets()[-1] == ((0, 1), ["embed.weight"])
+    assert section.bubble() == pytest.approx(1 / (2 * 4 + 1))  # (P-1)/(V x M+P-1)
+    plan.pipeline = section
+    again = type(plan).from_json(plan.to_json())
+    assert again.pipeline == section and "pipeline: 2 ranks x 2 stages, 4 micro-batches" in str(again)
+    with pytest.raises(PipelineError, match="for 6 pipeline stages"):
+        plan_pipeline(model, plan, 2, 4, cap.graph, virtual=3)
+    with pytest.raises(PipelineError, match="pp_virtual_stages=True"):
+        plan_pipeline(model, plan, 2, 4, cap.graph, virtual=True)
 
 
 def _llama_labels(ids):

@@ -96,9 +96,11 @@ class PipelinePlan:
 
 def pipeline_text(section: PipelinePlan) -> list[str]:
     """The section as ``str(plan)`` and ``bmt-wrap dump`` show it: one line per stage."""
-    virtual = f" x {section.virtual} virtual stages" if section.virtual > 1 else ""
-    lines = [f"pipeline: {section.size} stages{virtual}, {section.microbatches} micro-batches, {section.schedule} "
-             f"(bubble {section.bubble():.0%}); root parameters' stages from the {section.root_source}"]
+    stages = f"{section.size} ranks x {section.virtual} stages" if section.virtual > 1 else f"{section.size} stages"
+    # With several stages per rank the bound is pipeline_step's interleaved schedules'; the loop runs them serially
+    bubble = f"bubble {section.bubble():.0%}" + (" under Interleaved1F1B" if section.virtual > 1 else "")
+    lines = [f"pipeline: {stages}, {section.microbatches} micro-batches, {section.schedule} "
+             f"({bubble}); root parameters' stages from the {section.root_source}"]
     for i, s in enumerate(section.stages):
         blocks = f"{s.blocks[0]} .. {s.blocks[-1]}" if len(s.blocks) > 2 else ", ".join(s.blocks)
         root = f"; root: {', '.join(s.root)}" if s.root else ""
