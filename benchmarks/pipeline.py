@@ -4,14 +4,18 @@
 
 Systems: ``bmt_wrapper`` (ZeRO-3 over every rank) and ``bmt_wrapper_pp2`` (``BMTrainModelWrapper(model,
 pp_size=2, pp_microbatches=M)``: two stages of consecutive ranks, ZeRO-3 over each stage's two data-parallel
-ranks) at M = 4 and 8, trained by the GPipe loop (``loss.backward()``) and by ``model.pipeline_step(...,
-schedule="1F1B")`` (torch's Schedule1F1B), on the same global batch (``--batch`` x world size sequences). The first table gives
+ranks) at M = 4 and 8, trained by the GPipe loop (``loss.backward()``), by ``model.pipeline_step(...,
+schedule="1F1B")`` (torch's Schedule1F1B), and with two stages per rank (``pp_virtual_stages=2``: four stages,
+rank r running stages r and r + 2) by ``schedule="Interleaved1F1B"`` and ``"LoopedBFS"``, on the same global
+batch (``--batch`` x world size sequences). The first table gives
 per system the median step time (slowest rank per step), the bytes each rank sends per step (collectives'
 algorithmic bytes plus the activations and gradients it sends to another stage; the largest over ranks) and
 the peak RSS per rank (the largest); the second, per micro-batch count and stage, the fraction of a step the
 stage spends in transfers between stages (waiting for its peer or moving data: ``runtime/pipeline.py``'s
-``transfer_time``; under a torch schedule, its step's time outside the stage's own forwards and backwards)
-beside the bubble (P-1)/(M+P-1) both schedules share. The bytes of a torch schedule's point-to-point
+``transfer_time``; under a torch schedule, its step's time outside the rank's own forwards and backwards)
+beside its schedule's bubble: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V x M+P-1) for V stages per rank
+(interleaved 1F1B and looped BFS: each of the P-1 warm-up and cool-down slots costs 1/V of a stage's
+micro-batch). The bytes of a torch schedule's point-to-point
 transfers (its own process group's) are not counted. Written to ``--out`` (default
 ``benchmarks/results/pipeline_<model>.md``), which RESULTS.md quotes.
 """
@@ -25,17 +29,27 @@ from pathlib import Path
 from harness import environment, launch, parse_args
 from report import command_line, publish
 
-# (system, micro-batches, schedule): None runs the GPipe loop (loss.backward()), a name model.pipeline_step
-CONFIGS = [("bmt_wrapper", None, None), ("bmt_wrapper_pp2", 4, None), ("bmt_wrapper_pp2", 8, None),
-           ("bmt_wrapper_pp2", 4, "1F1B"), ("bmt_wrapper_pp2", 8, "1F1B")]
+# (system, micro-batches, schedule, stages per rank): schedule None runs the GPipe loop (loss.backward()), a
+# name model.pipeline_step
+CONFIGS = [("bmt_wrapper", None, None, 1), ("bmt_wrapper_pp2", 4, None, 1), ("bmt_wrapper_pp2", 8, None, 1),
+           ("bmt_wrapper_pp2", 4, "1F1B", 1), ("bmt_wrapper_pp2", 8, "1F1B", 1),
+           ("bmt_wrapper_pp2", 4, "Interleaved1F1B", 2), ("bmt_wrapper_pp2", 8, "Interleaved1F1B", 2),
+           ("bmt_wrapper_pp2", 4, "LoopedBFS", 2), ("bmt_wrapper_pp2", 8, "LoopedBFS", 2)]
+PIPE = 2  # P: pipeline ranks
 DEFAULTS = {"--world-size": "4", "--model": "toy-gpt-24", "--batch": "4", "--steps": "4", "--warmup": "1",
             "--rounds": "1"}
 
 
-def _label(system: str, micro: int | None, schedule: str | None) -> str:
+def _label(system: str, micro: int | None, schedule: str | None, virtual: int) -> str:
     if micro is None:
         return "dp4 ZeRO-3"
-    return f"pp2 x dp2, {schedule} (pipeline_step) M={micro}" if schedule else f"pp2 x dp2, GPipe loop M={micro}"
+    v = f" V={virtual}" if virtual > 1 else ""
+    return f"pp2 x dp2, {schedule} (pipeline_step) M={micro}{v}" if schedule else f"pp2 x dp2, GPipe loop M={micro}"
+
+
+def bound(micro: int, virtual: int) -> float:
+    """The idle fraction of a schedule with no overhead: (P-1)/(V x M+P-1)."""
+    return (PIPE - 1) / (virtual * micro + PIPE - 1)
 
 
 def main(argv: list[str]) -> None:
@@ -45,15 +59,16 @@ def main(argv: list[str]) -> None:
             argv += [flag, value]
     args = parse_args(__doc__, ["bmt_wrapper", "bmt_wrapper_pp2"], argv)
     env = environment(args.mmap_threshold)
-    runs: dict[tuple[str, int | None, str | None], list[list[dict]]] = {c: [] for c in CONFIGS}
+    runs: dict[tuple[str, int | None, str | None, int], list[list[dict]]] = {c: [] for c in CONFIGS}
     for i in range(args.rounds):
-        for system, micro, schedule in CONFIGS:
-            print(f"round {i + 1}/{args.rounds}: {_label(system, micro, schedule)} ...", file=sys.stderr, flush=True)
+        for config in CONFIGS:
+            system, micro, schedule, virtual = config
+            print(f"round {i + 1}/{args.rounds}: {_label(*config)} ...", file=sys.stderr, flush=True)
             extra = ({"BMT_PP_MICROBATCHES": str(micro)} if micro else {}) | (
-                {"BMT_PP_SCHEDULE": schedule} if schedule else {})
-            runs[(system, micro, schedule)].append(launch(system, args, env | extra))
+                {"BMT_PP_SCHEDULE": schedule} if schedule else {}) | {"BMT_PP_VIRTUAL": str(virtual)}
+            runs[config].append(launch(system, args, env | extra))
     rows = []
-    for (system, micro, schedule), rounds in runs.items():
+    for (system, micro, schedule, virtual), rounds in runs.items():
         times = [max(step) for r in rounds for step in zip(*(rank["times"] for rank in r), strict=True)]
         sent = max(rank["comm_bytes"] for r in rounds for rank in r)
         rss = max(rank["rss"] for r in rounds for rank in r)
@@ -62,7 +77,8 @@ def main(argv: list[str]) -> None:
             for rank in r:
                 fractions = [w / t for w, t in zip(rank["idle"], rank["times"], strict=True)]
                 idle.setdefault(rank["stage"], []).extend(fractions)
-        rows.append({"label": _label(system, micro, schedule), "micro": micro, "schedule": schedule or "GPipe loop",
+        rows.append({"label": _label(system, micro, schedule, virtual), "micro": micro, "virtual": virtual,
+                     "schedule": (schedule or "GPipe loop") + (f" V={virtual}" if virtual > 1 else ""),
                      "median_s": statistics.median(times),
                      "sent": sent, "rss": rss, "loss": rounds[-1][0]["losses"][-1],
                      "idle": {s: statistics.median(v) for s, v in sorted(idle.items())}})
@@ -77,12 +93,12 @@ def main(argv: list[str]) -> None:
         lines.append(f"| {row['label']} | {row['median_s']:.3f} | {row['median_s'] / base['median_s']:.2f}x | "
                      f"{row['sent'] / 1e6:.1f} MB | {row['sent'] / base['sent']:.2f}x | {row['rss'] / 2**30:.2f} GiB | "
                      f"{row['rss'] / base['rss']:.2f}x | {row['loss']:.4f} |")
-    lines += ["", "| schedule | stage | measured idle fraction | bound (P-1)/(M+P-1) | idle vs bound |",
+    lines += ["", "| schedule | stage (rank) | measured idle fraction | bound (P-1)/(V x M+P-1) | idle vs bound |",
               "|---|---|---|---|---|"]
     for row in rows[1:]:
-        bound = 1 / (row["micro"] + 1)
+        b = bound(row["micro"], row["virtual"])
         for stage, frac in row["idle"].items():
-            lines.append(f"| {row['schedule']} M={row['micro']} | {stage} | {frac:.3f} | {bound:.3f} | {frac / bound:.2f}x |")
+            lines.append(f"| {row['schedule']} M={row['micro']} | {stage} | {frac:.3f} | {b:.3f} | {frac / b:.2f}x |")
     out = args.out or Path(__file__).parent / "results" / f"pipeline_{args.model}.md"
     publish(lines, out, command_line(argv))
 

@@ -1,10 +1,12 @@
 """``model.pipeline_step(..., schedule=...)``: torch.distributed.pipelining's schedules run one whole step of
-a model wrapped with ``pp_size=P`` and train like plain PyTorch in one process, as the GPipe loop does;
-schedules not offered, and calls without pipeline stages, are named errors.
+a model wrapped with ``pp_size=P`` (and ``pp_virtual_stages=V``: P x V stages, V per rank) and train like
+plain PyTorch in one process, as the GPipe loop does; schedules not offered, bad V, and calls without
+pipeline stages, are named errors.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import models
@@ -14,7 +16,32 @@ from dist_harness import COMM_TIMEOUT, run_distributed
 from parity import LOSS_RTOL, lm_batches, train_side_by_side
 
 import bmt_wrap as bmt
+from bmt_wrap import passes
 from bmt_wrap.errors import PipelineError, PipelineScheduleError
+from bmt_wrap.passes.pipeline import plan_pipeline
+
+
+def test_virtual_stages_are_placed_round_the_ranks() -> None:
+    # pure: the plan's section at pp_size=2, pp_virtual_stages=2 (no process group)
+    model = models.ToyGPT(n_layers=4, tie=True)
+    discovery = passes.discover_blocks(model)
+    cap = passes.capture(model, discovery)
+    plan = passes.build_plan(model, discovery, world_size=1, capture=cap)
+    section = plan_pipeline(model, plan, 2, 4, cap.graph, virtual=2)
+    assert [s.blocks for s in section.stages] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    assert [section.rank_of(s) for s in range(4)] == [0, 1, 0, 1] and section.stages_on(1) == [1, 3]
+    assert section.rank_of_block("layers.2") == 0
+    # the tied weight: used by stage 0 (rank 0) and stage 3 (rank 1), so both ranks hold it
+    assert section.stages[3].root == ["embed.weight", "ln_f.weight", "ln_f.bias"]
+    assert section.root_sets()[-1] == ((0, 1), ["embed.weight"])
+    assert section.bubble() == pytest.approx(1 / (2 * 4 + 1))  # (P-1)/(V x M+P-1)
+    plan.pipeline = section
+    again = type(plan).from_json(plan.to_json())
+    assert again.pipeline == section and "pipeline: 2 ranks x 2 stages, 4 micro-batches" in str(again)
+    with pytest.raises(PipelineError, match="for 6 pipeline stages"):
+        plan_pipeline(model, plan, 2, 4, cap.graph, virtual=3)
+    with pytest.raises(PipelineError, match="pp_virtual_stages=True"):
+        plan_pipeline(model, plan, 2, 4, cap.graph, virtual=True)
 
 
 def _llama_labels(ids):
@@ -23,9 +50,9 @@ def _llama_labels(ids):
     return labels
 
 
-def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> list[float]:
+def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1) -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
-    checked inside)."""
+    checked inside); ``virtual``: stages per rank."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -40,8 +67,14 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw") -> li
         batches, loss_fn = lm_batches(3, 8, seq=8, vocab=models.VOCAB), None
 
         def step_fn(m, ids, targets):
+            if schedule == "loop":  # the loop users write: model(...), loss.backward()
+                loss = m(ids, targets)
+                loss.backward()
+                return loss.detach()
             return m.pipeline_step(ids, targets, schedule=schedule)
-    result = train_side_by_side(build, lambda m: bmt.BMTrainModelWrapper(m, pp_microbatches=micro), batches,
+    def wrap(m):
+        return bmt.BMTrainModelWrapper(m, pp_microbatches=micro, pp_virtual_stages=virtual)
+    result = train_side_by_side(build, wrap, batches,
                                 optimizer=optimizer, loss_fn=loss_fn, step_fn=step_fn,
                                 data_parallel=(bmt.data_parallel_rank(), bmt.data_parallel_size()))
     gc.collect()  # the wrapped model goes before the next one takes the engine
@@ -56,18 +89,57 @@ def _raises(fn) -> tuple[str, str]:
     return "", ""
 
 
-def _pp2_body() -> dict:
+def _virtual_readers(tmp: str) -> dict:
+    """A model with two stages per rank (rank 0: layers 0 and 2, rank 1: layers 1 and 3): its readers give
+    whole tensors under the original names, and its checkpoint resumes at one stage per rank."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    ref = models.ToyGPT(n_layers=4, tie=True)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), pp_virtual_stages=2)
+    out = {"stages": [s.blocks for s in model.plan.pipeline.stages], "mine": model._bmt_pipeline.mine}
+    want = ref.state_dict()
+    state = model.state_dict()
+    out["state_dict"] = list(state) == list(want) and all(torch.equal(state[k], v) for k, v in want.items())
+    bmt.save(model, f"{tmp}/model.safetensors")
+    saved = load_file(f"{tmp}/model.safetensors")
+    out["save"] = sorted(saved) == sorted(want) and all(torch.equal(saved[k], v) for k, v in want.items())
+    bmt.save_checkpoint(f"{tmp}/ckpt", model, optimizer=torch.optim.AdamW(model.parameters()), step=1)
+    torch.manual_seed(5)  # another init: everything must come from the checkpoint
+    other = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, tie=True))
+    bmt.load_checkpoint(f"{tmp}/ckpt", other, optimizer=torch.optim.AdamW(other.parameters()))
+    out["resumed"] = all(torch.equal(other.state_dict()[k], v) for k, v in want.items())
+    del model, other
+    gc.collect()
+    return out
+
+
+def _pp2_body(tmp: str) -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
     # the tied embedding and head: a weight on both stages, its gradients summed between them after the
     # schedule; torch's GPipe runs every forward before any backward, so several micro-batches' graphs read
     # the root's gathered parameters at once
     out = {"1F1B": _train("tied", "1F1B", 4), "GPipe": _train("tied", "GPipe", 4), "llama": _train("llama", "1F1B", 2)}
+    # two stages per rank (4 stages of one block): torch's interleaved schedules, and the GPipe loop, which
+    # runs both of a rank's stages in each micro-batch's forward
+    for name in ("Interleaved1F1B", "LoopedBFS", "loop"):
+        out[f"v2 {name}"] = _train("tied", name, 4, virtual=2)
+    out["readers"] = _virtual_readers(tmp)
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
     out["unknown"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="2F2B"))
     out["zero_bubble"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="ZBVZeroBubble"))
-    out["interleaved"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="Interleaved1F1B"))
     out["no_loss"] = _raises(lambda m=model: m.pipeline_step(ids))
+    del model
+    gc.collect()
+    # bad V: more stages than blocks, not a positive int; a one-stage schedule, and micro-batches torch's
+    # interleaved rounds do not divide
+    out["v3"] = _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_virtual_stages=3))
+    out["v0"] = _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_virtual_stages=0))
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=5, pp_virtual_stages=2)
+    ids, targets = lm_batches(1, 10, vocab=models.VOCAB)[0]
+    out["v2 1F1B"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="1F1B"))
+    out["v2 rounds"] = _raises(lambda m=model: m.pipeline_step(ids, targets))
     del model
     gc.collect()
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT)  # no pipeline: ZeRO-3 over both ranks
@@ -75,38 +147,63 @@ def _pp2_body() -> dict:
     out["no_stages"] = _raises(lambda m=plain: m.pipeline_step(ids, targets))
     del plain
     gc.collect()
+    out["v2 no stages"] = _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_virtual_stages=2))
     return out
 
 
-def test_1f1b_and_gpipe_schedules_train_like_plain_pytorch_at_pp2() -> None:
-    results = run_distributed(_pp2_body, 2, timeout=600)  # wall time: several trainings on 2 shared cores
+def test_schedules_train_like_plain_pytorch_at_pp2(tmp_path) -> None:
+    results = run_distributed(_pp2_body, 2, str(tmp_path), timeout=600)  # several trainings on 2 shared cores
     for r in results:
-        # 1F1B and torch's GPipe give the same losses (each checked against plain PyTorch inside: losses,
-        # whole gradients every step, parameters after 3 AdamW steps)
-        assert r["1F1B"] == pytest.approx(r["GPipe"], rel=LOSS_RTOL), r
+        # 1F1B, torch's GPipe, its interleaved schedules and the GPipe loop at two stages per rank give the
+        # same losses (each checked against plain PyTorch inside: losses, whole gradients every step,
+        # parameters after 3 AdamW steps)
+        for name in ("GPipe", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 loop"):
+            assert r["1F1B"] == pytest.approx(r[name], rel=LOSS_RTOL), (name, r)
+        readers = r["readers"]
+        assert readers["stages"] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], readers
+        assert readers["state_dict"] and readers["save"] and readers["resumed"], readers
         assert r["unknown"][0] == PipelineScheduleError.__name__ and "'1F1B'" in r["unknown"][1], r["unknown"]
-        for name in ("zero_bubble", "interleaved"):
-            assert r[name][0] == PipelineScheduleError.__name__ and "not offered" in r[name][1], r[name]
-            assert "'GPipe'" in r[name][1], r[name]
+        zb = r["zero_bubble"]
+        assert zb[0] == PipelineScheduleError.__name__ and "not offered" in zb[1] and "'GPipe'" in zb[1], zb
         assert r["no_loss"][0] == PipelineError.__name__ and "loss" in r["no_loss"][1], r["no_loss"]
         assert r["no_stages"][0] == PipelineError.__name__ and "pp_size=P" in r["no_stages"][1], r["no_stages"]
-    assert results[0] == results[1]  # every stage returns the whole batch's loss
+        # bad V, named on every rank
+        assert r["v3"][0] == "PipelineError" and "6 pipeline stages" in r["v3"][1], r["v3"]
+        assert "pp_virtual_stages=3" in r["v3"][1], r["v3"]
+        assert r["v0"][0] == "PipelineError" and "pp_virtual_stages=0" in r["v0"][1], r["v0"]
+        one = r["v2 1F1B"]
+        assert one[0] == PipelineScheduleError.__name__ and "pp_virtual_stages=2" in one[1], one
+        assert "'Interleaved1F1B'" in one[1], one
+        assert r["v2 rounds"][0] == "PipelineError" and "pp_microbatches=5" in r["v2 rounds"][1], r["v2 rounds"]
+        assert r["v2 no stages"][0] == "PipelineError" and "pp_size=" in r["v2 no stages"][1], r["v2 no stages"]
+    assert [r["readers"]["mine"] for r in results] == [[0, 2], [1, 3]]
+    trained = ("1F1B", "GPipe", "llama", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 loop")
+    assert [results[0][k] for k in trained] == [results[1][k] for k in trained]  # every stage: the batch's loss
+
+
+def _reduced_once(virtual: int, schedule: str | None) -> dict[str, list[str]]:
+    """Each of this rank's blocks' collectives in one step of ``schedule``."""
+    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=4, pp_virtual_stages=virtual)
+    ids, targets = lm_batches(1, 8, seq=8, vocab=models.VOCAB)[0]
+    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
+    model.pipeline_step(ids.chunk(n)[r], targets.chunk(n)[r], schedule=schedule)  # the first builds torch's stages
+    with bmt.get_state().comm.trace() as ops:
+        model.pipeline_step(ids.chunk(n)[r], targets.chunk(n)[r], schedule=schedule)
+    section = model.plan.pipeline
+    own = [b for s in model._bmt_pipeline.mine for b in section.stages[s].blocks]
+    del model
+    gc.collect()
+    return {b: sorted(op for op, label, _ in ops if label == b) for b in own}
 
 
 def _pp2_dp2_body() -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
-    out = {"toy": _train("toy", "1F1B", 4), "llama": _train("llama", "1F1B", 2)}
-    # ZeRO-3 under 1F1B: a stage's blocks gathered once for the step and reduced once, after its last backward
-    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=4)
-    ids, targets = lm_batches(1, 8, seq=8, vocab=models.VOCAB)[0]
-    n, r = bmt.data_parallel_size(), bmt.data_parallel_rank()
-    model.pipeline_step(ids.chunk(n)[r], targets.chunk(n)[r])  # the first step builds torch's stage
-    with bmt.get_state().comm.trace() as ops:
-        model.pipeline_step(ids.chunk(n)[r], targets.chunk(n)[r])
-    own = model.plan.pipeline.stages[model._bmt_pipeline.stage].blocks
-    out["per_block"] = {b: sorted(op for op, label, _ in ops if label == b) for b in own}
-    del model
-    gc.collect()
+    out = {"toy": _train("toy", "1F1B", 4), "llama": _train("llama", "1F1B", 2),
+           "v2": _train("toy", "Interleaved1F1B", 4, virtual=2)}
+    # ZeRO-3 under 1F1B and interleaved 1F1B: a rank's blocks gathered once for the step and each stage's
+    # reduced once, after that stage's last backward
+    out["per_block"] = _reduced_once(1, None)
+    out["per_block v2"] = _reduced_once(2, "Interleaved1F1B")
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=4)
     out["pp4"] = _train("toy", "1F1B", 4)
     # TP inside the stages: each stage's blocks split over its TP pair. The TP size goes to init_distributed
@@ -121,10 +218,14 @@ def _pp2_dp2_body() -> dict:
     return out
 
 
-def test_1f1b_trains_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp2_and_reduces_once() -> None:
+def test_1f1b_and_interleaved_train_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp2_and_reduce_once() -> None:
     results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
-        assert all(ops == ["all_gather", "reduce_scatter"] for ops in r["per_block"].values()), r["per_block"]
+        for key, blocks in (("per_block", 2), ("per_block v2", 2)):
+            assert len(r[key]) == blocks and all(ops == ["all_gather", "reduce_scatter"]
+                                                 for ops in r[key].values()), r[key]
+        # interleaved 1F1B at two stages per rank gives the 1F1B results (both checked against plain PyTorch)
+        assert r["v2"] == pytest.approx(r["toy"], rel=LOSS_RTOL), r
     # the same loss on both stages of a pipeline (rank = pp x 2 + dp: ranks 0 and 2 are one pipeline)
     for a, b in ((0, 2), (1, 3)):
         assert results[a]["toy"] == results[b]["toy"] and results[a]["llama"] == results[b]["llama"]

@@ -28,7 +28,9 @@ class PipelineStage:
 
 @dataclass
 class PipelinePlan:
-    """How the one-liner splits a model over ``size`` stages, run as ``schedule`` over ``microbatches``."""
+    """How the one-liner splits a model over ``size`` ranks of a pipeline, ``virtual`` stages each (``stages``
+    holds ``size x virtual`` of them, stage ``s`` on rank ``s % size``: Megatron's interleaved layout), run as
+    ``schedule`` over ``microbatches``."""
 
     size: int
     microbatches: int
@@ -38,6 +40,19 @@ class PipelinePlan:
     # "registration" (module registration order, checked against the first call's capture).
     root_source: str = "registration"
     notes: list[str] = field(default_factory=list)
+    virtual: int = 1  # stages per rank (pp_virtual_stages)
+
+    def rank_of(self, stage: int) -> int:
+        """The pipe-group rank that runs stage ``stage``."""
+        return stage % self.size
+
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` runs, in order: ``rank``, ``rank + size``, ..."""
+        return list(range(rank, len(self.stages), self.size))
+
+    def rank_of_block(self, block: str) -> int:
+        """The pipe-group rank that holds ``block``."""
+        return self.rank_of(self.stage_of(block))
 
     def stage_of(self, block: str) -> int:
         """The stage that runs ``block``."""
@@ -47,43 +62,50 @@ class PipelinePlan:
         raise PlanError(f"block {block!r} is in no stage of the plan's pipeline section")
 
     def root_sets(self) -> list[tuple[tuple[int, ...], list[str]]]:
-        """The root parameters grouped by the stages that hold them, in a fixed order: (stages, names).
-        A parameter two stages use (a tied embedding and head) is in one set held by both."""
+        """The root parameters grouped by the ranks that hold them, in a fixed order: (ranks, names). A
+        parameter two stages on two ranks use (a tied embedding and head) is in one set held by both."""
         holders: dict[str, tuple[int, ...]] = {}
         for i, s in enumerate(self.stages):
             for name in s.root:
-                holders[name] = (*holders.get(name, ()), i)
+                if self.rank_of(i) not in holders.get(name, ()):
+                    holders[name] = (*holders.get(name, ()), self.rank_of(i))
         sets: dict[tuple[int, ...], list[str]] = {}
         for name, stages in holders.items():
             sets.setdefault(stages, []).append(name)
         return sorted(sets.items(), key=lambda kv: (len(kv[0]), kv[0]))
 
     def bubble(self) -> float:
-        """The idle fraction of a GPipe (or 1F1B) step: (P - 1) / (M + P - 1)."""
-        return (self.size - 1) / (self.microbatches + self.size - 1)
+        """The idle fraction of a GPipe or 1F1B step, (P - 1) / (M + P - 1); with V stages per rank, that of
+        an interleaved (or looped BFS) one, (P - 1) / (V x M + P - 1)."""
+        return (self.size - 1) / (self.virtual * self.microbatches + self.size - 1)
 
     def to_dict(self) -> dict[str, Any]:
         """The section as JSON-ready data."""
-        return {"size": self.size, "microbatches": self.microbatches, "schedule": self.schedule,
+        return {"size": self.size, "microbatches": self.microbatches, "virtual": self.virtual, "schedule": self.schedule,
                 "root_source": self.root_source, "notes": list(self.notes),
                 "stages": [{"blocks": s.blocks, "root": s.root, "param_bytes": s.param_bytes} for s in self.stages]}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelinePlan:
         """The section ``to_dict`` wrote."""
-        return cls(size=raw["size"], microbatches=raw["microbatches"], schedule=raw.get("schedule", "gpipe"),
+        return cls(size=raw["size"], microbatches=raw["microbatches"], virtual=raw.get("virtual", 1),
+                   schedule=raw.get("schedule", "gpipe"),
                    root_source=raw.get("root_source", "registration"), notes=list(raw.get("notes", [])),
                    stages=[PipelineStage(**s) for s in raw["stages"]])
 
 
 def pipeline_text(section: PipelinePlan) -> list[str]:
     """The section as ``str(plan)`` and ``bmt-wrap dump`` show it: one line per stage."""
-    lines = [f"pipeline: {section.size} stages, {section.microbatches} micro-batches, {section.schedule} "
-             f"(bubble {section.bubble():.0%}); root parameters' stages from the {section.root_source}"]
+    stages = f"{section.size} ranks x {section.virtual} stages" if section.virtual > 1 else f"{section.size} stages"
+    # With several stages per rank the bound is pipeline_step's interleaved schedules'; the loop runs them serially
+    bubble = f"bubble {section.bubble():.0%}" + (" under Interleaved1F1B" if section.virtual > 1 else "")
+    lines = [f"pipeline: {stages}, {section.microbatches} micro-batches, {section.schedule} "
+             f"({bubble}); root parameters' stages from the {section.root_source}"]
     for i, s in enumerate(section.stages):
         blocks = f"{s.blocks[0]} .. {s.blocks[-1]}" if len(s.blocks) > 2 else ", ".join(s.blocks)
         root = f"; root: {', '.join(s.root)}" if s.root else ""
-        lines.append(f"  stage {i}: {len(s.blocks)} block(s) {blocks}{root}; {s.param_bytes:,} parameter bytes "
-                     "(unsharded)")
+        rank = f" (rank {section.rank_of(i)})" if section.virtual > 1 else ""
+        lines.append(f"  stage {i}{rank}: {len(s.blocks)} block(s) {blocks}{root}; {s.param_bytes:,} parameter "
+                     "bytes (unsharded)")
     lines += [f"  note: {n}" for n in section.notes]
     return lines

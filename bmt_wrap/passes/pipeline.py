@@ -34,23 +34,29 @@ from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
-                  graph: fx.Graph | None = None, activations: ActivationProfile | None = None) -> PipelinePlan:
-    """The pipeline section for ``plan`` over ``size`` stages (``graph``: the captured forward, if any;
-    ``activations``: its profile at a batch, whose FLOPs balance the stages)."""
+                  graph: fx.Graph | None = None, virtual: int = 1,
+                  activations: ActivationProfile | None = None) -> PipelinePlan:
+    """The pipeline section for ``plan`` over ``size`` ranks of ``virtual`` stages each (stage ``s`` on rank
+    ``s % size``); ``graph``: the captured forward, if any; ``activations``: its profile at a batch, whose
+    FLOPs balance the stages."""
     if not isinstance(size, int) or size < 1:
         raise PipelineError(f"pp_size={size!r}: a positive int")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise PipelineError(f"pp_microbatches={microbatches!r}: a positive int")
+    check_virtual(virtual)
     order = list(dict.fromkeys(plan.order or [g.name for g in plan.blocks()]))
-    if len(order) < size:
+    total = size * virtual
+    if len(order) < total:
+        per = f" x pp_virtual_stages={virtual}" if virtual > 1 else ""
+        fix = f"pp_size x pp_virtual_stages <= {len(order)}" if virtual > 1 else f"pp_size <= {len(order)}"
         raise PipelineError(f"{type(model).__name__} has {len(order)} block(s) ({', '.join(order) or 'none found'}) "
-                            f"for {size} pipeline stages: every stage needs at least one block. Use pp_size <= "
-                            f"{len(order)}, or a model with more layers")
+                            f"for {total} pipeline stages (pp_size={size}{per}): every stage needs at least one "
+                            f"block. Use {fix}, or a model with more layers")
     if len(plan.order) != len(order):
         raise PipelineError(f"{type(model).__name__} calls a block more than once per forward ({plan.order}); "
                             "pipeline stages are cut between blocks called once each, in order")
     cost = {g.name: g.param_bytes() for g in plan.blocks()}
-    cuts = balanced_split(block_costs(order, cost, activations), size)
+    cuts = balanced_split(block_costs(order, cost, activations), total)
     stages = [PipelineStage(order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)], strict=True)]
     root = plan.group(ROOT) if any(g.is_root for g in plan.groups) else None
     names = [s.fqn for _, s in root.slots()] if root is not None else []
@@ -67,9 +73,16 @@ def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int
     bytes_of = {s.fqn: s.numel * itemsize(b.dtype) for b, s in (root.slots() if root is not None else [])}
     for s in stages:
         s.param_bytes = sum(cost[b] for b in s.blocks) + sum(bytes_of[n] for n in s.root)
-    notes = [f"root parameter {n!r} is used on stages 0 and {size - 1}: both hold it, its gradient is the sum "
+    notes = [f"root parameter {n!r} is used on stages 0 and {total - 1}: both hold it, its gradient is the sum "
              "of both" for n in names if size > 1 and n in stages[0].root and n in stages[-1].root]
-    return PipelinePlan(size, microbatches, stages, root_source=source, notes=notes)
+    return PipelinePlan(size, microbatches, stages, root_source=source, notes=notes, virtual=virtual)
+
+
+def check_virtual(virtual: object) -> None:
+    """``PipelineError`` unless ``virtual`` (stages per rank) is a positive int."""
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+        raise PipelineError(f"pp_virtual_stages={virtual!r}: a positive int (the stages each pipeline rank runs; "
+                            "1 for one contiguous run of blocks per rank)")
 
 
 def balanced_split(costs: list[int], parts: int) -> list[int]:
@@ -238,7 +251,7 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
     t = tp_of(plan)
     inputs = {c.block: c.input_bytes for c in (activations.calls if activations is not None else [])}
     blocks = [b for s in section.stages for b in s.blocks]
-    m, p = section.microbatches, section.size
+    m, p = section.microbatches, len(section.stages)
     out = []
     for i, s in enumerate(section.stages):
         groups = [plan.group(b) for b in s.blocks]

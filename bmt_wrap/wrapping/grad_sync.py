@@ -13,7 +13,7 @@ clip in between raises ``GradSyncError`` rather than update from part of the gra
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ from ..runtime.param import DistributedParameter
 _HOOK: list[Any] = []
 
 
-def _groups(module: nn.Module) -> list[ShardGroup]:
+def module_groups(module: nn.Module) -> list[ShardGroup]:
+    """The shard groups of ``module``'s parameters, each once."""
     groups: dict[int, ShardGroup] = {}
     for p in module.parameters():
         if isinstance(p, DistributedParameter):
@@ -46,14 +47,18 @@ def _buffers(params: Iterable[torch.Tensor]) -> list[FlatBuffer]:
     return list(buffers.values())
 
 
-@contextmanager
-def no_sync(module: nn.Module) -> Iterator[None]:
+def no_sync(module: nn.Module) -> AbstractContextManager[None]:
     """Backwards inside reduce none of ``module``'s gradients; the first one outside reduces them all."""
+    return no_sync_groups(module_groups(module))
+
+
+@contextmanager
+def no_sync_groups(groups: list[ShardGroup]) -> Iterator[None]:
+    """``no_sync`` for ``groups`` only (a pipeline schedule's backward: this rank's other stages')."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: check_synced(
             (p for g in opt.param_groups for p in g["params"]), f"{type(opt).__name__}.step()")))
     engine = get_engine()
-    groups = _groups(module)
     _reserve_accumulators(engine.comm, groups)
     engine.local_grads.pause(groups)
     try:

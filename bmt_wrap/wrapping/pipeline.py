@@ -8,6 +8,11 @@ returns the activations the previous stage sent; after a stage's last block its 
 stage and the rest of that forward is skipped. The wrapper's forward cuts the batch into micro-batches and
 runs the model's forward once per micro-batch (GPipe); the last stage's loss is the whole batch's, and
 every stage returns it (``runtime/pipeline.py``).
+
+With V stages per rank (``pp_virtual_stages``), rank r runs stages r, r + P, ...: several runs of blocks,
+each received from the rank before and sent to the rank after. One call of the model's forward runs all of
+them in turn (the loop), or, under a torch schedule, one of them (``_Run.active``), this rank's other runs'
+blocks then being ghosts too.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ..job.distributed import agree, get_state
 from ..job.tp_inputs import _digest, raise_if_stages_differ
 from ..loss.lazy_logits import LazyLogits
 from ..passes.capture import to_meta
-from ..passes.pipeline import stage_root_spec
+from ..passes.pipeline import check_virtual, stage_root_spec
 from ..runtime.active_engine import get_engine
 from ..runtime.comm import Communicator, ParallelLayout, StagePlacement
 from ..runtime.flat_buffer import GhostBuffer
@@ -61,7 +66,7 @@ class Stages:
 
     @property
     def mine(self) -> int:
-        """This rank's stage."""
+        """This rank in the pipe group."""
         return self.layout.pp_rank
 
     @property
@@ -71,12 +76,12 @@ class Stages:
         return self.layout.pp
 
     def owner(self, block: str) -> int:
-        """The stage that holds ``block``."""
-        return self.section.stage_of(block)
+        """The pipe-group rank that holds ``block``."""
+        return self.section.rank_of_block(block)
 
-    def placement(self, stages: tuple[int, ...]) -> StagePlacement:
-        """Where a buffer of parameters ``stages`` hold lives (the first of them answers for its values)."""
-        return StagePlacement(self.pp, stages[0], stages)
+    def placement(self, ranks: tuple[int, ...]) -> StagePlacement:
+        """Where a buffer of parameters ``ranks`` hold lives (the first of them answers for its values)."""
+        return StagePlacement(self.pp, ranks[0], ranks)
 
 
 def sync_from_rank0(specs: list[ShardGroupSpec], by_name: dict[str, ParamSite], tp_rank: int = 0,
@@ -143,8 +148,9 @@ class _Run:
 
     micro: int = 0
     tokens: list[torch.Tensor] = field(default_factory=list)
-    received: set[int] = field(default_factory=set)  # micro-batches whose activations arrived (or failed)
-    sent: set[int] = field(default_factory=set)  # micro-batches whose activations went to the next stage
+    received: set[int] = field(default_factory=set)  # transfers (``transfer_index``) that arrived (or failed)
+    sent: set[int] = field(default_factory=set)  # transfers that went to the next stage
+    active: int | None = None  # the one stage of this rank a torch schedule runs now (None: all of them)
     # Under a torch schedule (pipeline_schedule.py): what its receive got for this micro-batch, and where
     # this stage's last block's output goes for its send (None: this module moves them itself).
     given: tuple[torch.Tensor, ...] | None = None
@@ -158,13 +164,10 @@ class PipelineRuntime:
         self.section, self.layout, self.skeleton = section, layout, skeleton
         assert layout.pp is not None
         self.ends = Ends(layout.pp, f"pipeline of {type(model).__name__}")
-        self.stage = layout.pp_rank
+        self.stage = layout.pp_rank  # this rank in the pipe group
+        self.mine = section.stages_on(self.stage)  # the stages it runs, in order
+        self.count = len(section.stages)
         self.run: _Run | None = None
-        own = section.stages[self.stage].blocks
-        self.first, self.last = own[0], own[-1]
-        blocks = [b for s in section.stages for b in s.blocks]
-        # The block whose output this stage receives: the previous stage's last.
-        self.boundary = blocks[blocks.index(self.first) - 1] if self.stage > 0 else None
         self.ghost_params: list[tuple[nn.Module, str, torch.Size, torch.dtype]] = []
         self.held: list[ShardGroup] = []  # this stage's blocks, gathered for the step in progress
         self.structures: dict[Any, Any] = {}  # ghosts' meta outputs by call (``_meta_output``)
@@ -176,19 +179,34 @@ class PipelineRuntime:
 
     @property
     def last_stage(self) -> bool:
-        """True on the last stage."""
-        return self.stage == self.section.size - 1
+        """True on the rank that runs the last stage (the loss)."""
+        return self.count - 1 in self.mine
+
+    def boundary(self, stage: int) -> str:
+        """The block whose output stage ``stage`` (> 0) receives: the previous stage's last."""
+        return self.section.stages[stage - 1].blocks[-1]
+
+    def transfer_index(self, micro: int, sender: int) -> int:
+        """Which transfer of a step carries micro-batch ``micro``'s activations from stage ``sender`` to the
+        next (the tag between two ranks: with V stages per rank, one pair carries several per micro-batch)."""
+        return micro * self.count + sender
 
 
 def install_ghosts(model: nn.Module, runtime: PipelineRuntime, ghost_blocks: list[str],
                    ghost_locations: list[Location]) -> None:
-    """Give the modules of other stages their ghost forwards, and this stage's last block the send."""
+    """Give the modules of other ranks' stages their ghost forwards, the block before each of this rank's stages
+    the receive, and each one's last block the send."""
     modules = dict(model.named_modules())
+    receives = {runtime.boundary(s): s for s in runtime.mine if s > 0}
     for name in ghost_blocks:
-        if name == runtime.boundary:
-            _set_forward(modules[name], _receive_forward(runtime, name))
+        if name in receives:
+            _set_forward(modules[name], _receive_forward(runtime, name, receives[name]))
         else:
             _set_forward(modules[name], _ghost_forward(runtime, name))
+    if len(runtime.mine) > 1:  # a torch schedule runs one of them per call: the others' blocks are ghosts then
+        for s in runtime.mine:
+            for name in runtime.section.stages[s].blocks:
+                modules[name].forward = _own_forward(runtime, name, s, modules[name].forward)
     # Root modules all of whose parameters live on other stages compute nothing either.
     ghost_ids = {id(m) for m, _ in ghost_locations}
     blocks = {b for s in runtime.section.stages for b in s.blocks}
@@ -202,8 +220,10 @@ def install_ghosts(model: nn.Module, runtime: PipelineRuntime, ghost_blocks: lis
     # forward runs on a stage that does not hold them.
     runtime.ghost_params = [(m, attr, m._parameters[attr].shape, m._parameters[attr].dtype)
                             for m, attr in ghost_locations if not _has_ghost_forward(m)]
-    if not runtime.last_stage:
-        modules[runtime.last].register_forward_hook(never_traced(_send_hook(runtime)))
+    for s in runtime.mine:
+        if s < runtime.count - 1:
+            last = runtime.section.stages[s].blocks[-1]
+            modules[last].register_forward_hook(never_traced(_send_hook(runtime, s)))
 
 
 def _set_forward(module: nn.Module, forward: Any) -> None:
@@ -256,44 +276,68 @@ def _ghost_forward(runtime: PipelineRuntime, name: str) -> Any:
     return forward
 
 
-def _receive_forward(runtime: PipelineRuntime, name: str) -> Any:
-    """The previous stage's last block, on this stage: its output as that stage sent it."""
+def _own_forward(runtime: PipelineRuntime, name: str, stage: int, forward: Any) -> Any:
+    """A block of this rank's stage ``stage``: a ghost while a torch schedule runs another of its stages."""
+    ghost = _ghost_forward(runtime, name)
+
+    def own(*args: Any, **kwargs: Any) -> Any:
+        run = runtime.run
+        if run is not None and run.active not in (None, stage):
+            return ghost(*args, **kwargs)
+        return forward(*args, **kwargs)
+    return own
+
+
+def _receive_forward(runtime: PipelineRuntime, name: str, stage: int) -> Any:
+    """The previous stage's last block, on the rank of stage ``stage``: its output as that stage sent it."""
     device = get_engine().device
+    ghost = _ghost_forward(runtime, name)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        run = runtime.run
+        assert run is not None
+        if run.active not in (None, stage):
+            return ghost(*args, **kwargs)
         structure = _meta_output(runtime, name, args, kwargs)
         leaves, spec = pytree.tree_flatten(structure)
         expected = [(tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor)]
-        run = runtime.run
-        assert run is not None
-        run.received.add(run.micro)
+        index = runtime.transfer_index(run.micro, stage - 1)
+        run.received.add(index)
         if run.given is not None:
             got = list(run.given)
         else:
-            hop = Hop(runtime.ends.comm, runtime.stage - 1, run.micro, f"{runtime.ends.label}: {name}")
+            hop = Hop(runtime.ends.comm, runtime.section.rank_of(stage - 1), index, f"{runtime.ends.label}: {name}")
             got = list(RecvActivations.apply(hop, anchor(device)))
         if [(tuple(t.shape), t.dtype) for t in got] != expected:
-            raise PipelineError(f"stage {runtime.stage - 1} sent {[(tuple(t.shape), t.dtype) for t in got]} as "
-                                f"{name!r}'s output, but this stage computes {expected} for it: the stages built "
+            raise PipelineError(f"stage {stage - 1} sent {[(tuple(t.shape), t.dtype) for t in got]} as "
+                                f"{name!r}'s output, but stage {stage} computes {expected} for it: the stages built "
                                 "different models or got different inputs")
         it = iter(got)
         return pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     return forward
 
 
-def _send_hook(runtime: PipelineRuntime) -> Any:
+def _send_hook(runtime: PipelineRuntime, stage: int) -> Any:
+    """After stage ``stage``'s last block: its output goes to the next stage; the forward stops after this
+    rank's last stage."""
+    name = runtime.section.stages[stage].blocks[-1]
+
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         run = runtime.run
-        if run is None:  # a forward outside the pipeline's own (a capture on real inputs): no stage to feed
+        # None: a forward outside the pipeline's own (a capture on real inputs), no stage to feed; another
+        # active stage: this block was a ghost
+        if run is None or run.active not in (None, stage):
             return
         tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
         if run.taken is not None:
             run.taken.extend(tensors)
             raise _StageDone
-        hop = Hop(runtime.ends.comm, runtime.stage + 1, run.micro, f"{runtime.ends.label}: {runtime.last}")
+        index = runtime.transfer_index(run.micro, stage)
+        hop = Hop(runtime.ends.comm, runtime.section.rank_of(stage + 1), index, f"{runtime.ends.label}: {name}")
         run.tokens.append(SendActivations.apply(hop, *tensors))
-        run.sent.add(run.micro)
-        raise _StageDone
+        run.sent.add(index)
+        if stage == runtime.mine[-1]:
+            raise _StageDone
     return hook
 
 
@@ -399,7 +443,7 @@ def _hold(runtime: PipelineRuntime, model: nn.Module, until_backward_ends: bool 
     engine = get_engine()
     finalize = engine.reducer.on_finalize  # earlier steps' releases (run, or of models that are gone)
     finalize[:] = [f for f in finalize if not (isinstance(f, _ReleaseAtEnd) and f.runtime() in (None, runtime))]
-    groups = [model.get_submodule(b)._bmt_group for b in runtime.section.stages[runtime.stage].blocks]
+    groups = [model.get_submodule(b)._bmt_group for s in runtime.mine for b in runtime.section.stages[s].blocks]
     for g in groups:
         g.start_gather()
     for g in groups:
@@ -433,13 +477,18 @@ def _release(runtime: PipelineRuntime) -> None:
 
 
 def _settle(runtime: PipelineRuntime, run: _Run, m: int) -> None:
-    """After this stage failed: take micro-batch ``m``'s activations if they were not taken, and tell the
-    next stage in place of sending, so no stage waits for one that left."""
-    ends, device = runtime.ends, get_engine().device
-    if runtime.stage > 0 and m not in run.received:
-        drain(ends.comm, runtime.stage - 1, forward_tag(m), f"{ends.label}: {runtime.boundary}", device)
-    if not runtime.last_stage and m not in run.sent:
-        send_failure(ends.comm, runtime.stage + 1, forward_tag(m), f"{ends.label}: {runtime.last}", device)
+    """After this rank failed: for each of its stages in turn, take micro-batch ``m``'s activations if they
+    were not taken, and tell the next stage in place of sending, so no stage waits for one that left."""
+    ends, device, section = runtime.ends, get_engine().device, runtime.section
+    for s in runtime.mine:
+        index = runtime.transfer_index(m, s - 1)
+        if s > 0 and index not in run.received:
+            drain(ends.comm, section.rank_of(s - 1), forward_tag(index), f"{ends.label}: {runtime.boundary(s)}",
+                  device)
+        index = runtime.transfer_index(m, s)
+        if s < runtime.count - 1 and index not in run.sent:
+            send_failure(ends.comm, section.rank_of(s + 1), forward_tag(index),
+                         f"{ends.label}: {section.stages[s].blocks[-1]}", device)
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
@@ -570,21 +619,28 @@ def _share_bytes(ends: Ends, data: bytes | None) -> bytes:
 
 
 # ---- wrapping ---------------------------------------------------------------------------------------------
-def pipeline_options(layout: ParallelLayout, microbatches: int | None, plan: WrapPlan | None) -> tuple[int, int] | None:
-    """(stages, micro-batches) the wrapper cuts the model into, or None without pipeline parallelism;
-    ``PipelineError`` on every rank alike for what cannot run."""
+def pipeline_options(layout: ParallelLayout, microbatches: int | None, plan: WrapPlan | None,
+                     virtual: int | None = None) -> tuple[int, int, int] | None:
+    """(ranks, micro-batches, stages per rank) the wrapper cuts the model into, or None without pipeline
+    parallelism; ``PipelineError`` on every rank alike for what cannot run."""
+    if virtual is not None:
+        check_virtual(virtual)
     if layout.pp_size == 1:
         if microbatches not in (None, 1):
             raise PipelineError(f"pp_microbatches={microbatches} without pipeline stages: pass pp_size= too")
+        if virtual not in (None, 1):
+            raise PipelineError(f"pp_virtual_stages={virtual} without pipeline stages: pass pp_size= too")
         return None
-    given = plan.pipeline.microbatches if plan is not None and plan.pipeline is not None else None
-    m = microbatches if microbatches is not None else given or layout.pp_size
+    given = plan.pipeline if plan is not None and plan.pipeline is not None else None
+    m = microbatches if microbatches is not None else (given.microbatches if given else None) or layout.pp_size
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise PipelineError(f"pp_microbatches={microbatches!r}: a positive int")
-    return layout.pp_size, m
+    v = virtual if virtual is not None else given.virtual if given else 1
+    return layout.pp_size, m, v
 
 
-def check_pipeline_section(plan: WrapPlan, layout: ParallelLayout, options: tuple[int, int] | None) -> Stages | None:
+def check_pipeline_section(plan: WrapPlan, layout: ParallelLayout,
+                           options: tuple[int, int, int] | None) -> Stages | None:
     """This rank's ``Stages`` for ``plan``'s pipeline section, checked against the job's layout."""
     section = plan.pipeline
     if options is None:
@@ -597,6 +653,9 @@ def check_pipeline_section(plan: WrapPlan, layout: ParallelLayout, options: tupl
     if section.size != options[0]:
         raise PlanError(f"plan= was made for {section.size} pipeline stages, this job has {options[0]}; make "
                         "the plan again for this size")
+    if section.virtual != options[2]:
+        raise PlanError(f"plan= was made for pp_virtual_stages={section.virtual}, this job asks for {options[2]}; "
+                        "pass the same, or make the plan again")
     section.microbatches = options[1]
     return Stages(section, layout)
 
@@ -606,7 +665,7 @@ def apply_pipeline(model: nn.Module, stages: Stages, skeleton: nn.Module) -> Non
     on, and the model's forward runs micro-batch by micro-batch."""
     runtime = PipelineRuntime(model, stages.section, stages.layout, skeleton)
     section = stages.section
-    ghost_blocks = [b for i, s in enumerate(section.stages) if i != stages.mine for b in s.blocks]
+    ghost_blocks = [b for i, s in enumerate(section.stages) if section.rank_of(i) != stages.mine for b in s.blocks]
     ghost_locations = [(m, attr) for _, m, attr, p in registrations(model)
                        if isinstance(p, DistributedParameter) and isinstance(p.flat_buffer, GhostBuffer)]
     install_ghosts(model, runtime, ghost_blocks, ghost_locations)

@@ -9,22 +9,32 @@ from the schedule's receive and gives its last block's output to the schedule's 
 forwards and backwards and moves activations and gradients over the pipe group's torch process group; its
 metadata is given up front (static mode) from a meta run of the skeleton, so torch runs no extra forward.
 
-ZeRO-3 under a schedule: the stage's blocks are gathered once for the step; every backward but the stage's
-last accumulates unreduced (``no_sync``'s accumulators), and the last one reduce-scatters the step's sum
-(torch passes ``last_backward``). The stages' agreement (a tied weight's summed gradient, which parameters
-got one) runs once after the schedule: a pipe-group collective inside one stage's backward would wait for
-a stage that waits for this one's gradients.
+With V stages per rank (``pp_virtual_stages``), the rank hands torch's multi-stage schedule (Interleaved1F1B,
+LoopedBFS) one ``PipelineStage`` per stage it runs, each the same model's forward with only that stage's
+blocks real (``_Run.active``); torch maps stage ``s`` to rank ``s % P``, as the plan placed it.
+
+ZeRO-3 under a schedule: the rank's blocks are gathered once for the step; every backward but a stage's
+last accumulates unreduced (``no_sync``'s accumulators, over every group of the rank but that stage's on its
+last backward), and a stage's last backward reduce-scatters the step's sum of its blocks (torch passes
+``last_backward``); the root's groups go with the first and last stage. The stages' agreement (a tied
+weight's summed gradient, which parameters got one) runs once after the schedule: a pipe-group collective
+inside one stage's backward would wait for a stage that waits for this one's gradients.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from ..base._compat import pytree
 from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
@@ -34,7 +44,7 @@ from ..runtime.active_engine import get_engine
 from ..runtime.group import StorageMode
 from ..runtime.module_params import installed
 from ..runtime.pipeline import broadcast_tensors, count_transfer_time
-from .grad_sync import discard_unsynced, no_sync
+from .grad_sync import discard_unsynced, module_groups, no_sync_groups
 from .pipeline import (
     PipelineRuntime,
     _batch_size,
@@ -50,45 +60,48 @@ from .pipeline import (
     ghost_placeholders,
 )
 
-#: The schedules ``pipeline_step`` offers: torch's, one stage per rank.
+#: The schedules ``pipeline_step`` offers with one stage per rank (``pp_virtual_stages=1``): torch's.
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+#: Those it offers with any number of stages per rank (the plan's stage ``s`` on rank ``s % P``).
+MULTI: dict[str, type] = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}
 
-_ONE_RUN = ("the plan cuts one contiguous run of blocks per rank, and a rank's ghosts, sends and receives "
-            "serve that one stage")
-_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights': a block's checkpoint "
-          "recompute hands autograd its saved tensors once, and its parameters' gradients go to ZeRO-3's "
-          "reduce-scatter from the node that gathered them, so torch's second pass over a stage's graph "
-          "finds neither")
+_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights' (torch's weight pass "
+          "runs from the stage module's parameters): here a block's parameters enter the graph through one node "
+          "per block call that hands their gradients to ZeRO-3's reduce-scatter, not to .grad, so torch's "
+          "split would lose the blocks' gradients (docs/design.md, 'Pipeline schedules')")
+_V_SHAPE = "; and it places stage s on rank s or 2P-1-s (a V), while the plan places it on rank s % P"
 #: Torch's other schedules, and why they are not offered here.
 NOT_OFFERED = {
-    "Interleaved1F1B": f"it runs V stages per rank, and {_ONE_RUN}",
-    "LoopedBFS": f"it runs V stages per rank, and {_ONE_RUN}",
     "InterleavedZeroBubble": _SPLIT,
-    "ZBVZeroBubble": f"{_SPLIT}; and it runs two stages per rank, while {_ONE_RUN}",
-    "DualPipeV": f"{_SPLIT}; and it runs two stages per rank, while {_ONE_RUN}",
+    "ZBVZeroBubble": _SPLIT + _V_SHAPE,
+    "DualPipeV": _SPLIT + _V_SHAPE,
 }
 
 
-def schedule_class(schedule: str) -> type:
-    """Torch's schedule class for ``schedule``; ``PipelineError`` naming what is offered otherwise."""
-    offered = ", ".join(repr(s) for s in SCHEDULES)
+def schedule_class(schedule: str, virtual: int = 1) -> type:
+    """Torch's schedule class for ``schedule`` with ``virtual`` stages per rank; ``PipelineScheduleError``
+    naming what is offered otherwise."""
+    offered = ", ".join(repr(s) for s in ({**SCHEDULES, **MULTI} if virtual == 1 else MULTI))
+    if schedule in MULTI or (schedule in SCHEDULES and virtual == 1):
+        return {**SCHEDULES, **MULTI}[schedule]
     if schedule in SCHEDULES:
-        return SCHEDULES[schedule]
+        raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}) runs one stage per rank, but the "
+                                    f"model was wrapped with pp_virtual_stages={virtual}: use one of {offered}")
     if schedule in NOT_OFFERED:
-        raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}) is not offered: {NOT_OFFERED[schedule]}. "
-                               f"Use one of {offered}")
+        raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}) is not offered: "
+                                    f"{NOT_OFFERED[schedule]}. Use one of {offered}")
     raise PipelineScheduleError(f"model.pipeline_step(schedule={schedule!r}): no such schedule; use one of {offered}")
 
 
 class _StageModule(nn.Module):
-    """This rank's part of the model for one micro-batch: the model's own forward, fed the activations the
-    schedule received; returns the last block's output tensors (sent on), or on the last stage the
-    micro-batch's share of the batch's loss. The model is not a submodule: torch's stage reads no
-    parameters of it (``scale_grads=False``, no split backward)."""
+    """Stage ``stage`` of the model (one of this rank's) for one micro-batch: the model's own forward, fed the
+    activations the schedule received; returns the stage's last block's output tensors (sent on), or on the
+    last stage the micro-batch's share of the batch's loss. The model is not a submodule: torch's stage
+    reads no parameters of it (``scale_grads=False``, no split backward)."""
 
-    def __init__(self, runtime: PipelineRuntime, model: nn.Module) -> None:
+    def __init__(self, runtime: PipelineRuntime, model: nn.Module, stage: int) -> None:
         super().__init__()
-        self.runtime = runtime
+        self.runtime, self.stage = runtime, stage
         self.call_model = model.__call__  # its hooks (the root's gathers) run per micro-batch; not a submodule
         self.calls: list[tuple[tuple, dict]] = []
         self.weights: list[float] = []  # each micro-batch loss's weight in the batch's loss
@@ -100,7 +113,8 @@ class _StageModule(nn.Module):
         runtime = self.runtime
         run = runtime.run
         assert run is not None
-        run.micro, run.given, run.taken = self.micro, received if runtime.stage > 0 else None, []
+        run.micro, run.given, run.taken = self.micro, received if self.stage > 0 else None, []
+        run.active = self.stage
         args, kwargs = self.calls[self.micro]
         if self.failure is None:
             try:
@@ -116,7 +130,7 @@ class _StageModule(nn.Module):
         # After a failure the stage keeps the schedule's transfers going with zeros, so no stage waits for
         # one that left (the GPipe loop's failure headers, in torch's fixed order); nothing reads them.
         stand_in = tuple(torch.zeros_like(t, requires_grad=t.is_floating_point()) for t in self.sends)
-        return stand_in[0] if runtime.last_stage else stand_in
+        return stand_in[0] if self.stage == runtime.count - 1 else stand_in
 
 
 class _Stage(PipelineStage):
@@ -124,10 +138,20 @@ class _Stage(PipelineStage):
 
     def __init__(self, module: _StageModule, model: nn.Module, group: Any, inputs: tuple, outputs: tuple) -> None:
         runtime = module.runtime
-        super().__init__(module, runtime.stage, runtime.section.size, get_engine().device, input_args=inputs,
+        super().__init__(module, module.stage, runtime.count, get_engine().device, input_args=inputs,
                          output_args=outputs, group=group)
         self.model = model
         self.compute = 0.0  # seconds in this stage's forwards and backwards during the step
+        # What its last backward reduces: its blocks' groups, and the root's on the first and last stage (the
+        # ends' own parameters); every other group of the rank stays accumulating until its stage's turn.
+        stages = runtime.section.stages
+        blocks = {id(model.get_submodule(b)._bmt_group) for s in stages for b in s.blocks}
+        every = module_groups(model)
+        mine = {id(model.get_submodule(b)._bmt_group) for b in stages[module.stage].blocks}
+        ends = module.stage in (0, runtime.count - 1)
+        reduced = [g for g in every if id(g) in mine or (ends and id(g) not in blocks)]
+        self.others = [g for g in every if g not in reduced]
+        self.every = every
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
                           save_forward_output: bool = True) -> Any:
@@ -144,21 +168,24 @@ class _Stage(PipelineStage):
         """Torch's backward of micro-batch ``bwd_chunk_id``: the stage's last one reduces the step's sum."""
         start = time.perf_counter()
         try:
-            with nullcontext() if last_backward else no_sync(self.model):
+            with no_sync_groups(self.others if last_backward else self.every):
                 super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         finally:
             self.compute += time.perf_counter() - start
 
 
-def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) -> torch.Tensor:
-    """Run one step's forwards and backwards over the micro-batches with torch's ``schedule``; the whole
-    batch's loss on every stage (gradients in ``.grad`` as after ``loss.backward()``)."""
+def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | None) -> torch.Tensor:
+    """Run one step's forwards and backwards over the micro-batches with torch's ``schedule`` (None: 1F1B, or
+    Interleaved1F1B with several stages per rank); the whole batch's loss on every stage (gradients in
+    ``.grad`` as after ``loss.backward()``)."""
     runtime: PipelineRuntime | None = getattr(model, "_bmt_pipeline", None)
     if runtime is None:
         raise PipelineError(f"{type(model).__name__}.pipeline_step() runs a pipeline schedule, but the model has no "
                             "pipeline stages: wrap it with BMTrainModelWrapper(model, pp_size=P) with P > 1 (or "
                             "init_distributed(pipe_size=P)), or train with loss = model(...); loss.backward()")
-    cls = schedule_class(schedule)
+    virtual = runtime.section.virtual
+    schedule = schedule if schedule is not None else "1F1B" if virtual == 1 else "Interleaved1F1B"
+    cls = schedule_class(schedule, virtual)
     micros, size = runtime.section.microbatches, runtime.section.size
     if not torch.is_grad_enabled():
         raise PipelineError("model.pipeline_step() runs a training step's backward: call it with gradients enabled "
@@ -166,6 +193,11 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     if cls is Schedule1F1B and micros < size:
         raise PipelineError(f"model.pipeline_step(schedule='1F1B') needs at least as many micro-batches as stages: "
                             f"pp_microbatches={micros} < pp_size={size}; wrap with pp_microbatches >= {size}")
+    rounds = max(1, micros // size)  # torch's interleaved 1F1B runs the micro-batches in rounds of P
+    if cls is ScheduleInterleaved1F1B and micros % rounds:
+        raise PipelineError(f"model.pipeline_step(schedule='Interleaved1F1B') runs the micro-batches in "
+                            f"max(1, M // P) = {rounds} equal rounds: pp_microbatches={micros} is not a multiple of "
+                            f"{rounds} (pp_size={size}); wrap with pp_microbatches a multiple of {size}")
     batch = _batch_size(args, kwargs)
     _check_inputs(runtime, args, kwargs, batch, micros)
     if any(t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
@@ -180,22 +212,26 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     calls = [_micro_call(args, kwargs, batch, micros, m) for m in range(micros)]
     if items is not None:
         calls = [(a, {**k, "num_items_in_batch": items}) for a, k in calls]
-    stage, sched = _scheduled(runtime, model, cls, schedule, calls[0])
-    stage.submod.calls, stage.submod.failure = calls, None  # a step that raised out of the schedule left one
-    # transformers' losses were divided by the whole batch's token count: they sum to its mean; other losses
-    # are micro-batch means, weighted by their share of the batch.
-    stage.submod.weights = [1.0 if items is not None else 1.0 / micros] * micros
+    stages, sched = _scheduled(runtime, model, cls, schedule, calls[0])
+    for stage in stages:
+        stage.submod.calls, stage.submod.failure = calls, None  # a step that raised out of the schedule left one
+        # transformers' losses were divided by the whole batch's token count: they sum to its mean; other
+        # losses are micro-batch means, weighted by their share of the batch.
+        stage.submod.weights = [1.0 if items is not None else 1.0 / micros] * micros
     losses: list[torch.Tensor] = []
     engine = get_engine()
     _hold(runtime, model, until_backward_ends=False)
     _hold_root(runtime, model)
     runtime.run = _Run()
-    stage.compute = 0.0
+    for stage in stages:
+        stage.compute = 0.0
     start = time.perf_counter()
     try:
         with installed(ghost_placeholders(runtime)), engine.reducer.stages_agree_after():
             _run_schedule(sched, micros, losses, runtime)
-            failure, stage.submod.failure = stage.submod.failure, None
+            failure = next((stage.submod.failure for stage in stages if stage.submod.failure is not None), None)
+            for stage in stages:
+                stage.submod.failure = None
             if failure is not None:
                 discard_unsynced(model)  # earlier micro-batches' unreduced sums: the step is void
             # A stage whose forward raised ran the schedule to its end with zeros, so every rank reaches this
@@ -204,7 +240,8 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str) ->
     finally:
         runtime.run = None
         _release(runtime)
-    count_transfer_time(time.perf_counter() - start - stage.compute)  # what the stage waited for its peers
+    # what the rank waited for its peers
+    count_transfer_time(time.perf_counter() - start - sum(stage.compute for stage in stages))
     ends = runtime.ends
     total = [torch.stack([loss.detach() for loss in losses]).sum()] if ends.last else None
     return broadcast_tensors(ends.comm, total, ends.comm.world_size - 1, f"{ends.label} loss", engine.device)[0]
@@ -218,7 +255,8 @@ def _run_schedule(sched: Any, micros: int, losses: list[torch.Tensor], runtime: 
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
-        raise runtime.ends.comm.timeout_error(f"stage {runtime.stage}'s point-to-point transfers in torch's "
+        raise runtime.ends.comm.timeout_error(f"rank {runtime.stage} of the pipe group's point-to-point transfers "
+                                              f"in torch's "
                                               f"{type(sched).__name__} ({runtime.ends.label})") from exc
 
 
@@ -238,8 +276,8 @@ def _hold_root(runtime: PipelineRuntime, model: nn.Module) -> None:
 
 
 def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
-               call: tuple[tuple, dict]) -> tuple[_Stage, Any]:
-    """This rank's stage and torch's schedule for micro-batches shaped like ``call``, kept for the next
+               call: tuple[tuple, dict]) -> tuple[list[_Stage], Any]:
+    """This rank's stages and torch's schedule for micro-batches shaped like ``call``, kept for the next
     steps (torch allocates its receive buffers once)."""
     key = (name, _call_key(call))
     if runtime.scheduled is not None and runtime.scheduled[0] == key:
@@ -249,18 +287,23 @@ def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
         raise UnsupportedError("model.pipeline_step() runs torch's schedules over the pipe group's torch process "
                                "group; this job's communicator has none (CuPy NCCL): init_distributed with "
                                "backend='nccl' or 'gloo', or train with loss = model(...); loss.backward()")
-    inputs, outputs = _stage_tensors(runtime, call)
-    module = _StageModule(runtime, model)
-    module.sends = outputs
-    stage = _Stage(module, model, group, inputs, outputs)
-    sched = cls(stage, runtime.section.microbatches, loss_fn=lambda out, target: out, scale_grads=False)
-    runtime.scheduled = (key, stage, sched)
-    return stage, sched
+    tensors = _stage_tensors(runtime, call)
+    stages = []
+    for s in runtime.mine:
+        inputs, outputs = tensors[s]
+        module = _StageModule(runtime, model, s)
+        module.sends = outputs
+        stages.append(_Stage(module, model, group, inputs, outputs))
+    sched = cls(stages if cls in MULTI.values() else stages[0], runtime.section.microbatches,
+                loss_fn=lambda out, target: out, scale_grads=False)
+    runtime.scheduled = (key, stages, sched)
+    return stages, sched
 
 
-def _stage_tensors(runtime: PipelineRuntime, call: tuple[tuple, dict]) -> tuple[tuple, tuple]:
-    """Examples of what this stage receives and sends per micro-batch (torch's static metadata), from one run
-    of the meta skeleton; ``PipelineError`` on every rank alike when the output carries no loss."""
+def _stage_tensors(runtime: PipelineRuntime, call: tuple[tuple, dict]) -> dict[int, tuple[tuple, tuple]]:
+    """Examples of what each of this rank's stages receives and sends per micro-batch (torch's static
+    metadata), from one run of the meta skeleton; ``PipelineError`` on every rank alike when the output
+    carries no loss."""
     section, skeleton = runtime.section, runtime.skeleton
     sent: dict[int, list[torch.Tensor]] = {}
     hooks = []
@@ -283,6 +326,6 @@ def _stage_tensors(runtime: PipelineRuntime, call: tuple[tuple, dict]) -> tuple[
 
     def example(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.is_floating_point())
-    inputs = tuple(example(t) for t in sent[runtime.stage - 1]) if runtime.stage > 0 else ()
-    outputs = tuple(example(t) for t in sent[runtime.stage]) if not runtime.last_stage else (example(loss),)
-    return inputs, outputs
+    last = runtime.count - 1
+    return {s: (tuple(example(t) for t in sent[s - 1]) if s > 0 else (),
+                tuple(example(t) for t in sent[s]) if s < last else (example(loss),)) for s in runtime.mine}

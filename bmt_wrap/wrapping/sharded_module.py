@@ -162,9 +162,10 @@ class ShardedModuleMixin:
         outside reduces them all (DDP's ``no_sync``; costs the unsharded gradients' memory, docs/api.md)."""
         return no_sync(self)  # type: ignore[arg-type]
 
-    def pipeline_step(self, *args: Any, schedule: str = "1F1B", **kwargs: Any) -> torch.Tensor:
+    def pipeline_step(self, *args: Any, schedule: str | None = None, **kwargs: Any) -> torch.Tensor:
         """One training step (every micro-batch's forward and backward) in the order of torch's pipeline
-        ``schedule`` ("1F1B" or "GPipe"); returns the whole batch's loss on every stage (docs/api.md)."""
+        ``schedule`` ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"; default 1F1B, or Interleaved1F1B
+        with ``pp_virtual_stages`` > 1); returns the whole batch's loss on every stage (docs/api.md)."""
         from .pipeline_schedule import pipeline_step  # the pipeline's modules import this one
 
         return pipeline_step(self, args, kwargs, schedule)  # type: ignore[arg-type]

@@ -97,7 +97,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
-                        pp_microbatches: int | None = None, ep_size: int | None = None) -> nn.Module:
+                        pp_microbatches: int | None = None, pp_virtual_stages: int | None = None,
+                        ep_size: int | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -131,6 +132,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ``pp_microbatches`` (default P) micro-batches and runs GPipe; every stage returns the whole batch's loss
     (``out.loss.backward()`` on every rank runs the schedule). The stages of a pipeline take the same batch:
     slice data by ``bmt.data_parallel_rank()``. ``model.plan.pipeline`` lists the stages.
+    ``pp_virtual_stages=V`` (default 1) cuts P x V stages, rank r running stages r, r + P, ... (Megatron's
+    interleaved layout), for ``model.pipeline_step(..., schedule="Interleaved1F1B" | "LoopedBFS")``.
     ``ep_size=E`` (or a mesh dim "ep" after the shard dim): expert parallelism over E ranks borrowed from the
     shard axis. The mixture-of-experts layers are found by structure (a router whose top-k indices choose
     among packed 3-D expert weights or a ModuleList of expert MLPs); each EP rank keeps ``num_experts / E`` of each layer's experts,
@@ -152,7 +155,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size))
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
-        pipeline = pipeline_options(parallel, pp_microbatches, plan)
+        pipeline = pipeline_options(parallel, pp_microbatches, plan, pp_virtual_stages)
         check_same_wrap(model, plan, example_inputs)  # before the first collective sized by the model
         options = {"checkpoint": checkpoint, "zero_level": zero_level, "prefetch_depth": prefetch_depth,
                    "memory_budget": memory_budget, "offload": offload}
@@ -212,18 +215,20 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
 
 def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs: Any,
                    mixed_precision: MixedPrecision | None, options: dict[str, Any], shard_size: int,
-                   tp: TensorParallelPlan | None, fused_loss: bool, pipeline: tuple[int, int] | None,
+                   tp: TensorParallelPlan | None, fused_loss: bool, pipeline: tuple[int, int, int] | None,
                    experts: ExpertPlan | None = None) -> WrapPlan:
     """Capture and plan (rank 0 only; the others receive its plan), for shards over ``shard_size`` ranks;
-    ``pipeline``: (stages, micro-batches) to cut it into; ``experts``: the expert-parallel section."""
+    ``pipeline``: (ranks, micro-batches, stages per rank) to cut it into; ``experts``: the expert-parallel
+    section."""
     cap = passes.capture(model, discovery, example_inputs)
     passes.check_captured_reads(model, tp, cap.readers)
     section = passes.fused_loss_section(model, cap, enabled=fused_loss, tensor_parallel=tp)
     plan = passes.build_plan(model, discovery, world_size=shard_size, capture=passes.with_fused_loss(cap, section),
                              mixed_precision=mixed_precision, tensor_parallel=tp, experts=experts, **options)
     if pipeline is not None:
-        plan.pipeline = passes.plan_pipeline(model, plan, *pipeline, cap.graph if cap.method != "none" else None,
-                                             cap.activations)
+        size, micros, virtual = pipeline
+        plan.pipeline = passes.plan_pipeline(model, plan, size, micros, cap.graph if cap.method != "none" else None,
+                                             virtual, cap.activations)
     return plan
 
 
