@@ -467,7 +467,7 @@ def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, 
                       memory_budget=budget, capture=captured)
     try:
         plan.pipeline = plan_pipeline(model, plan, p, m, captured.graph if captured.method != "none" else None,
-                                      captured.activations)
+                                      activations=captured.activations)
     except (PipelineError, PlanError) as exc:
         raise CLIError(f"--pp-size {p}: {exc}") from None
     stages = estimate_pipeline(plan, plan.pipeline, dp, captured.activations)
@@ -673,7 +673,7 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                           memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
-            plan.pipeline = plan_pipeline(model, plan, p, m, graph, captured.activations)  # type: ignore[attr-defined]
+            plan.pipeline = plan_pipeline(model, plan, p, m, graph, activations=captured.activations)  # type: ignore[attr-defined]
         except (PipelineError, PlanError) as exc:
             raise CLIError(f"--pp-size {p}: {exc}") from None
         plans.append(plan)

@@ -245,7 +245,7 @@ def _errors_body() -> dict:
     # the next step's gradients are those of a step on its own.
     exploding.layers[0].explode = False
     # as a step that raised out of torch's schedule (a timeout) leaves it: the next step starts afresh
-    exploding._bmt_pipeline.scheduled[1].submod.failure = RuntimeError("left over")
+    exploding._bmt_pipeline.scheduled[1][0].submod.failure = RuntimeError("left over")
     exploding.zero_grad()
     exploding.pipeline_step(*local)
     after_failure = [p.grad.clone() for p in exploding.parameters() if p.grad is not None]
@@ -356,7 +356,7 @@ def test_stages_are_balanced_by_the_blocks_compute() -> None:
     assert len(plan.blocks()) == 6 and cap.activations is not None
     # planned from inputs, the stages split the forward's FLOPs: 5 x 1 against 1 x 5 repeats (by parameter
     # bytes it was 3 blocks each: 3 against 7 repeats, the second stage pacing the pipeline)
-    by_compute = plan_pipeline(model, plan, 2, 2, cap.graph, cap.activations)
+    by_compute = plan_pipeline(model, plan, 2, 2, cap.graph, activations=cap.activations)
     assert [len(s.blocks) for s in by_compute.stages] == [5, 1]
     assert [len(s.blocks) for s in plan_pipeline(model, plan, 2, 2, cap.graph).stages] == [3, 3]  # no inputs
     # equal compute goes by parameter bytes

@@ -34,7 +34,7 @@ from .estimate import estimate, gathered_traffic, held_gathered, tp_of
 
 
 def plan_pipeline(model: nn.Module, plan: WrapPlan, size: int, microbatches: int,
-                  graph: fx.Graph | None = None, virtual: int = 1,
+                  graph: fx.Graph | None = None, *, virtual: int = 1,
                   activations: ActivationProfile | None = None) -> PipelinePlan:
     """The pipeline section for ``plan`` over ``size`` ranks of ``virtual`` stages each (stage ``s`` on rank
     ``s % size``); ``graph``: the captured forward, if any; ``activations``: its profile at a batch, whose

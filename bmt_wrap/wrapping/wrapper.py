@@ -228,7 +228,7 @@ def _plan_on_rank0(model: nn.Module, discovery: passes.Discovery, example_inputs
     if pipeline is not None:
         size, micros, virtual = pipeline
         plan.pipeline = passes.plan_pipeline(model, plan, size, micros, cap.graph if cap.method != "none" else None,
-                                             virtual, cap.activations)
+                                             virtual=virtual, activations=cap.activations)
     return plan
 
 
