@@ -17,7 +17,7 @@ from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
-from ..errors import PlanError, WrapError
+from ..errors import PlanError, UnsupportedError, WrapError
 from ..job.distributed import agree, broadcast_bytes, get_state, job_layout, use_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
@@ -97,7 +97,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         mesh: Any = None, tp_size: int | None = None, tp_plan: dict[str, str] | None = None,
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
-                        pp_microbatches: int | None = None, ep_size: int | None = None) -> nn.Module:
+                        pp_microbatches: int | None = None, ep_size: int | None = None,
+                        cp_size: int | None = None) -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -136,6 +137,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     among packed 3-D expert weights); each EP rank keeps ``num_experts / E`` of each layer's experts,
     ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
     all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
+    ``cp_size=C`` (or a mesh dim "cp" between the shard and tp dims): context parallelism's rank layout (C
+    adjacent ranks, or C groups of T with TP, take the same batch; ``bmt.data_parallel_rank()`` says which).
+    Splitting a model's sequences over them is not wired into the wrapper yet: C > 1 raises
+    ``UnsupportedError`` (``bmt_wrap.runtime.context_parallel`` has the attention, ``base/cp_plan.py`` the split).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -149,7 +154,14 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
-        parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size))
+        wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
+        if wanted.cp > 1:  # the sizes are the job's: every rank refuses alike, before any group is built
+            raise UnsupportedError(
+                f"BMTrainModelWrapper(cp_size={wanted.cp}) / a 'cp' mesh dim: the layout is known ({wanted.describe()}), "
+                "but splitting the model's sequences over the CP ranks is not wired into the wrapper yet (#52). "
+                "Leave cp_size out; bmt_wrap.runtime.context_parallel.context_parallel_attention runs attention "
+                "over a split sequence in your own model code")
+        parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
         pipeline = pipeline_options(parallel, pp_microbatches, plan)

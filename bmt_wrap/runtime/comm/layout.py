@@ -51,7 +51,8 @@ class ParallelLayout:
     of where ranks sit): ``tp``, the T adjacent ranks that split layers between them; ``dp``, the ranks with
     this rank's stage and TP rank, which ZeRO shards over (HSDP: its shard and replicate groups); ``whole``,
     the shard x tp ranks of one replica, which buffers of parameters every TP peer holds whole are sharded
-    over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage.
+    over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage; ``cp``, the
+    ranks splitting each sequence of this rank's data slice between them (context parallelism).
 
     Built by ``distributed.job_layout()`` (the one place that reads keywords and device meshes); with
     every axis but the shard axis of size 1, ``tp`` is a single-process group and ``dp`` the whole job.
@@ -68,6 +69,17 @@ class ParallelLayout:
     # experts with their replicas (ZeRO-3 over ``experts.shard``).
     ep: Communicator | None = None
     experts: RankLayout | None = None
+    cp: Communicator | None = None  # None with C = 1
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks each sequence is split over (context parallelism)."""
+        return self.mesh.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """Which part of each sequence this rank holds (``base/cp_plan.py``: chunks i and 2C-1-i)."""
+        return self.mesh.coords(self.rank)["cp"]
 
     @property
     def ep_size(self) -> int:
