@@ -1,0 +1,173 @@
+"""Context parallelism (#52, first part): the cp axis of the rank layout, the load-balanced split of a sequence
+and its labels, and attention over the whole sequence by Ulysses and by a ring, against torch's SDPA on the
+whole sequence (outputs and q/k/v gradients; float64 to rounding, float32 within the design's tolerances)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import raised, run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+
+from bmt_wrap.base.cp_plan import (
+    check_padding_mask,
+    count_items,
+    local_indices,
+    reassemble,
+    shift_labels,
+    split_sequence,
+)
+from bmt_wrap.errors import ContextParallelError
+from bmt_wrap.runtime.comm import Communicator, SingleProcessCommunicator
+from bmt_wrap.runtime.context_parallel import context_parallel_attention
+
+F64_TOL = 1e-10  # float64: the same sums in another order
+F32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # docs/design.md's elementwise tolerance
+
+
+# ---- the split ---------------------------------------------------------------------------------------------------
+def test_load_balanced_split_and_reassembly() -> None:
+    assert local_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
+    x = torch.arange(2 * 24 * 3).view(2, 24, 3)
+    for cp in (1, 2, 3, 4, 6):
+        parts = [split_sequence(x, cp, r) for r in range(cp)]
+        assert all(p.shape == (2, 24 // cp, 3) for p in parts)
+        assert torch.equal(reassemble(parts), x)
+    with pytest.raises(ContextParallelError, match="does not divide into 2 x cp_size = 4 .*pad_to_multiple_of=4"):
+        local_indices(10, 2, 0)
+
+
+def test_labels_shift_across_chunk_boundaries_and_the_mean_is_over_every_token() -> None:
+    torch.manual_seed(0)
+    labels = torch.randint(0, 11, (2, 8))
+    labels[1, 5:] = -100  # padding
+    logits = torch.randn(2, 8, 11, dtype=torch.float64)
+    whole = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))  # transformers' shift
+    shifted = shift_labels(labels)
+    assert shifted[:, :-1].tolist() == labels[:, 1:].tolist() and (shifted[:, -1] == -100).all()
+    n = count_items(shifted)
+    assert n == 7 + 4
+    cp = 2
+    parts = [F.cross_entropy(split_sequence(logits, cp, r).reshape(-1, 11), split_sequence(shifted, cp, r).reshape(-1),
+                             reduction="sum") for r in range(cp)]
+    # rank 0 holds tokens 0,1,6,7: token 1's label is token 2, which rank 1 holds
+    assert split_sequence(shifted, cp, 0)[0, 1] == labels[0, 2]
+    torch.testing.assert_close(sum(parts) / n, whole, rtol=1e-12, atol=0)
+    means = sum(p / (split_sequence(shifted, cp, r) != -100).sum() for r, p in enumerate(parts)) / cp
+    assert abs(float(means - whole)) > 1e-3  # the mean of per-rank means is another number
+
+
+def test_masks_context_parallelism_cannot_split_are_refused() -> None:
+    assert check_padding_mask(torch.tensor([[1, 1, 0]])).dtype == torch.bool
+    with pytest.raises(ContextParallelError, match="2-D \\[batch, seq\\] padding mask only"):
+        check_padding_mask(torch.ones(1, 1, 4, 4))
+    with pytest.raises(ContextParallelError, match="values other than 0 and 1"):
+        check_padding_mask(torch.tensor([[1, 1, 2, 2]]))
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64, batch: int = 2, heads: int = 4,
+          kv_heads: int = 4, seq: int = 16, dim: int = 8, causal: bool = True, mask: str = "none",
+          seed: int = 0) -> dict[str, float]:
+    """This rank's part of CP attention against SDPA on the whole sequence: the largest absolute error of the
+    output and of each gradient, and the largest reference value (for relative checks)."""
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=dtype)
+    grad = torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype)
+    keys = torch.ones(batch, seq, dtype=torch.bool)
+    if mask == "random":  # key 0 stays: every query sees a key
+        keys = torch.rand(batch, seq, generator=g) < 0.7
+        keys[:, 0] = True
+    elif mask == "left":  # left padding: the padded queries see no key at all (zeros, as SDPA gives)
+        keys[0, :5] = False
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    allowed = keys[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+    ref = F.scaled_dot_product_attention(*whole, attn_mask=allowed, enable_gqa=heads != kv_heads)
+    ref.backward(grad)
+    local = [split_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, comm, token_index=local_indices(seq, cp, rank),
+                                     key_mask=split_sequence(keys, cp, rank), causal=causal, method=method)
+    out.backward(split_sequence(grad, cp, rank, dim=2))
+    errors = {"out": (out - split_sequence(ref, cp, rank, dim=2)).abs().max().item()}
+    for name, mine, theirs in zip("qkv", local, whole, strict=True):
+        errors[f"d{name}"] = (mine.grad - split_sequence(theirs.grad, cp, rank, dim=2)).abs().max().item()
+    errors["scale"] = max(ref.abs().max().item(), *(t.grad.abs().max().item() for t in whole))
+    return errors
+
+
+def _within(errors: dict[str, float], tol: float) -> bool:
+    return all(v <= tol for name, v in errors.items() if name != "scale")
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_one_rank_attention_is_sdpas(method: str) -> None:
+    comm = SingleProcessCommunicator()
+    for kwargs in ({}, {"kv_heads": 2, "mask": "random"}, {"causal": False, "mask": "left"}):
+        errors = _case(comm, method, **kwargs)
+        assert _within(errors, F64_TOL), (kwargs, errors)
+
+
+#: (method, keyword arguments) checked at every CP size.
+CASES = [(m, kw) for m in ("ulysses", "ring") for kw in (
+    {},
+    {"causal": False},
+    {"mask": "random"},
+    {"mask": "left"},
+    {"kv_heads": 2},  # GQA
+    {"heads": 5, "kv_heads": 5},  # heads not divisible by the CP size
+    {"heads": 6, "kv_heads": 3},  # GQA groups not divisible by the CP size
+    {"heads": 6, "kv_heads": 1, "mask": "random"},  # fewer KV heads than CP ranks
+)]
+
+
+def _attention_body(cp_size: int) -> dict:
+    import bmt_wrap as bmt
+    from bmt_wrap.job.distributed import build_layout, job_layout
+
+    mesh = job_layout(cp_size=cp_size)
+    layout = build_layout(mesh)
+    comm = layout.cp
+    world = mesh.world
+    device_mesh = init_device_mesh("cpu", (world // cp_size, cp_size), mesh_dim_names=("dp", "cp")) \
+        if world > cp_size else init_device_mesh("cpu", (cp_size,), mesh_dim_names=("cp",))
+    found = {"cp": (layout.cp_size, layout.cp_rank, comm.world_size), "data_parallel_size": mesh.data_parallel_size,
+             "dp_rank": mesh.data_parallel_rank(layout.rank), "mesh": job_layout(device_mesh) == mesh,
+             "mismatch": raised(lambda: job_layout(device_mesh, cp_size=1)),
+             "bad_size": raised(lambda: job_layout(cp_size=3)),
+             "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size))}
+    found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
+    found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
+    found["too_few_heads"] = raised(lambda: _case(comm, "ulysses", heads=1, kv_heads=1))
+    return found
+
+
+def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
+    for rank, got in enumerate(results):
+        assert got["cp"] == (cp_size, rank % cp_size, cp_size)
+        assert got["data_parallel_size"] == world // cp_size and got["dp_rank"] == rank // cp_size
+        assert got["mesh"], "a DeviceMesh dim named 'cp' is the layout cp_size= builds"
+        assert got["mismatch"][0] == "MeshError" and "cp_size=" in got["mismatch"][1], got["mismatch"]
+        assert got["bad_size"][0] == "InitError" and "cp_size=3" in got["bad_size"][1], got["bad_size"]
+        assert got["wrap"][0] == "UnsupportedError" and "not wired" in got["wrap"][1], got["wrap"]
+        for method, kwargs, errors in got["f64"]:
+            assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
+        for method, kwargs, errors in got["f32"]:
+            tol = F32_TOL["atol"] + F32_TOL["rtol"] * errors["scale"]
+            assert _within(errors, tol), (rank, method, kwargs, errors)
+        kind, message = got["too_few_heads"]
+        assert kind == "ContextParallelError" and "cp_method='ring'" in message, got["too_few_heads"]
+
+
+def test_attention_over_two_cp_ranks_is_the_whole_sequences() -> None:
+    _check_attention(run_distributed(_attention_body, 2, 2), 2, 2)
+
+
+def test_attention_over_four_cp_ranks_and_cp2_beside_dp2() -> None:
+    _check_attention(run_distributed(_attention_body, 4, 4), 4, 4)
+    _check_attention(run_distributed(_attention_body, 4, 2), 2, 4)
