@@ -20,7 +20,7 @@ from bmt_wrap.base.cp_plan import (
 )
 from bmt_wrap.errors import ContextParallelError
 from bmt_wrap.runtime.comm import Communicator, SingleProcessCommunicator
-from bmt_wrap.runtime.context_parallel import context_parallel_attention
+from bmt_wrap.runtime.context_parallel import context_parallel_attention, slice_loss
 
 F64_TOL = 1e-10  # float64: the same sums in another order
 F32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # docs/design.md's elementwise tolerance
@@ -113,6 +113,26 @@ def test_one_rank_attention_is_sdpas(method: str) -> None:
         assert _within(errors, F64_TOL), (kwargs, errors)
 
 
+def _loss_case(comm: Communicator) -> tuple[float, float]:
+    """This rank's ``slice_loss`` against the whole sequence's mean cross-entropy: the loss's error, and the
+    error of this rank's logits' gradient divided by C (what ZeRO's average over a group holding the CP peers
+    makes of a parameter's C-times parts: their sum) against the whole gradient's slice."""
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 16, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 16), generator=g)
+    labels[1, 9:] = -100
+    whole = logits.clone().requires_grad_()
+    ref = F.cross_entropy(whole[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))
+    ref.backward()
+    shifted = shift_labels(labels)
+    local = split_sequence(logits, cp, rank).requires_grad_()
+    part = F.cross_entropy(local.reshape(-1, 11), split_sequence(shifted, cp, rank).reshape(-1), reduction="sum")
+    loss = slice_loss(part / count_items(shifted), comm)
+    loss.backward()
+    return abs(loss.item() - ref.item()), (local.grad / cp - split_sequence(whole.grad, cp, rank)).abs().max().item()
+
+
 #: (method, keyword arguments) checked at every CP size.
 CASES = [(m, kw) for m in ("ulysses", "ring") for kw in (
     {},
@@ -143,6 +163,7 @@ def _attention_body(cp_size: int) -> dict:
              "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size))}
     found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
+    found["loss"] = _loss_case(comm)
     found["too_few_heads"] = raised(lambda: _case(comm, "ulysses", heads=1, kv_heads=1))
     return found
 
@@ -160,6 +181,7 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         for method, kwargs, errors in got["f32"]:
             tol = F32_TOL["atol"] + F32_TOL["rtol"] * errors["scale"]
             assert _within(errors, tol), (rank, method, kwargs, errors)
+        assert max(got["loss"]) <= F64_TOL, got["loss"]
         kind, message = got["too_few_heads"]
         assert kind == "ContextParallelError" and "cp_method='ring'" in message, got["too_few_heads"]
 

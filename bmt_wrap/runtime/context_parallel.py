@@ -261,6 +261,34 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     return _Ring.apply(q, k.contiguous(), v.contiguous(), comm, every_index, every_mask, causal, scale, label)
 
 
+class _SliceLoss(torch.autograd.Function):
+    """Sum over the CP group in forward; in backward, this rank's gradient times C (Megatron's ``loss *
+    cp_size``), because ZeRO then averages gradients over a group that holds the CP peers too."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, comm: Communicator, label: str) -> torch.Tensor:
+        ctx.ranks = comm.world_size
+        whole = part.detach().reshape(1).clone()
+        if comm.world_size > 1:
+            comm.all_reduce(whole, "sum", label=label)
+        return whole.view(part.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad * ctx.ranks, None, None
+
+
+def slice_loss(part: torch.Tensor, comm: Communicator, label: str = "cp loss") -> torch.Tensor:
+    """The loss of the whole data slice from this CP rank's part: ``part`` is this rank's tokens' loss sum
+    divided by the slice's token count (``cp_plan.count_items``, transformers' ``num_items_in_batch``), so the
+    value is the mean over every token of the slice, never a mean of per-rank means. Its gradient is C times
+    this rank's part: averaged over the CP peers (as ZeRO averages a group holding them), the peers' parts
+    are summed, which is the slice's gradient (docs/design.md's gradient contract)."""
+    if part.numel() != 1:
+        raise ContextParallelError(f"slice_loss takes a scalar loss, got shape {tuple(part.shape)}")
+    return _SliceLoss.apply(part, comm, label)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
                                token_index: torch.Tensor, key_mask: torch.Tensor | None = None,
                                causal: bool = True, scale: float | None = None, method: str = "auto",
