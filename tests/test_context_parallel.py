@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import raised, run_distributed
+from parity import ADAMW_REL, LOSS_RTOL, SGD_TOL, compare_grads, compare_params, wholes
 from torch.distributed.device_mesh import init_device_mesh
 
 from bmt_wrap.base.cp_plan import (
@@ -21,6 +22,7 @@ from bmt_wrap.base.cp_plan import (
 from bmt_wrap.errors import ContextParallelError
 from bmt_wrap.runtime.comm import Communicator, SingleProcessCommunicator
 from bmt_wrap.runtime.context_parallel import context_parallel_attention, slice_loss
+from tests import models
 
 F64_TOL = 1e-10  # float64: the same sums in another order
 F32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # docs/design.md's elementwise tolerance
@@ -175,7 +177,7 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert got["mesh"], "a DeviceMesh dim named 'cp' is the layout cp_size= builds"
         assert got["mismatch"][0] == "MeshError" and "cp_size=" in got["mismatch"][1], got["mismatch"]
         assert got["bad_size"][0] == "InitError" and "cp_size=3" in got["bad_size"][1], got["bad_size"]
-        assert got["wrap"][0] == "UnsupportedError" and "not wired" in got["wrap"][1], got["wrap"]
+        assert got["wrap"][0] == "UnsupportedError" and "transformers models" in got["wrap"][1], got["wrap"]
         for method, kwargs, errors in got["f64"]:
             assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
         for method, kwargs, errors in got["f32"]:
@@ -193,3 +195,91 @@ def test_attention_over_two_cp_ranks_is_the_whole_sequences() -> None:
 def test_attention_over_four_cp_ranks_and_cp2_beside_dp2() -> None:
     _check_attention(run_distributed(_attention_body, 4, 4), 4, 4)
     _check_attention(run_distributed(_attention_body, 4, 2), 2, 4)
+
+
+# ---- the one-liner -------------------------------------------------------------------------------------------
+def _llama_long() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return models.seeded(lambda: LlamaForCausalLM(LlamaConfig(**{**models._hf_small(), "max_position_embeddings": 256})))
+
+
+def _grad_norm_differences(ref: torch.nn.Module, model: torch.nn.Module, what: str) -> list[str]:
+    """Gradients whose per-tensor relative difference from the reference's is above the AdamW tolerance."""
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    want = dict(ref.named_parameters())
+    out = []
+    for (name, _), grad in zip(named, wholes([(p.grad, p) for _, p in named]), strict=True):
+        rel = float((grad - want[name].grad).norm() / want[name].grad.norm().clamp_min(1e-12))
+        if rel > ADAMW_REL:
+            out.append(f"{what} grad {name}: relative difference {rel:.2e} > {ADAMW_REL}")
+    return out
+
+
+def test_the_split_call_at_one_rank_is_the_models_own() -> None:
+    """The hooks and the registered attention on one CP rank (no split): loss and gradients are the model's."""
+    from bmt_wrap.wrapping.context_parallel import apply_context_parallel
+
+    ref, model = _llama_long(), _llama_long()
+    note = apply_context_parallel(model, SingleProcessCommunicator(), "ring")
+    assert "model.layers.0.self_attn" in note and "(ring)" in note
+    ids = torch.randint(0, models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 25:] = 0
+    batch = {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    losses = [m(ids, **batch).loss for m in (ref, model)]  # input_ids positional, as users call it
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=LOSS_RTOL, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _llama_cp_body(method: str, seq: int) -> dict:
+    """A Llama wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
+    and right padding; every check's failures, the losses and the plan's text."""
+    import bmt_wrap as bmt
+
+    ref, model = _llama_long(), bmt.BMTrainModelWrapper(_llama_long(), cp_size=2, cp_method=method)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    g = torch.Generator().manual_seed(3)
+    failures: list[str] = []
+    with torch.no_grad():  # without gradients nothing is split: every rank runs the whole sequence
+        ids = torch.randint(0, models.VOCAB, (1, 22), generator=g)  # 22 does not divide into 4 chunks
+        whole = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, models.VOCAB, (2, seq), generator=g)
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, seq - 37:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        pair = [m(**batch).loss for m in (ref, model)]
+        for loss in pair:
+            loss.backward()
+        losses.append((pair[0].item(), pair[1].item()))
+        if step == 0:  # the same parameters: elementwise
+            compare_grads(ref, model, f"step {step}", failures)
+        else:  # AdamW turned rounding noise on near-zero gradients into lr-sized steps: relative norms
+            failures += _grad_norm_differences(ref, model, f"step {step}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    compare_params(ref, model, "adamw", "after 3 steps", failures=failures)
+    cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
+    ids = ids[:1, :6]
+    return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
+            "odd": raised(lambda: model(input_ids=ids, labels=ids))}
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_llama_at_cp2_trains_as_on_the_whole_sequence(method: str) -> None:
+    for got in run_distributed(_llama_cp_body, 2, method, 256):
+        assert not got["failures"], got["failures"][:5]
+        for ref, mine in got["losses"]:
+            assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
+        assert f"context parallelism over 2 ranks ({method})" in got["plan"], got["plan"]
+        assert got["no_grad"] <= 1e-5, got["no_grad"]
+        # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
+        assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
+        assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]

@@ -17,13 +17,14 @@ from ..base.log import get_logger
 from ..base.mixed_precision import MixedPrecision
 from ..base.plan import WrapPlan
 from ..base.tp_plan import TensorParallelPlan
-from ..errors import PlanError, UnsupportedError, WrapError
+from ..errors import PlanError, WrapError
 from ..job.distributed import agree, broadcast_bytes, get_state, job_layout, use_layout
 from ..runtime.comm import collective_purpose
 from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
+from .context_parallel import apply_context_parallel, check_context_parallel
 from .experts import apply_expert_parallel, expert_parallel_section
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
@@ -98,7 +99,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
                         pp_microbatches: int | None = None, ep_size: int | None = None,
-                        cp_size: int | None = None) -> nn.Module:
+                        cp_size: int | None = None, cp_method: str = "auto") -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -137,10 +138,13 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     among packed 3-D expert weights); each EP rank keeps ``num_experts / E`` of each layer's experts,
     ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
     all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
-    ``cp_size=C`` (or a mesh dim "cp" between the shard and tp dims): context parallelism's rank layout (C
-    adjacent ranks, or C groups of T with TP, take the same batch; ``bmt.data_parallel_rank()`` says which).
-    Splitting a model's sequences over them is not wired into the wrapper yet: C > 1 raises
-    ``UnsupportedError`` (``bmt_wrap.runtime.context_parallel`` has the attention, ``base/cp_plan.py`` the split).
+    ``cp_size=C`` (or a mesh dim "cp" between the shard and tp dims): context parallelism over C adjacent ranks,
+    which take the same batch (``bmt.data_parallel_rank()`` says which) and split each training call's
+    sequences between them (load-balanced: rank i holds chunks i and 2C-1-i of 2C); attention runs over the
+    whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
+    Ulysses when there are at least C heads). transformers models whose attentions call its attention
+    interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Not yet beside
+    ``tp_size``/``pp_size``/``ep_size``/replicas (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -155,12 +159,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     with collective_purpose("wrap"):
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
         wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
-        if wanted.cp > 1:  # the sizes are the job's: every rank refuses alike, before any group is built
-            raise UnsupportedError(
-                f"BMTrainModelWrapper(cp_size={wanted.cp}) / a 'cp' mesh dim: the layout is known ({wanted.describe()}), "
-                "but splitting the model's sequences over the CP ranks is not wired into the wrapper yet (#52). "
-                "Leave cp_size out; bmt_wrap.runtime.context_parallel.context_parallel_attention runs attention "
-                "over a split sequence in your own model code")
+        if wanted.cp > 1:  # the sizes and the model are alike on every rank: refused alike, before any group
+            check_context_parallel(model, wanted, cp_method)
         parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
@@ -210,6 +210,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             assert skeleton is not None
             apply_pipeline(model, stages, skeleton)
         install_fused_loss(model, plan.fused_loss)
+        if parallel.cp is not None:
+            plan.notes.append(apply_context_parallel(model, parallel.cp, cp_method))
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
