@@ -269,7 +269,8 @@ def _llama_cp_body(method: str, seq: int) -> dict:
     cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
     ids = ids[:1, :6]
     return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
-            "odd": raised(lambda: model(input_ids=ids, labels=ids))}
+            "odd": raised(lambda: model(input_ids=ids, labels=ids)),
+            "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
 
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
@@ -283,3 +284,4 @@ def test_llama_at_cp2_trains_as_on_the_whole_sequence(method: str) -> None:
         # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
         assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
         assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
+        assert got["differ"][0] == "ContextParallelError" and "DistributedSampler" in got["differ"][1], got["differ"]

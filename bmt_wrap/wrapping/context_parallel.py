@@ -8,7 +8,9 @@ angles are the global ones), the padding mask, labels shifted on the whole seque
 the whole batch's token count (``num_items_in_batch=``). The split travels to each attention as two tensor
 keyword arguments the model's forward passes down (``bmt_cp_index``: the local tokens' sequence indices,
 ``bmt_cp_keys``: their padding mask), so a checkpointed block's recompute replays them with its own call.
-The loss the model returns is then this rank's part, and ``slice_loss`` makes it the slice's.
+The loss the model returns is then this rank's part, and ``slice_loss`` makes it the slice's. CP peers
+must be given the same batch: one all-reduce of a digest per call checks it (a sampler sharded over the
+world instead of the data-parallel ranks would otherwise train on a mix of sequences without an error).
 
 Without gradients (``generate()``, evaluation) nothing is split: every CP rank runs the whole sequence with
 transformers' SDPA, as one process would.
@@ -25,6 +27,7 @@ from torch import nn
 from ..base.cp_plan import check_padding_mask, count_items, local_indices, shift_labels, split_sequence
 from ..base.mesh import MeshLayout
 from ..errors import ContextParallelError, UnsupportedError
+from ..job.tp_inputs import digests
 from ..runtime.comm import Communicator
 from ..runtime.context_parallel import METHODS, context_parallel_attention, slice_loss
 from .compiled import never_traced
@@ -97,6 +100,15 @@ def _split_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
                                    "parallelism splits their sequence dimension (dim 1)")
     if _capturing(tokens):  # the first call's capture on a meta copy: shapes only, no split
         return None
+    given = [call[n] for n in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels")
+             if isinstance(call.get(n), torch.Tensor)]
+    seen = digests(comm, given, "cp input digests")
+    if len(set(seen)) > 1:  # every rank sees the same table: all raise
+        raise ContextParallelError(
+            f"the inputs differ between the ranks of one context-parallel group (CP ranks "
+            f"{[r for r, d in enumerate(seen) if d != seen[0]]} differ from CP rank 0): CP peers must get the same "
+            "batch, which they split between them. Shard the data over the data-parallel ranks: "
+            "DistributedSampler(dataset, num_replicas=bmt.data_parallel_size(), rank=bmt.data_parallel_rank())")
     batch, seq = tokens.shape[:2]
     index = local_indices(seq, cp, rank).to(tokens.device)
     mask = call.get("attention_mask")
