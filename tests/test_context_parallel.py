@@ -73,7 +73,7 @@ def test_masks_context_parallelism_cannot_split_are_refused() -> None:
 # ---- attention -------------------------------------------------------------------------------------------------
 def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64, batch: int = 2, heads: int = 4,
           kv_heads: int = 4, seq: int = 16, dim: int = 8, causal: bool = True, mask: str = "none",
-          seed: int = 0) -> dict[str, float]:
+          window: int | None = None, seed: int = 0) -> dict[str, float]:
     """This rank's part of CP attention against SDPA on the whole sequence: the largest absolute error of the
     output and of each gradient, and the largest reference value (for relative checks)."""
     cp, rank = comm.world_size, comm.rank
@@ -90,11 +90,14 @@ def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64
         keys[0, :5] = False
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     allowed = keys[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+    if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).triu(1 - window)
     ref = F.scaled_dot_product_attention(*whole, attn_mask=allowed, enable_gqa=heads != kv_heads)
     ref.backward(grad)
     local = [split_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, comm, token_index=local_indices(seq, cp, rank),
-                                     key_mask=split_sequence(keys, cp, rank), causal=causal, method=method)
+                                     key_mask=split_sequence(keys, cp, rank), causal=causal, window=window,
+                                     method=method)
     out.backward(split_sequence(grad, cp, rank, dim=2))
     errors = {"out": (out - split_sequence(ref, cp, rank, dim=2)).abs().max().item()}
     for name, mine, theirs in zip("qkv", local, whole, strict=True):
@@ -110,7 +113,7 @@ def _within(errors: dict[str, float], tol: float) -> bool:
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
 def test_one_rank_attention_is_sdpas(method: str) -> None:
     comm = SingleProcessCommunicator()
-    for kwargs in ({}, {"kv_heads": 2, "mask": "random"}, {"causal": False, "mask": "left"}):
+    for kwargs in ({}, {"kv_heads": 2, "mask": "random"}, {"causal": False, "mask": "left"}, {"window": 5}):
         errors = _case(comm, method, **kwargs)
         assert _within(errors, F64_TOL), (kwargs, errors)
 
@@ -145,6 +148,7 @@ CASES = [(m, kw) for m in ("ulysses", "ring") for kw in (
     {"heads": 5, "kv_heads": 5},  # heads not divisible by the CP size
     {"heads": 6, "kv_heads": 3},  # GQA groups not divisible by the CP size
     {"heads": 6, "kv_heads": 1, "mask": "random"},  # fewer KV heads than CP ranks
+    {"window": 5, "kv_heads": 2, "mask": "random"},  # a sliding window (Mistral's) across chunk boundaries
 )]
 
 
@@ -198,10 +202,17 @@ def test_attention_over_four_cp_ranks_and_cp2_beside_dp2() -> None:
 
 
 # ---- the one-liner -------------------------------------------------------------------------------------------
-def _llama_long() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _long(kind: str = "llama") -> torch.nn.Module:
+    """A transformers causal LM from its default config shrunk, for sequences up to 256: Llama, Qwen2 (GQA,
+    q/k/v biases) or Mistral with a 48-token sliding window."""
+    import transformers
 
-    return models.seeded(lambda: LlamaForCausalLM(LlamaConfig(**{**models._hf_small(), "max_position_embeddings": 256})))
+    config = {**models._hf_small(), "max_position_embeddings": 256}
+    if kind == "mistral":
+        config["sliding_window"] = 48
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
+    config_class, model_class = (getattr(transformers, f"{name}{s}") for s in ("Config", "ForCausalLM"))
+    return models.seeded(lambda: model_class(config_class(**config)))
 
 
 def _grad_norm_differences(ref: torch.nn.Module, model: torch.nn.Module, what: str) -> list[str]:
@@ -220,7 +231,7 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
     """The hooks and the registered attention on one CP rank (no split): loss and gradients are the model's."""
     from bmt_wrap.wrapping.context_parallel import apply_context_parallel
 
-    ref, model = _llama_long(), _llama_long()
+    ref, model = _long(), _long()
     note = apply_context_parallel(model, SingleProcessCommunicator(), "ring")
     assert "model.layers.0.self_attn" in note and "(ring)" in note
     ids = torch.randint(0, models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -235,12 +246,12 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
         torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _llama_cp_body(method: str, seq: int) -> dict:
-    """A Llama wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
+def _cp_body(kind: str, method: str, seq: int) -> dict:
+    """A model wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
     and right padding; every check's failures, the losses and the plan's text."""
     import bmt_wrap as bmt
 
-    ref, model = _llama_long(), bmt.BMTrainModelWrapper(_llama_long(), cp_size=2, cp_method=method)
+    ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     g = torch.Generator().manual_seed(3)
     failures: list[str] = []
@@ -273,9 +284,10 @@ def _llama_cp_body(method: str, seq: int) -> dict:
             "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
 
-@pytest.mark.parametrize("method", ["ulysses", "ring"])
-def test_llama_at_cp2_trains_as_on_the_whole_sequence(method: str) -> None:
-    for got in run_distributed(_llama_cp_body, 2, method, 256):
+@pytest.mark.parametrize("kind, method, seq", [("llama", "ulysses", 256), ("llama", "ring", 256),
+                                               ("qwen2", "ulysses", 128), ("mistral", "ring", 128)])
+def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int) -> None:
+    for got in run_distributed(_cp_body, 2, kind, method, seq):
         assert not got["failures"], got["failures"][:5]
         for ref, mine in got["losses"]:
             assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]

@@ -4,8 +4,9 @@ autograd, on the one ``Communicator`` (gloo on CPU, so no GPU-only kernel is nee
 
 Every rank holds its tokens' q, k, v ([batch, heads, local tokens, head dim]; k and v may have fewer heads,
 GQA) and each token's index in the whole sequence (``base/cp_plan.local_indices``). Masks are rebuilt from
-those indices (causal: a key is seen when its index is not after the query's) and a [batch, local tokens]
-key-padding mask, so any split works, the load-balanced one included. Two methods:
+those indices (causal: a key is seen when its index is not after the query's; a sliding window: and fewer
+than ``window`` tokens before it) and a [batch, local tokens] key-padding mask, so any split works, the
+load-balanced one included. Two methods:
 
 - **Ulysses** (DeepSpeed): one all-to-all turns the sequence split into a head split, each rank attends its
   heads over every token (torch's SDPA), and one all-to-all turns it back. Heads need not divide by C (rank p
@@ -52,16 +53,23 @@ def _gather_tokens(comm: Communicator, token_index: torch.Tensor, key_mask: torc
     return every[:, 0], every[:, 1:].bool()
 
 
-def _allowed(q_index: torch.Tensor, k_index: torch.Tensor, k_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Which keys each query sees: [batch, 1, queries, keys]."""
+def _allowed(q_index: torch.Tensor, k_index: torch.Tensor, k_mask: torch.Tensor, causal: bool,
+             window: int | None = None) -> torch.Tensor:
+    """Which keys each query sees: [batch, 1, queries, keys]. ``window``: a causal sliding window, keys less
+    than ``window`` tokens back (transformers' ``sliding_window``)."""
     allowed = k_mask[:, None, None, :]
+    back = q_index[:, None] - k_index[None, :]
     if causal:
-        allowed = allowed & (k_index[None, :] <= q_index[:, None])[None, None]
+        allowed = allowed & (back >= 0)[None, None]
+    if window is not None:
+        allowed = allowed & (back < window)[None, None]
     return allowed
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index: torch.Tensor,
-           key_mask: torch.Tensor | None) -> None:
+           key_mask: torch.Tensor | None, causal: bool = True, window: int | None = None) -> None:
+    if window is not None and (not causal or not isinstance(window, int) or window < 1):
+        raise ContextParallelError(f"a sliding window ({window!r}) must be a positive int on a causal attention")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ContextParallelError(f"context-parallel attention takes q [batch, heads, tokens, dim] and k, v of one "
                                    f"shape [batch, kv heads, tokens, dim]; got q {tuple(q.shape)}, k "
@@ -132,9 +140,10 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
                       token_index: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = True,
-                      scale: float | None = None, label: str = "cp attention") -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None,
+                      label: str = "cp attention") -> torch.Tensor:
     """Attention of this rank's queries over every CP rank's keys, by all-to-all over heads (Ulysses)."""
-    _check(q, k, v, token_index, key_mask)
+    _check(q, k, v, token_index, key_mask, causal, window)
     ranks, heads, kv_heads = comm.world_size, q.shape[1], k.shape[1]
     if heads < ranks:
         raise ContextParallelError(
@@ -151,7 +160,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     vh = _SeqToHeads.apply(v, comm, kv_split, f"{label} v")
     every_index, every_mask = _gather_tokens(comm, token_index, key_mask, q.shape[0], label)
     index, mask = every_index.reshape(-1), every_mask.transpose(0, 1).reshape(q.shape[0], -1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(index, index, mask, causal), scale=scale,
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(index, index, mask, causal, window),
+                                         scale=scale,
                                          enable_gqa=qh.shape[1] != kh.shape[1])
     return _HeadsToSeq.apply(out, comm, q_split, f"{label} out")
 
@@ -182,8 +192,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-                every_index: torch.Tensor, every_mask: torch.Tensor, causal: bool, scale: float,
-                label: str) -> torch.Tensor:
+                every_index: torch.Tensor, every_mask: torch.Tensor, causal: bool, window: int | None,
+                scale: float, label: str) -> torch.Tensor:
         work = torch.promote_types(q.dtype, torch.float32)  # half inputs: blocks and merges in fp32
         qw = q.to(work)
         group = q.shape[1] // k.shape[1]
@@ -195,7 +205,7 @@ class _Ring(torch.autograd.Function):
             owner = (rank - step) % ranks
             if step < ranks - 1:
                 incoming, handle = _to_next(comm, kv, f"{label} ring k/v")
-            allowed = _allowed(every_index[rank], every_index[owner], every_mask[owner], causal)
+            allowed = _allowed(every_index[rank], every_index[owner], every_mask[owner], causal, window)
             if bool(allowed.any()):  # a block the causal mask hides whole costs nothing but its transfer
                 kb, vb = (t.view(k.shape).to(work).repeat_interleave(group, 1) for t in kv.chunk(2))
                 scores = _scores(qw, kb, allowed, scale)
@@ -209,7 +219,7 @@ class _Ring(torch.autograd.Function):
                 handle.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse, every_index, every_mask)
-        ctx.comm, ctx.causal, ctx.scale, ctx.label = comm, causal, scale, label
+        ctx.comm, ctx.causal, ctx.window, ctx.scale, ctx.label = comm, causal, window, scale, label
         return out.to(q.dtype)
 
     @staticmethod
@@ -230,7 +240,7 @@ class _Ring(torch.autograd.Function):
             owner = (rank - step) % ranks
             if step < ranks - 1:
                 incoming, handle = _to_next(comm, kv, f"{label} ring backward k/v")
-            allowed = _allowed(every_index[rank], every_index[owner], every_mask[owner], ctx.causal)
+            allowed = _allowed(every_index[rank], every_index[owner], every_mask[owner], ctx.causal, ctx.window)
             if bool(allowed.any()):
                 kb, vb = (t.view(k.shape).to(work).repeat_interleave(group, 1) for t in kv.chunk(2))
                 probs = torch.exp(_scores(qw, kb, allowed, scale) - finite)
@@ -248,17 +258,19 @@ class _Ring(torch.autograd.Function):
                 handle.wait()
                 kv = incoming
         dk_own, dv_own = (t.view(k.shape).to(k.dtype) for t in dkv.chunk(2))
-        return dq.to(q.dtype), dk_own, dv_own, None, None, None, None, None, None
+        return dq.to(q.dtype), dk_own, dv_own, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
                    token_index: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = True,
-                   scale: float | None = None, label: str = "cp attention") -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None,
+                   label: str = "cp attention") -> torch.Tensor:
     """Attention of this rank's queries over every CP rank's keys, by passing K/V around a ring."""
-    _check(q, k, v, token_index, key_mask)
+    _check(q, k, v, token_index, key_mask, causal, window)
     every_index, every_mask = _gather_tokens(comm, token_index, key_mask, q.shape[0], label)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _Ring.apply(q, k.contiguous(), v.contiguous(), comm, every_index, every_mask, causal, scale, label)
+    return _Ring.apply(q, k.contiguous(), v.contiguous(), comm, every_index, every_mask, causal, window, scale,
+                       label)
 
 
 class _SliceLoss(torch.autograd.Function):
@@ -291,8 +303,8 @@ def slice_loss(part: torch.Tensor, comm: Communicator, label: str = "cp loss") -
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
                                token_index: torch.Tensor, key_mask: torch.Tensor | None = None,
-                               causal: bool = True, scale: float | None = None, method: str = "auto",
-                               label: str = "cp attention") -> torch.Tensor:
+                               causal: bool = True, scale: float | None = None, window: int | None = None,
+                               method: str = "auto", label: str = "cp attention") -> torch.Tensor:
     """Whole-sequence attention for this CP rank's tokens: Ulysses where there are at least as many query heads
     as CP ranks (``method="auto"``), else the ring; ``method`` forces one."""
     if method not in METHODS:
@@ -300,4 +312,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     use_ring = method == "ring" or (method == "auto" and q.shape[1] < comm.world_size)
     attend = ring_attention if use_ring else ulysses_attention
     return attend(q, k, v, comm, token_index=token_index, key_mask=key_mask, causal=causal, scale=scale,
-                  label=label)
+                  window=window, label=label)

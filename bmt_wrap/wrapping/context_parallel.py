@@ -59,13 +59,10 @@ def _cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ContextParallelError(f"{type(module).__name__} drops attention probabilities (p={dropout}); context "
                                    "parallelism does not implement attention dropout: set the config's "
                                    "attention_dropout to 0, or leave cp_size out")
-    if kwargs.get("sliding_window") is not None:
-        raise ContextParallelError(f"{type(module).__name__} attends within a sliding window; context parallelism "
-                                   "builds full causal masks only: leave cp_size out for this model")
     comm, method = module._bmt_cp
     out = context_parallel_attention(query, key, value, comm, token_index=index, key_mask=keys,
-                                     causal=getattr(module, "is_causal", True), scale=scaling, method=method,
-                                     label="cp attention")
+                                     causal=getattr(module, "is_causal", True), scale=scaling,
+                                     window=kwargs.get("sliding_window"), method=method, label="cp attention")
     return out.transpose(1, 2).contiguous(), None
 
 
