@@ -248,7 +248,8 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
 
 def _cp_body(kind: str, method: str, seq: int) -> dict:
     """A model wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
-    and right padding; every check's failures, the losses and the plan's text."""
+    and right padding; every check's failures, the losses and the plan's text. With more ranks than 2, each
+    data-parallel slice's loss is its own and the reference's gradient is the slices' average (DDP's)."""
     import bmt_wrap as bmt
 
     ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method)
@@ -259,15 +260,18 @@ def _cp_body(kind: str, method: str, seq: int) -> dict:
         ids = torch.randint(0, models.VOCAB, (1, 22), generator=g)  # 22 does not divide into 4 chunks
         whole = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
     losses = []
+    slices, mine = bmt.data_parallel_size(), bmt.data_parallel_rank()
     for step in range(3):
-        ids = torch.randint(0, models.VOCAB, (2, seq), generator=g)
-        mask = torch.ones(2, seq, dtype=torch.long)
-        mask[1, seq - 37:] = 0
+        ids = torch.randint(0, models.VOCAB, (2 * slices, seq), generator=g)
+        mask = torch.ones(2 * slices, seq, dtype=torch.long)
+        mask[1::2, seq - 37:] = 0
         labels = ids.masked_fill(mask == 0, -100)
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        pair = [m(**batch).loss for m in (ref, model)]
-        for loss in pair:
-            loss.backward()
+        batches = [{"input_ids": i, "attention_mask": m, "labels": la}
+                   for i, m, la in zip(ids.chunk(slices), mask.chunk(slices), labels.chunk(slices), strict=True)]
+        ref_losses = torch.stack([ref(**b).loss for b in batches])
+        ref_losses.mean().backward()
+        pair = [ref_losses[mine], model(**batches[mine]).loss]
+        pair[1].backward()
         losses.append((pair[0].item(), pair[1].item()))
         if step == 0:  # the same parameters: elementwise
             compare_grads(ref, model, f"step {step}", failures)
@@ -297,3 +301,13 @@ def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int) -
         assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
         assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
         assert got["differ"][0] == "ContextParallelError" and "DistributedSampler" in got["differ"][1], got["differ"]
+
+
+def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
+    """4 ranks: ZeRO-3 over the two data-parallel slices and the two CP ranks of each."""
+    results = run_distributed(_cp_body, 4, "llama", "ring", 128)
+    for got in results:
+        assert not got["failures"], got["failures"][:5]
+        for ref, mine in got["losses"]:
+            assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
+    assert results[0]["losses"] != results[2]["losses"]  # the slices are different data
