@@ -166,7 +166,10 @@ def _attention_body(cp_size: int) -> dict:
              "dp_rank": mesh.data_parallel_rank(layout.rank), "mesh": job_layout(device_mesh) == mesh,
              "mismatch": raised(lambda: job_layout(device_mesh, cp_size=1)),
              "bad_size": raised(lambda: job_layout(cp_size=3)),
-             "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size))}
+             "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size)),
+             "fused": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, fused_loss=True)),
+             "method": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, cp_method="zigzag")),
+             "with_tp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2)) if world == 4 else None}
     found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
     found["loss"] = _loss_case(comm)
@@ -182,6 +185,10 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert got["mismatch"][0] == "MeshError" and "cp_size=" in got["mismatch"][1], got["mismatch"]
         assert got["bad_size"][0] == "InitError" and "cp_size=3" in got["bad_size"][1], got["bad_size"]
         assert got["wrap"][0] == "UnsupportedError" and "transformers models" in got["wrap"][1], got["wrap"]
+        assert got["fused"][0] == "UnsupportedError" and "fused_loss=True" in got["fused"][1], got["fused"]
+        assert got["method"][0] == "ContextParallelError" and "'zigzag'" in got["method"][1], got["method"]
+        if world == 4:
+            assert got["with_tp"][0] == "UnsupportedError" and "beside tp 2" in got["with_tp"][1], got["with_tp"]
         for method, kwargs, errors in got["f64"]:
             assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
         for method, kwargs, errors in got["f32"]:

@@ -144,7 +144,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
     Ulysses when there are at least C heads). transformers models whose attentions call its attention
     interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Not yet beside
-    ``tp_size``/``pp_size``/``ep_size``/replicas (``UnsupportedError``).
+    ``tp_size``/``pp_size``/``ep_size``/replicas or ``fused_loss=True`` (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -160,7 +160,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
         wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
         if wanted.cp > 1:  # the sizes and the model are alike on every rank: refused alike, before any group
-            check_context_parallel(model, wanted, cp_method)
+            check_context_parallel(model, wanted, cp_method, fused_loss)
         parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
