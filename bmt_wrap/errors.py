@@ -137,6 +137,12 @@ class TPInputMismatchError(TensorParallelError):
     """The ranks of one tensor-parallel group were given different inputs (they must share each batch)."""
 
 
+class ContextParallelError(BMTError, ValueError):
+    """Context parallelism cannot split this input or attention as asked: a sequence that does not divide
+    into 2 x cp_size chunks, Ulysses forced with fewer heads than ranks, or a mask the split cannot cut
+    exactly (raised alike on every rank of the CP group)."""
+
+
 class PipelineError(BMTError):
     """Pipeline parallelism cannot run as asked, or a stage failed (raised on every rank of the pipeline)."""
 

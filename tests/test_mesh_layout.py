@@ -86,3 +86,16 @@ def test_ep_must_divide_the_shard_axis() -> None:
     with pytest.raises(MeshError, match="ep 3 must be a positive int dividing the shard size 4"):
         MeshLayout.of(8, tp=2, ep=3)
     assert MeshLayout.of(4, ep=2) != MeshLayout.of(4)  # an EP layout is another layout (its own groups)
+
+
+def test_cp_sits_between_shard_and_tp_and_its_ranks_take_the_same_data() -> None:
+    mesh = MeshLayout.of(16, pp=2, cp=2, tp=2)  # shard 2
+    for rank in range(16):
+        c = mesh.coords(rank)
+        assert rank == (((c["pp"] * 1 + c["replicate"]) * 2 + c["shard"]) * 2 + c["cp"]) * 2 + c["tp"]
+        assert mesh.group(rank, ("cp",)) == tuple(rank - rank % 4 + rank % 2 + 2 * i for i in range(2))
+        assert mesh.data_parallel_rank(rank) == c["shard"]
+    assert mesh.data_parallel_size == 2
+    assert mesh.describe() == "pp 2 x shard 2 x cp 2 x tp 2"
+    # without cp the formula is the one before it
+    assert MeshLayout.of(8, tp=2).coords(5) == {"pp": 0, "replicate": 0, "shard": 2, "cp": 0, "tp": 1}

@@ -1,19 +1,20 @@
 """The job's rank layout, one description whatever keywords build it: named axes, outermost first.
 
-``pp`` (pipeline stages), ``replicate`` (HSDP replicas), ``shard`` (the ranks ZeRO-3 splits a buffer over)
-and ``tp`` (tensor parallelism). By default ranks are laid out row-major over the axes, tensor parallelism
-fastest, pipeline stages slowest, as BMTrain and Megatron order them:
+``pp`` (pipeline stages), ``replicate`` (HSDP replicas), ``shard`` (the ranks ZeRO-3 splits a buffer over),
+``cp`` (context parallelism) and ``tp`` (tensor parallelism). By default ranks are laid out row-major over
+the axes, tensor parallelism fastest, pipeline stages slowest, as BMTrain and Megatron order them:
 
-    rank = ((pp · R + replica) · S + shard) · T + tp
+    rank = (((pp · R + replica) · S + shard) · C + cp) · T + tp
 
 so TP peers are adjacent ranks (``tp_rank = rank % T``, BMTrain's) and a stage is a contiguous block of
 ``world / P`` ranks (BMTrain's ``stage_id = rank // (world // pipe_size)``). A 2-D (replicate, shard)
 device mesh may place its ranks in any order (HSDP's rows are whatever the mesh says); every other layout
 is in this order.
 
-Ranks that differ only along ``pp`` and ``tp`` compute on the same data (``data_parallel_rank``): TP peers
-split one computation, the stages of a pipeline run its parts one after another. Context parallelism
-(``cp``, a later axis between ``shard`` and ``tp``) will join them: its ranks split one sequence.
+Ranks that differ only along ``pp``, ``cp`` and ``tp`` compute on the same data (``data_parallel_rank``): TP
+peers split one computation, the stages of a pipeline run its parts one after another, CP peers split
+each sequence of the slice between them (attention is where they meet: ``runtime/context_parallel.py``).
+With C = 1 the formula is the one without ``cp``.
 
 Expert parallelism (``ep``) is not an axis of its own: it borrows the fastest-varying ``ep`` ranks of the
 shard axis, as torchtitan borrows its expert groups from ``dp_shard`` (``shard = outer · ep + ep_rank``).
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 from ..errors import MeshError
 
 #: The axes, outermost (slowest varying rank) first.
-AXES = ("pp", "replicate", "shard", "tp")
+AXES = ("pp", "replicate", "shard", "cp", "tp")
 #: Ranks that differ only along these axes take the same slice of the global batch.
-SAME_DATA_AXES = ("pp", "tp")
+SAME_DATA_AXES = ("pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class MeshLayout:
     pp: int = 1
     replicate: int = 1
     shard: int = 1
+    cp: int = 1
     tp: int = 1
     grid: tuple[int, ...] = ()  # empty: the default order, rank i at flat index i
     ep: int = 1  # expert-parallel ranks, borrowed from the shard axis (its fastest-varying part)
@@ -67,19 +69,20 @@ class MeshLayout:
             object.__setattr__(self, "grid", ())  # one spelling of the default order: equal layouts compare equal
 
     @classmethod
-    def of(cls, world: int, *, pp: int = 1, replicate: int = 1, tp: int = 1, ep: int = 1) -> MeshLayout:
+    def of(cls, world: int, *, pp: int = 1, replicate: int = 1, cp: int = 1, tp: int = 1,
+           ep: int = 1) -> MeshLayout:
         """The default-order layout of ``world`` ranks; the shard axis takes what the others leave (``ep`` of
         its ranks are expert-parallel)."""
-        rest = pp * replicate * tp
+        rest = pp * replicate * cp * tp
         if world % rest:
-            raise MeshError(f"pp {pp} x replicate {replicate} x tp {tp} = {rest} does not divide the "
+            raise MeshError(f"pp {pp} x replicate {replicate} x cp {cp} x tp {tp} = {rest} does not divide the "
                              f"world size {world}")
-        return cls(pp=pp, replicate=replicate, shard=world // rest, tp=tp, ep=ep)
+        return cls(pp=pp, replicate=replicate, shard=world // rest, cp=cp, tp=tp, ep=ep)
 
     @property
     def world(self) -> int:
         """Ranks in the job."""
-        return self.pp * self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.cp * self.tp
 
     def size(self, axis: str) -> int:
         """How many ranks one step along ``axis`` covers."""
@@ -145,7 +148,7 @@ class MeshLayout:
 
     def data_parallel_rank(self, rank: int) -> int:
         """Which slice of the global batch ``rank`` takes; ranks differing only along ``SAME_DATA_AXES``
-        (TP peers, the stages of one pipeline) take the same one."""
+        (TP peers, CP peers, the stages of one pipeline) take the same one."""
         c = self.coords(rank)
         return c["replicate"] * self.shard + c["shard"]
 

@@ -247,7 +247,8 @@ def _stop_comm_thread() -> bool:
     if _STATE is None:
         return True
     comms = [c for layout in _STATE.layouts.values()
-             for c in (layout.tp, layout.dp.shard, layout.dp.replicate, layout.whole, layout.pp, layout.stage)
+             for c in (layout.tp, layout.dp.shard, layout.dp.replicate, layout.whole, layout.pp, layout.stage,
+                       layout.cp)
              if c is not None and c is not _STATE.comm]
     closed = True
     for comm in [*comms, _STATE.comm]:
@@ -307,31 +308,33 @@ def _free_group(group: weakref.ref[dist.ProcessGroup]) -> None:
 
 # ---- the rank layout: the one place that reads keywords and device meshes ------------------------------------
 # Axis names a device mesh may carry, outermost first ("dp" is the shard axis of a ("dp", "tp") mesh).
-MESH_NAMES = ("pp", "replicate", "shard", "dp", "ep", "tp")
+MESH_NAMES = ("pp", "replicate", "shard", "dp", "ep", "cp", "tp")
 # Their order, outermost first: an "ep" dim is the fastest-varying part of the shard axis (base/mesh.py).
-_MESH_ORDER = ("pp", "replicate", "shard", "ep", "tp")
+_MESH_ORDER = ("pp", "replicate", "shard", "ep", "cp", "tp")
 _SCOPES = {"tp": "tp", "replicate": "replicate", "pp": "pp"}
 
 
 def job_layout(mesh: Any = None, *, tp_size: int | None = None, pp_size: int | None = None,
-               ep_size: int | None = None) -> MeshLayout:
-    """The rank layout ``mesh=``, ``tp_size=``, ``pp_size=`` and ``ep_size=`` ask for, checked on every rank
-    alike (a collective for a device mesh: every rank must have built the same one).
+               ep_size: int | None = None, cp_size: int | None = None) -> MeshLayout:
+    """The rank layout ``mesh=``, ``tp_size=``, ``pp_size=``, ``ep_size=`` and ``cp_size=`` ask for, checked on
+    every rank alike (a collective for a device mesh: every rank must have built the same one).
 
     Without a mesh: ``init_distributed``'s layout, with ``tp_size``/``pp_size`` in place of its own where
-    given. A ``DeviceMesh`` names its dims among ``pp``, ``replicate``, ``shard`` (``dp``) and ``tp``, in that
-    order; unnamed, 1-D is ZeRO-3 over it and 2-D (replicate, shard) is HSDP. Only a (replicate, shard) mesh
-    may place ranks in any order; the others list them in the default order (``base/mesh.py``).
+    given. A ``DeviceMesh`` names its dims among ``pp``, ``replicate``, ``shard`` (``dp``), ``ep``, ``cp`` and
+    ``tp``, in that order; unnamed, 1-D is ZeRO-3 over it and 2-D (replicate, shard) is HSDP. Only a
+    (replicate, shard) mesh may place ranks in any order; the others list them in the default order
+    (``base/mesh.py``).
     """
     state = get_state()
     if mesh is None:
         default = state.default
         tp = default.tp if tp_size is None else tp_size
         pp = default.pp if pp_size is None else pp_size
-        return _with_ep(_sized(state.world_size, pp, tp, wrapper=True), ep_size)
+        return _with_ep(_sized(state.world_size, pp, tp, wrapper=True, cp=1 if cp_size is None else cp_size),
+                        ep_size)
     problem, layout = None, None
     try:
-        layout = _read_mesh(mesh, state, tp_size, pp_size)
+        layout = _read_mesh(mesh, state, tp_size, pp_size, cp_size)
         if ep_size not in (None, layout.ep):
             if layout.ep > 1:
                 raise MeshError(f"ep_size={ep_size} differs from the mesh's 'ep' dimension ({layout.ep}); pass one")
@@ -365,9 +368,10 @@ def _with_ep(layout: MeshLayout, ep_size: int | None) -> MeshLayout:
     return replace(layout, ep=ep_size)
 
 
-def _sized(world: int, pp: int, tp: int, wrapper: bool) -> MeshLayout:
-    """The default-order layout of ``pp`` stages and ``tp``-rank TP groups, or ``InitError`` naming the call
-    that asked for it (the wrapper's ``pp_size=``/``tp_size=`` or ``init_distributed``'s)."""
+def _sized(world: int, pp: int, tp: int, wrapper: bool, cp: int = 1) -> MeshLayout:
+    """The default-order layout of ``pp`` stages, ``cp``-rank CP groups and ``tp``-rank TP groups, or
+    ``InitError`` naming the call that asked for it (the wrapper's ``pp_size=``/``cp_size=``/``tp_size=`` or
+    ``init_distributed``'s)."""
     pp_key = "pp_size" if wrapper else "pipe_size"
 
     def call(**given: Any) -> str:
@@ -380,10 +384,15 @@ def _sized(world: int, pp: int, tp: int, wrapper: bool) -> MeshLayout:
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1 or world % (pp * tp):
         raise InitError(f"{call(**{pp_key: pp, 'tp_size': tp})}: the world size {world} must be a multiple of "
                         f"{pp_key} x tp_size (a positive int); use sizes whose product divides it")
-    return MeshLayout.of(world, pp=pp, tp=tp)
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or world % (pp * tp * cp):
+        raise InitError(f"{call(**{pp_key: pp, 'cp_size': cp, 'tp_size': tp})}: the world size {world} must be a "
+                        f"multiple of {pp_key} x cp_size x tp_size (positive ints); use sizes whose product "
+                        "divides it")
+    return MeshLayout.of(world, pp=pp, cp=cp, tp=tp)
 
 
-def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | None) -> MeshLayout:
+def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | None,
+               cp_size: int | None = None) -> MeshLayout:
     """``mesh`` as a ``MeshLayout``, or ``MeshError`` saying what to build instead (no collective)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -403,10 +412,11 @@ def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | 
     if (mesh.ndim > 1 and (any(n not in MESH_NAMES for n in names) or list(axes) != sorted(axes, key=_MESH_ORDER.index)
                            or len(set(axes)) != len(axes) or ("dp" in names and "replicate" in names))):
         raise MeshError(f"this mesh names its dims {names}; bmt_wrap reads dims named 'pp', 'replicate', 'shard' "
-                        "(or 'dp' without 'replicate') and 'tp', outermost first: FSDP2's order for HSDP is "
-                        "mesh_dim_names=('replicate', 'shard') with the shard dim last (ranks of one node in a "
-                        "row); ('dp', 'tp') or ('replicate', 'shard', 'tp') add TP, and a 'pp' dim goes first.")
-    sizes = dict(zip(axes, mesh.mesh.shape, strict=True)) if mesh.ndim > 1 or axes == ("ep",) else \
+                        "(or 'dp' without 'replicate'), 'ep', 'cp' and 'tp', outermost first: FSDP2's order for "
+                        "HSDP is mesh_dim_names=('replicate', 'shard') with the shard dim last (ranks of one node "
+                        "in a row); ('dp', 'tp') or ('replicate', 'shard', 'tp') add TP, ('dp', 'cp') context "
+                        "parallelism, and a 'pp' dim goes first.")
+    sizes = dict(zip(axes, mesh.mesh.shape, strict=True)) if mesh.ndim > 1 or axes in (("ep",), ("cp",)) else \
         {"shard": mesh.mesh.numel()}
     sizes["shard"] = sizes.get("shard", 1) * sizes.get("ep", 1)  # EP ranks are shard ranks
     grid = [int(r) for r in mesh.mesh.flatten().tolist()]
@@ -427,13 +437,14 @@ def _read_mesh(mesh: Any, state: DistState, tp_size: int | None, pp_size: int | 
                         f"(world / P)), i.e. init_device_mesh(device, {tuple(mesh.mesh.shape)}, "
                         f"mesh_dim_names={names})")
     for key, given, axis, form in (("tp_size", tp_size, "tp", "('replicate', 'shard', 'tp')"),
-                                   ("pp_size", pp_size, "pp", "('pp', 'replicate', 'shard')")):
+                                   ("pp_size", pp_size, "pp", "('pp', 'replicate', 'shard')"),
+                                   ("cp_size", cp_size, "cp", "('dp', 'cp')")):
         if axis in sizes and given not in (None, sizes[axis]):
             raise MeshError(f"{key}={given} differs from the mesh's {axis!r} dimension ({sizes[axis]}); pass one")
         if axis not in sizes and given not in (None, 1):
             raise MeshError(f"{key}={given} with a {names} mesh=: name the {axis!r} dim in the mesh instead, "
                             f"init_device_mesh(device, (..., {given}), mesh_dim_names={form}), and leave {key}= out")
-        default = state.default.size(axis)
+        default = state.default.size(axis)  # init_distributed has no cp_size: its default is 1
         if axis not in sizes and default > 1:
             call = "tp_size" if axis == "tp" else "pipe_size"
             raise MeshError(f"mesh= with init_distributed({call}={default}): models are laid out over the "
@@ -454,7 +465,7 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
     def along(axes: tuple[str, ...] | Callable[[int], tuple[int, ...]], scope: str) -> Communicator:
         group_of = axes if callable(axes) else (lambda r: mesh.group(r, axes))
         ranks = group_of(state.rank)
-        if axes == ("shard",) and ranks == tuple(range(state.world_size)):
+        if axes in (("shard",), ("shard", "cp")) and ranks == tuple(range(state.world_size)):
             return state.comm  # ZeRO-3 over the whole job: the job's own communicator (one rank: counted too)
         if (ranks, scope) not in made:
             if len(ranks) == 1:
@@ -468,18 +479,21 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
 
     shard_scope = "shard" if mesh.replicate > 1 else "dp"
     # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage,
-    # ep, experts.
+    # ep, experts, cp.
     tp = along(("tp",), "tp")
-    shard = along(("shard",), shard_scope)
+    # CP peers hold the same parameters: ZeRO shards over them too (torchtitan's dp_shard_cp), and the loss's
+    # backward scales by C so the group's average sums their parts (runtime/context_parallel.slice_loss).
+    shard = along(("shard", "cp") if mesh.cp > 1 else ("shard",), shard_scope)
     replicate = along(("replicate",), "replicate") if mesh.replicate > 1 else None
     whole = along(("shard", "tp"), shard_scope) if mesh.tp > 1 else None
     pp = along(("pp",), "pp") if mesh.pp > 1 else None
-    stage = along(("replicate", "shard", "tp"), "stage") if mesh.pp > 1 else None
+    stage = along(("replicate", "shard", "cp", "tp"), "stage") if mesh.pp > 1 else None
     ep, experts = None, None
     if mesh.ep > 1:  # then the experts' owners (ZeRO-3 over them), after every other group
         ep = along(mesh.ep_group, "ep")
         experts = RankLayout(along(mesh.expert_shard_group, "experts"), replicate)
-    layout = ParallelLayout(mesh, state.rank, tp, RankLayout(shard, replicate), whole, pp, stage, ep, experts)
+    cp = along(("cp",), "cp") if mesh.cp > 1 else None  # the ranks splitting one sequence
+    layout = ParallelLayout(mesh, state.rank, tp, RankLayout(shard, replicate), whole, pp, stage, ep, experts, cp)
     state.layouts[mesh] = layout
     return layout
 
@@ -507,13 +521,13 @@ tensor_parallel = parallel_layout
 
 
 def data_parallel_rank() -> int:
-    """Which slice of the global batch this rank takes: TP peers and the stages of one pipeline take the
-    same one (``data_parallel_size()`` slices in all)."""
+    """Which slice of the global batch this rank takes: TP peers, CP peers and the stages of one pipeline
+    take the same one (``data_parallel_size()`` slices in all)."""
     return parallel_layout().dp_rank
 
 
 def data_parallel_size() -> int:
-    """How many slices the global batch is cut into (ranks / (pipeline stages x TP size))."""
+    """How many slices the global batch is cut into (ranks / (pipeline stages x CP size x TP size))."""
     return parallel_layout().dp_size
 
 

@@ -24,6 +24,7 @@ from ..runtime.param import DistributedParameter
 from .apply_plan import apply_plan, is_wrapped, update_schedule
 from .bound_block import CheckpointBlock
 from .consistency import check_same_wrap
+from .context_parallel import apply_context_parallel, check_context_parallel
 from .experts import apply_expert_parallel, expert_parallel_section, keep_own_list_experts, name_list_experts
 from .fused_loss import install_fused_loss
 from .generate import attach_generate
@@ -98,7 +99,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
                         pp_microbatches: int | None = None, pp_virtual_stages: int | None = None,
-                        ep_size: int | None = None) -> nn.Module:
+                        ep_size: int | None = None, cp_size: int | None = None,
+                        cp_method: str = "auto") -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -139,6 +141,13 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     among packed 3-D expert weights or a ModuleList of expert MLPs); each EP rank keeps ``num_experts / E`` of each layer's experts,
     ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
     all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
+    ``cp_size=C`` (or a mesh dim "cp" between the shard and tp dims): context parallelism over C adjacent ranks,
+    which take the same batch (``bmt.data_parallel_rank()`` says which) and split each training call's
+    sequences between them (load-balanced: rank i holds chunks i and 2C-1-i of 2C); attention runs over the
+    whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
+    Ulysses when there are at least C heads). transformers models whose attentions call its attention
+    interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Not yet beside
+    ``tp_size``/``pp_size``/``ep_size``/replicas or ``fused_loss=True`` (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -152,7 +161,10 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         _warn_if_budget_inexact()
     with collective_purpose("wrap"):
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
-        parallel = use_layout(job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size))
+        wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
+        if wanted.cp > 1:  # the sizes and the model are alike on every rank: refused alike, before any group
+            check_context_parallel(model, wanted, cp_method, fused_loss)
+        parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
         pipeline = pipeline_options(parallel, pp_microbatches, plan, pp_virtual_stages)
@@ -205,6 +217,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
             assert skeleton is not None
             apply_pipeline(model, stages, skeleton)
         install_fused_loss(model, plan.fused_loss)
+        if parallel.cp is not None:
+            plan.notes.append(apply_context_parallel(model, parallel.cp, cp_method))
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once

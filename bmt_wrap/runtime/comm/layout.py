@@ -49,9 +49,11 @@ class RankLayout:
 class ParallelLayout:
     """This rank's communicators along each axis of the job's mesh (``base/mesh.py``: the one description
     of where ranks sit): ``tp``, the T adjacent ranks that split layers between them; ``dp``, the ranks with
-    this rank's stage and TP rank, which ZeRO shards over (HSDP: its shard and replicate groups); ``whole``,
+    this rank's stage and TP rank, which ZeRO shards over (HSDP: its shard and replicate groups; with CP, the
+    CP peers too); ``whole``,
     the shard x tp ranks of one replica, which buffers of parameters every TP peer holds whole are sharded
-    over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage.
+    over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage; ``cp``, the
+    ranks splitting each sequence of this rank's data slice between them (context parallelism).
 
     Built by ``distributed.job_layout()`` (the one place that reads keywords and device meshes); with
     every axis but the shard axis of size 1, ``tp`` is a single-process group and ``dp`` the whole job.
@@ -68,6 +70,17 @@ class ParallelLayout:
     # experts with their replicas (ZeRO-3 over ``experts.shard``).
     ep: Communicator | None = None
     experts: RankLayout | None = None
+    cp: Communicator | None = None  # None with C = 1
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks each sequence is split over (context parallelism)."""
+        return self.mesh.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """Which part of each sequence this rank holds (``base/cp_plan.py``: chunks i and 2C-1-i)."""
+        return self.mesh.coords(self.rank)["cp"]
 
     @property
     def ep_size(self) -> int:
@@ -91,13 +104,15 @@ class ParallelLayout:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas of one (TP-split, pipelined) model: gradients and losses average over them."""
-        return self.dp.shard_size * self.dp.num_replicas
+        """Data-parallel replicas of one (TP-split, pipelined, context-parallel) model: how many slices the
+        global batch is cut into."""
+        return self.mesh.data_parallel_size
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas: which slice of the global batch it takes."""
-        return self.dp.replica_rank * self.dp.shard_size + self.dp.shard_rank
+        """This rank's index among the data-parallel replicas: which slice of the global batch it takes (the
+        mesh's answer: ZeRO's group also holds the CP peers, which take the same slice)."""
+        return self.mesh.data_parallel_rank(self.rank)
 
     @property
     def pp_size(self) -> int:

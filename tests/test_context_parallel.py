@@ -1,0 +1,321 @@
+"""Context parallelism (#52, first part): the cp axis of the rank layout, the load-balanced split of a sequence
+and its labels, and attention over the whole sequence by Ulysses and by a ring, against torch's SDPA on the
+whole sequence (outputs and q/k/v gradients; float64 to rounding, float32 within the design's tolerances)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import raised, run_distributed
+from parity import ADAMW_REL, LOSS_RTOL, SGD_TOL, compare_grads, compare_params, wholes
+from torch.distributed.device_mesh import init_device_mesh
+
+from bmt_wrap.base.cp_plan import (
+    check_padding_mask,
+    count_items,
+    local_indices,
+    reassemble,
+    shift_labels,
+    split_sequence,
+)
+from bmt_wrap.errors import ContextParallelError
+from bmt_wrap.runtime.comm import Communicator, SingleProcessCommunicator
+from bmt_wrap.runtime.context_parallel import context_parallel_attention, slice_loss
+from tests import models
+
+F64_TOL = 1e-10  # float64: the same sums in another order
+F32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # docs/design.md's elementwise tolerance
+
+
+# ---- the split ---------------------------------------------------------------------------------------------------
+def test_load_balanced_split_and_reassembly() -> None:
+    assert local_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
+    x = torch.arange(2 * 24 * 3).view(2, 24, 3)
+    for cp in (1, 2, 3, 4, 6):
+        parts = [split_sequence(x, cp, r) for r in range(cp)]
+        assert all(p.shape == (2, 24 // cp, 3) for p in parts)
+        assert torch.equal(reassemble(parts), x)
+    with pytest.raises(ContextParallelError, match="does not divide into 2 x cp_size = 4 .*pad_to_multiple_of=4"):
+        local_indices(10, 2, 0)
+
+
+def test_labels_shift_across_chunk_boundaries_and_the_mean_is_over_every_token() -> None:
+    torch.manual_seed(0)
+    labels = torch.randint(0, 11, (2, 8))
+    labels[1, 5:] = -100  # padding
+    logits = torch.randn(2, 8, 11, dtype=torch.float64)
+    whole = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))  # transformers' shift
+    shifted = shift_labels(labels)
+    assert shifted[:, :-1].tolist() == labels[:, 1:].tolist() and (shifted[:, -1] == -100).all()
+    n = count_items(shifted)
+    assert n == 7 + 4
+    cp = 2
+    parts = [F.cross_entropy(split_sequence(logits, cp, r).reshape(-1, 11), split_sequence(shifted, cp, r).reshape(-1),
+                             reduction="sum") for r in range(cp)]
+    # rank 0 holds tokens 0,1,6,7: token 1's label is token 2, which rank 1 holds
+    assert split_sequence(shifted, cp, 0)[0, 1] == labels[0, 2]
+    torch.testing.assert_close(sum(parts) / n, whole, rtol=1e-12, atol=0)
+    means = sum(p / (split_sequence(shifted, cp, r) != -100).sum() for r, p in enumerate(parts)) / cp
+    assert abs(float(means - whole)) > 1e-3  # the mean of per-rank means is another number
+
+
+def test_masks_context_parallelism_cannot_split_are_refused() -> None:
+    assert check_padding_mask(torch.tensor([[1, 1, 0]])).dtype == torch.bool
+    with pytest.raises(ContextParallelError, match="2-D \\[batch, seq\\] padding mask only"):
+        check_padding_mask(torch.ones(1, 1, 4, 4))
+    with pytest.raises(ContextParallelError, match="values other than 0 and 1"):
+        check_padding_mask(torch.tensor([[1, 1, 2, 2]]))
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64, batch: int = 2, heads: int = 4,
+          kv_heads: int = 4, seq: int = 16, dim: int = 8, causal: bool = True, mask: str = "none",
+          window: int | None = None, seed: int = 0) -> dict[str, float]:
+    """This rank's part of CP attention against SDPA on the whole sequence: the largest absolute error of the
+    output and of each gradient, and the largest reference value (for relative checks)."""
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=dtype)
+    grad = torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype)
+    keys = torch.ones(batch, seq, dtype=torch.bool)
+    if mask == "random":  # key 0 stays: every query sees a key
+        keys = torch.rand(batch, seq, generator=g) < 0.7
+        keys[:, 0] = True
+    elif mask == "left":  # left padding: the padded queries see no key at all (zeros, as SDPA gives)
+        keys[0, :5] = False
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    allowed = keys[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+    if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).triu(1 - window)
+    ref = F.scaled_dot_product_attention(*whole, attn_mask=allowed, enable_gqa=heads != kv_heads)
+    ref.backward(grad)
+    local = [split_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, comm, token_index=local_indices(seq, cp, rank),
+                                     key_mask=split_sequence(keys, cp, rank), causal=causal, window=window,
+                                     method=method)
+    out.backward(split_sequence(grad, cp, rank, dim=2))
+    errors = {"out": (out - split_sequence(ref, cp, rank, dim=2)).abs().max().item()}
+    for name, mine, theirs in zip("qkv", local, whole, strict=True):
+        errors[f"d{name}"] = (mine.grad - split_sequence(theirs.grad, cp, rank, dim=2)).abs().max().item()
+    errors["scale"] = max(ref.abs().max().item(), *(t.grad.abs().max().item() for t in whole))
+    return errors
+
+
+def _within(errors: dict[str, float], tol: float) -> bool:
+    return all(v <= tol for name, v in errors.items() if name != "scale")
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_one_rank_attention_is_sdpas(method: str) -> None:
+    comm = SingleProcessCommunicator()
+    for kwargs in ({}, {"kv_heads": 2, "mask": "random"}, {"causal": False, "mask": "left"}, {"window": 5}):
+        errors = _case(comm, method, **kwargs)
+        assert _within(errors, F64_TOL), (kwargs, errors)
+
+
+def _loss_case(comm: Communicator) -> tuple[float, float]:
+    """This rank's ``slice_loss`` against the whole sequence's mean cross-entropy: the loss's error, and the
+    error of this rank's logits' gradient divided by C (what ZeRO's average over a group holding the CP peers
+    makes of a parameter's C-times parts: their sum) against the whole gradient's slice."""
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 16, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 16), generator=g)
+    labels[1, 9:] = -100
+    whole = logits.clone().requires_grad_()
+    ref = F.cross_entropy(whole[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))
+    ref.backward()
+    shifted = shift_labels(labels)
+    local = split_sequence(logits, cp, rank).requires_grad_()
+    part = F.cross_entropy(local.reshape(-1, 11), split_sequence(shifted, cp, rank).reshape(-1), reduction="sum")
+    loss = slice_loss(part / count_items(shifted), comm)
+    loss.backward()
+    return abs(loss.item() - ref.item()), (local.grad / cp - split_sequence(whole.grad, cp, rank)).abs().max().item()
+
+
+#: (method, keyword arguments) checked at every CP size.
+CASES = [(m, kw) for m in ("ulysses", "ring") for kw in (
+    {},
+    {"causal": False},
+    {"mask": "random"},
+    {"mask": "left"},
+    {"kv_heads": 2},  # GQA
+    {"heads": 5, "kv_heads": 5},  # heads not divisible by the CP size
+    {"heads": 6, "kv_heads": 3},  # GQA groups not divisible by the CP size
+    {"heads": 6, "kv_heads": 1, "mask": "random"},  # fewer KV heads than CP ranks
+    {"window": 5, "kv_heads": 2, "mask": "random"},  # a sliding window (Mistral's) across chunk boundaries
+)]
+
+
+def _attention_body(cp_size: int) -> dict:
+    import bmt_wrap as bmt
+    from bmt_wrap.job.distributed import build_layout, job_layout
+
+    mesh = job_layout(cp_size=cp_size)
+    layout = build_layout(mesh)
+    comm = layout.cp
+    world = mesh.world
+    device_mesh = init_device_mesh("cpu", (world // cp_size, cp_size), mesh_dim_names=("dp", "cp")) \
+        if world > cp_size else init_device_mesh("cpu", (cp_size,), mesh_dim_names=("cp",))
+    found = {"cp": (layout.cp_size, layout.cp_rank, comm.world_size), "data_parallel_size": mesh.data_parallel_size,
+             "dp_rank": mesh.data_parallel_rank(layout.rank), "mesh": job_layout(device_mesh) == mesh,
+             "mismatch": raised(lambda: job_layout(device_mesh, cp_size=1)),
+             "bad_size": raised(lambda: job_layout(cp_size=3)),
+             "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size)),
+             "fused": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, fused_loss=True)),
+             "method": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, cp_method="zigzag")),
+             "with_tp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2)) if world == 4 else None}
+    found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
+    found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
+    found["loss"] = _loss_case(comm)
+    found["too_few_heads"] = raised(lambda: _case(comm, "ulysses", heads=1, kv_heads=1))
+    return found
+
+
+def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
+    for rank, got in enumerate(results):
+        assert got["cp"] == (cp_size, rank % cp_size, cp_size)
+        assert got["data_parallel_size"] == world // cp_size and got["dp_rank"] == rank // cp_size
+        assert got["mesh"], "a DeviceMesh dim named 'cp' is the layout cp_size= builds"
+        assert got["mismatch"][0] == "MeshError" and "cp_size=" in got["mismatch"][1], got["mismatch"]
+        assert got["bad_size"][0] == "InitError" and "cp_size=3" in got["bad_size"][1], got["bad_size"]
+        assert got["wrap"][0] == "UnsupportedError" and "transformers models" in got["wrap"][1], got["wrap"]
+        assert got["fused"][0] == "UnsupportedError" and "fused_loss=True" in got["fused"][1], got["fused"]
+        assert got["method"][0] == "ContextParallelError" and "'zigzag'" in got["method"][1], got["method"]
+        if world == 4:
+            assert got["with_tp"][0] == "UnsupportedError" and "beside tp 2" in got["with_tp"][1], got["with_tp"]
+        for method, kwargs, errors in got["f64"]:
+            assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
+        for method, kwargs, errors in got["f32"]:
+            tol = F32_TOL["atol"] + F32_TOL["rtol"] * errors["scale"]
+            assert _within(errors, tol), (rank, method, kwargs, errors)
+        assert max(got["loss"]) <= F64_TOL, got["loss"]
+        kind, message = got["too_few_heads"]
+        assert kind == "ContextParallelError" and "cp_method='ring'" in message, got["too_few_heads"]
+
+
+def test_attention_over_two_cp_ranks_is_the_whole_sequences() -> None:
+    _check_attention(run_distributed(_attention_body, 2, 2), 2, 2)
+
+
+def test_attention_over_four_cp_ranks_and_cp2_beside_dp2() -> None:
+    _check_attention(run_distributed(_attention_body, 4, 4), 4, 4)
+    _check_attention(run_distributed(_attention_body, 4, 2), 2, 4)
+
+
+# ---- the one-liner -------------------------------------------------------------------------------------------
+def _long(kind: str = "llama") -> torch.nn.Module:
+    """A transformers causal LM from its default config shrunk, for sequences up to 256: Llama, Qwen2 (GQA,
+    q/k/v biases) or Mistral with a 48-token sliding window."""
+    import transformers
+
+    config = {**models._hf_small(), "max_position_embeddings": 256}
+    if kind == "mistral":
+        config["sliding_window"] = 48
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
+    config_class, model_class = (getattr(transformers, f"{name}{s}") for s in ("Config", "ForCausalLM"))
+    return models.seeded(lambda: model_class(config_class(**config)))
+
+
+def _grad_norm_differences(ref: torch.nn.Module, model: torch.nn.Module, what: str) -> list[str]:
+    """Gradients whose per-tensor relative difference from the reference's is above the AdamW tolerance."""
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    want = dict(ref.named_parameters())
+    out = []
+    for (name, _), grad in zip(named, wholes([(p.grad, p) for _, p in named]), strict=True):
+        rel = float((grad - want[name].grad).norm() / want[name].grad.norm().clamp_min(1e-12))
+        if rel > ADAMW_REL:
+            out.append(f"{what} grad {name}: relative difference {rel:.2e} > {ADAMW_REL}")
+    return out
+
+
+def test_the_split_call_at_one_rank_is_the_models_own() -> None:
+    """The hooks and the registered attention on one CP rank (no split): loss and gradients are the model's."""
+    from bmt_wrap.wrapping.context_parallel import apply_context_parallel
+
+    ref, model = _long(), _long()
+    note = apply_context_parallel(model, SingleProcessCommunicator(), "ring")
+    assert "model.layers.0.self_attn" in note and "(ring)" in note
+    ids = torch.randint(0, models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 25:] = 0
+    batch = {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    losses = [m(ids, **batch).loss for m in (ref, model)]  # input_ids positional, as users call it
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=LOSS_RTOL, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _cp_body(kind: str, method: str, seq: int) -> dict:
+    """A model wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
+    and right padding; every check's failures, the losses and the plan's text. With more ranks than 2, each
+    data-parallel slice's loss is its own and the reference's gradient is the slices' average (DDP's)."""
+    import bmt_wrap as bmt
+
+    ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    g = torch.Generator().manual_seed(3)
+    failures: list[str] = []
+    with torch.no_grad():  # without gradients nothing is split: every rank runs the whole sequence
+        ids = torch.randint(0, models.VOCAB, (1, 22), generator=g)  # 22 does not divide into 4 chunks
+        whole = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    losses = []
+    slices, mine = bmt.data_parallel_size(), bmt.data_parallel_rank()
+    for step in range(3):
+        ids = torch.randint(0, models.VOCAB, (2 * slices, seq), generator=g)
+        mask = torch.ones(2 * slices, seq, dtype=torch.long)
+        mask[1::2, seq - 37:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        batches = [{"input_ids": i, "attention_mask": m, "labels": la}
+                   for i, m, la in zip(ids.chunk(slices), mask.chunk(slices), labels.chunk(slices), strict=True)]
+        ref_losses = torch.stack([ref(**b).loss for b in batches])
+        ref_losses.mean().backward()
+        pair = [ref_losses[mine], model(**batches[mine]).loss]
+        pair[1].backward()
+        losses.append((pair[0].item(), pair[1].item()))
+        if step == 0:  # the same parameters: elementwise
+            compare_grads(ref, model, f"step {step}", failures)
+        else:  # AdamW turned rounding noise on near-zero gradients into lr-sized steps: relative norms
+            failures += _grad_norm_differences(ref, model, f"step {step}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    compare_params(ref, model, "adamw", "after 3 steps", failures=failures)
+    cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
+    ids = ids[:1, :6]
+    return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
+            "odd": raised(lambda: model(input_ids=ids, labels=ids)),
+            "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
+
+
+# Each method at 2 ranks once per model kind; the ring trains Llama in the cp2 x dp2 test below (suite time).
+@pytest.mark.parametrize("kind, method, seq", [("llama", "ulysses", 256), ("qwen2", "ulysses", 128),
+                                               ("mistral", "ring", 128)])
+def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int) -> None:
+    for got in run_distributed(_cp_body, 2, kind, method, seq):
+        assert not got["failures"], got["failures"][:5]
+        for ref, mine in got["losses"]:
+            assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
+        assert f"context parallelism over 2 ranks ({method})" in got["plan"], got["plan"]
+        assert got["no_grad"] <= 1e-5, got["no_grad"]
+        # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
+        assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
+        assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
+        assert got["differ"][0] == "ContextParallelError" and "DistributedSampler" in got["differ"][1], got["differ"]
+
+
+def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
+    """4 ranks: ZeRO-3 over the two data-parallel slices and the two CP ranks of each."""
+    results = run_distributed(_cp_body, 4, "llama", "ring", 128)
+    for got in results:
+        assert not got["failures"], got["failures"][:5]
+        for ref, mine in got["losses"]:
+            assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
+    assert results[0]["losses"] != results[2]["losses"]  # the slices are different data
