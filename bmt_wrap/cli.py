@@ -374,12 +374,22 @@ def _capacity(opts: argparse.Namespace) -> str:
     baseline = (ProcessBaseline(parse_bytes(opts.baseline, "--baseline")) if opts.baseline
                 else warm_baseline(opts, inputs))
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
+    if opts.ep_size is not None and (opts.ep_size < 1 or n % opts.ep_size):
+        raise CLIError(f"--ep-size {opts.ep_size} must divide --world-size {n}")
+    if opts.ep_size is not None and opts.pp_size is not None:
+        raise CLIError("--memory counts --ep-size or --pp-size, not both (the wrapper refuses ep_size= beside "
+                       "pp_size=): drop one")
+    tokens = _tokens(inputs)
+    if opts.ep_size is not None and tokens is None:
+        raise CLIError("--memory with --ep-size counts the all-to-all buffers for the tokens a rank routes: give "
+                       "the token ids in --input, e.g. --input input_ids=int64[4,512]")
 
     on_disk = opts.optimizer_state == "disk"
     if opts.optimizer_chunk and not on_disk:
         raise CLIError("--optimizer-chunk sizes the disk optimizer's buffer: add --optimizer-state disk")
     chunk = parse_bytes(opts.optimizer_chunk or DISK_CHUNK_DEFAULT, "--optimizer-chunk")
     io: dict[int | None, int] = {}
+    exchanged: dict[int | None, int] = {}  # under --ep-size: the all-to-all buffers counted (est.exchange)
     shards_io: dict[int | None, tuple[int, int]] = {}
 
     def peak(k: int | None) -> tuple[ProcessPeak, str, dict[str, int]]:
@@ -391,16 +401,27 @@ def _capacity(opts: argparse.Namespace) -> str:
         section = fused_loss_section(model, captured, enabled=opts.fused_loss)
         if opts.pp_size is not None:
             return _stages_peak(model, discovery, opts, n, with_fused_loss(captured, section), budget, baseline, k)
+        # EP: each rank's experts in their local shapes, sharded over their owners, and the exchange's buffers
+        experts = plan_experts(model, opts.ep_size) if opts.ep_size is not None else None
         plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
-                          memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload)
+                          memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload,
+                          experts=experts)
         est = plan.estimates[str(n)]
+        if experts is not None:
+            assert tokens is not None  # checked above
+            est = replace(est, exchange=experts.exchange_bytes(tokens))
+            exchanged[k] = est.exchange
         if on_disk:
             est, io[k] = optimizer_on_disk(plan, est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
                          beside=baseline.per_layer * (k - 1) if k is not None else 0,
                          wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
         params = sum(g.param_numel() for g in plan.groups)
-        disk = (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
+        ep = (f"\n  expert parallelism over {opts.ep_size} ranks: each rank's experts sharded over the "
+              f"{n // opts.ep_size} ranks owning them; all-to-all buffers {fmt_bytes(est.exchange)} (one MoE "
+              "layer's rows sent and received by dispatch and combine) with a block's backward"
+              if experts is not None else "")
+        disk = ep + (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
         if est.disk_read is not None:
             shards_io[k] = (est.disk_read, est.disk_written)
@@ -442,7 +463,8 @@ def _capacity(opts: argparse.Namespace) -> str:
               "disk_read_per_step": io.get(k), "disk_written_per_step": io.get(k), "offload": opts.offload,
               "shards_read_per_step": shards_io[k][0] if k in shards_io else None,
               "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING,
-              "pp_size": opts.pp_size, "microbatches": (opts.microbatches or opts.pp_size) if opts.pp_size else None}
+              "pp_size": opts.pp_size, "microbatches": (opts.microbatches or opts.pp_size) if opts.pp_size else None,
+              "ep_size": opts.ep_size, "all_to_all_buffers": exchanged.get(k)}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
@@ -495,10 +517,9 @@ def _run(opts: argparse.Namespace) -> str:
         raise CLIError("--memory with --pp-size counts every stage's shards and optimizer state in memory: drop "
                        "--optimizer-state disk and --offload (or plan without --pp-size)")
     if opts.command == "plan" and opts.ep_size is not None and (
-            opts.memory is not None or opts.tp_size is not None or opts.shard_size is not None
-            or opts.pp_size is not None):
-        raise CLIError("--ep-size plans expert parallelism beside ZeRO-3 over every rank: drop --memory, "
-                       "--tp-size, --shard-size and --pp-size (their answers do not count experts yet)")
+            opts.tp_size is not None or opts.shard_size is not None or opts.pp_size is not None):
+        raise CLIError("--ep-size plans expert parallelism beside ZeRO-3 over every rank: drop --tp-size, "
+                       "--shard-size and --pp-size (their answers do not count experts yet)")
     if opts.microbatches is not None and opts.pp_size is None:
         raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
@@ -582,6 +603,12 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
     return "\n".join(lines)
 
 
+def _tokens(inputs: Call | None) -> int | None:
+    """One rank's tokens per step: the first integer input's (the token ids') batch x sequence; None without."""
+    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    return ids[0].numel() if ids else None
+
+
 def _ep_report(model: nn.Module, ep_size: int, sizes: list[int], plans: list[WrapPlan],
                inputs: Call | None) -> list[str]:
     """``plan --ep-size E``: the experts section, then per world size what each rank holds and sends for
@@ -590,8 +617,7 @@ def _ep_report(model: nn.Module, ep_size: int, sizes: list[int], plans: list[Wra
     if bad:
         raise CLIError(f"--ep-size {ep_size} must divide every --world-size; {bad} do not")
     section = plan_experts(model, ep_size, math.gcd(*sizes))
-    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-    tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
+    tokens = _tokens(inputs)
     cols = [section.traffic(n, tokens, {g.name for g in p.blocks() if g.checkpoint})
             for n, p in zip(sizes, plans, strict=True)]
     rows = [("", *(f"N={n}" for n in sizes)),
@@ -627,8 +653,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
     # As the wrapper does: a product head cannot read a weight TP splits (passes/fused_loss.py).
     captured = with_fused_loss(captured, fused_loss_section(measured, captured, enabled=opts.fused_loss,
                                                             tensor_parallel=tp))
-    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-    tokens = ids[0].numel() if ids else None  # the token ids' batch x sequence
+    tokens = _tokens(inputs)
     activations = captured.activations
     plans, columns = [], []
     for n in sizes:

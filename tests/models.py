@@ -382,11 +382,11 @@ def _moe_small() -> dict[str, Any]:
     return dict(_hf_small(), num_local_experts=4, num_experts_per_tok=2)
 
 
-def mixtral() -> nn.Module:
+def mixtral(num_hidden_layers: int = 2) -> nn.Module:
     """transformers MixtralForCausalLM, 2 layers, 4 packed experts each, top-2 (``model.layers.*.mlp``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return seeded(lambda: MixtralForCausalLM(MixtralConfig(**_moe_small())))
+    return seeded(lambda: MixtralForCausalLM(MixtralConfig(**{**_moe_small(), "num_hidden_layers": num_hidden_layers})))
 
 
 def qwen3_moe() -> nn.Module:

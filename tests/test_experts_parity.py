@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 
 import torch
 from dist_harness import raised, run_distributed
@@ -102,7 +103,7 @@ def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: obje
 
 def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> None:
     """state_dict() and bmt.save hold whole expert tensors under their names, load_state_dict() and bmt.load
-    take them back; sharded checkpoints (not built yet) refuse by name."""
+    take them back (sharded checkpoints: tests/test_checkpoint_experts.py)."""
     state = model.state_dict()
     params = dict(model.named_parameters())
     for name, value in state.items():
@@ -123,12 +124,6 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> No
     bmt.load(model, path)
     for name, p in model.named_parameters():
         assert torch.equal(_whole(p, p), ref.get_parameter(name).detach()), f"bmt.load {name}"
-    kind, text = raised(lambda: bmt.save_checkpoint(f"{tmp}/ckpt", model))
-    assert kind == "UnsupportedError" and "bmt.save_checkpoint of expert-parallel parameters" in text, (kind, text)
-    from bmt_wrap.save_load import dcp
-
-    kind, text = raised(lambda: dcp.save_sharded(f"{tmp}/dcp", model))
-    assert kind == "UnsupportedError" and "sharded state dict" in text, (kind, text)
 
 
 def _parity_body(tmp: str) -> dict:
@@ -163,11 +158,72 @@ def test_ep2_matches_plain_pytorch_on_transformers_moe_models_a_skewed_gpt_oss_a
     assert results[0]["skewed"]["a2a_calls"] == results[1]["skewed"]["a2a_calls"]
 
 
+def _foreign_expert_bytes(ref: torch.nn.Module, layers: list, ep_rank: int) -> int:
+    """Bytes of the experts EP rank ``ep_rank`` of 2 does not own whose values some live tensor outside ``ref``
+    holds: each expert slab is looked for by its first 8 values in every live storage (read as fp32)."""
+    skip = {p.untyped_storage().data_ptr() for p in ref.parameters()}
+    slabs = [ref.get_parameter(name).detach()[e] for layer in layers for name in layer.params
+             for e in range(layer.num_experts) if e not in layer.owned(ep_rank, 2)]
+    smallest = min(slab.numel() * slab.element_size() for slab in slabs)
+    storages = {}
+    for t in gc.get_objects():
+        if issubclass(type(t), torch.Tensor) and t.device.type == "cpu":
+            try:
+                s = t.untyped_storage()
+                ptr = s.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a fake tensor torch.export left for gc: no memory
+                continue
+            if ptr not in skip and s.nbytes() >= smallest:  # a storage that can hold a whole expert
+                storages[ptr] = s
+    found = 0
+    for slab in slabs:
+        head = slab.reshape(-1)[:8]
+        for s in storages.values():
+            flat = torch.empty(0).set_(s, 0, (s.nbytes() // 4,))
+            starts = (flat[:-7] == head[0]).nonzero().flatten().tolist()
+            if any(torch.equal(flat[i:i + 8], head) for i in starts):
+                found += slab.numel() * slab.element_size()
+                break
+    return found
+
+
+def _forward_peak_of_foreign_experts(model: torch.nn.Module, layers: list, ids: torch.Tensor) -> int:
+    """The most bytes of experts this rank does not own that live tensors hold at the end of any MoE layer's
+    call during a forward of ``model`` (after its first): the block's gathered buffers and the one gathered
+    ahead are live then, and the buffer pool keeps whatever a transient gather wrote."""
+    ref, peak = models.mixtral(), [0]  # the experts' values as wrapped: built alike on every rank
+
+    def probe(*_: object) -> None:
+        peak[0] = max(peak[0], _foreign_expert_bytes(ref, layers, bmt.rank()))
+
+    handles = [model.get_submodule(layer.module).register_forward_hook(probe) for layer in layers]
+    with torch.no_grad():
+        _loss(model, ids)
+    for h in handles:
+        h.remove()
+    return peak[0]
+
+
 def _errors_body() -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     wrapped = bmt.BMTrainModelWrapper(models.mixtral(), mesh=mesh)  # a mesh dim "ep" is ep_size=2
+    layout = (parallel_layout().ep_size, wrapped.plan.experts.ep_size, parallel_layout().describe())
+    # During a forward no live tensor holds the other EP rank's experts; in a dense ZeRO-3 job's (which
+    # gathers every expert) the same probe finds them all.
+    ids = torch.randint(0, models.VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(bmt.rank()))
+    layers = wrapped.plan.experts.layers
+    _loss(wrapped, ids)  # the first call captures
+    foreign = {"ep2": _forward_peak_of_foreign_experts(wrapped, layers, ids)}
+    del wrapped
+    gc.collect()
+    dense = bmt.BMTrainModelWrapper(models.mixtral())
+    _loss(dense, ids)
+    foreign["dense"] = _forward_peak_of_foreign_experts(dense, layers, ids)
+    del dense
+    gc.collect()
     return {
-        "mesh": (parallel_layout().ep_size, wrapped.plan.experts.ep_size, parallel_layout().describe()),
+        "mesh": layout, "foreign": foreign,
+        "other_experts": sum(math.prod(shape) * 4 // 2 for layer in layers for shape in layer.params.values()),
         "mesh_and_size": raised(lambda: bmt.BMTrainModelWrapper(models.mixtral(), mesh=mesh, ep_size=1)),
         "world": raised(lambda: bmt.BMTrainModelWrapper(models.mixtral(), ep_size=3)),
         "experts": raised(lambda: bmt.BMTrainModelWrapper(_three_experts(), ep_size=2)),
@@ -203,9 +259,11 @@ def _three_experts() -> torch.nn.Module:
     return models.seeded(lambda: MixtralForCausalLM(MixtralConfig(**{**models._moe_small(), "num_local_experts": 3})))
 
 
-def test_ep_errors_are_named_on_every_rank() -> None:
+def test_ep_errors_are_named_on_every_rank_and_no_rank_materialises_another_ranks_experts() -> None:
     for got in run_distributed(_errors_body, 2):
         assert got["mesh"] == (2, 2, "shard 2 (ep 2)")
+        # the other EP rank's experts: none during the EP forward, all of them during the dense one's
+        assert got["foreign"] == {"ep2": 0, "dense": got["other_experts"]}, got
         kind, text = got["mesh_and_size"]
         assert kind == "MeshError" and "ep_size=1 differs from the mesh's 'ep' dimension (2)" in text
         kind, text = got["world"]

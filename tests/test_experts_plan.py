@@ -146,3 +146,37 @@ def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -
         # every rank: 1/world of the dense parameters and 1/world of all experts (half of them, over world/2)
         assert abs(shard - (dense + total) / world) <= 0.02 * shard, (shard, dense, total)
         assert plan.experts is experts or plan.experts == experts
+
+
+def _memory_answer(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    import json
+
+    assert main(["plan", "tests/models.py:mixtral", "--world-size", "4", "--baseline", "100MiB", "--json",
+                 "--prefetch-depth", "1", "--input", "input_ids=int64[2,16]", "--input", "labels=int64[2,16]",
+                 *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_memory_counts_each_ranks_experts_and_the_all_to_all_buffers(capsys: pytest.CaptureFixture[str]) -> None:
+    dense = _memory_answer(capsys, "--memory", "1GiB")
+    model = models.mixtral()
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].mlp.experts.parameters())  # one block's experts
+    rows = 4 * (2 * 16) * 2 * models.DIM * 4  # 32 tokens x top-2 x 32 wide x fp32: sent, received, twice
+    for ep in (2, 4):
+        got = _memory_answer(capsys, "--memory", "1GiB", "--ep-size", str(ep))
+        assert got["ep_size"] == ep and got["all_to_all_buffers"] == rows
+        # Shards, gradient shards and Adam state of the experts are 1/4 of them per rank with or without EP (each
+        # EP rank's experts over the 4/ep ranks owning them); what shrinks is each block's gathered experts:
+        # the pool's prefetch depth + 2 buffers of a block and its one gradient in flight, to 1/ep of them.
+        saved = layer * (1 - 1 / ep)
+        phases, before = got["training_phases"], dense["training_phases"]
+        assert before["backward start"] - phases["backward start"] == 3 * saved
+        assert before["blocks' backward end"] - phases["blocks' backward end"] == 4 * saved - rows
+        assert got["peak_per_rank"] < dense["peak_per_rank"] and got["fits"]
+    grown = _memory_answer(capsys, "--memory", "420MiB", "--grow", "num_hidden_layers", "--ep-size", "2")
+    assert grown["layers"] >= 2 and grown["fits"] and grown["peak_per_rank"] <= grown["limit_per_rank"]
+    assert grown["all_to_all_buffers"] == rows  # and the count keeps its 4% margin (capacity.MARGIN)
+    assert grown["peak_per_rank"] == grown["counted_per_rank"] + round(0.04 * grown["counted_per_rank"])
+    assert main(["plan", "tests/models.py:mixtral", "--world-size", "2", "--memory", "1GiB", "--baseline", "0",
+                 "--ep-size", "2", "--input", f"inputs_embeds=float32[2,16,{models.DIM}]"]) != 0
+    assert "give the token ids in --input" in capsys.readouterr().err

@@ -82,6 +82,13 @@ class ExpertPlan:
         """Every expert's parameter bytes, unsharded."""
         return sum(layer.expert_bytes for layer in self.layers)
 
+    def exchange_bytes(self, tokens: int) -> int:
+        """Bytes of all-to-all buffers one layer's exchange holds on a rank routing ``tokens`` tokens (the
+        largest layer's), with uniform routing: its (token, expert) rows four times, the rows sent and
+        received by the dispatch and by the combine (``runtime/experts.py``), which a checkpointed block's
+        recompute and backward hold beside the experts' own activations."""
+        return max((4 * layer.token_bytes(tokens) for layer in self.layers), default=0) if self.ep_size > 1 else 0
+
     def traffic(self, world: int, tokens: int | None, recomputed: Collection[str] = ()) -> dict[str, int | None]:
         """Bytes per rank per training step for the experts, at ``world`` data-parallel ranks.
 

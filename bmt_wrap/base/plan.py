@@ -259,6 +259,9 @@ class MemoryEstimate:
     # offload="host" (the same count): the rest is in host memory, copied to and from the device every step
     host_to_device: int | None = None
     device_to_host: int | None = None
+    # Expert parallelism: the all-to-all buffers one MoE layer's exchange holds on a rank
+    # (``ExpertPlan.exchange_bytes``), counted with a block's backward (passes/capacity.training_phases).
+    exchange: int = 0
     # The step's peak: the largest of training's phases (passes/capacity.training_phases), where ``total`` sums
     # terms that peak at different moments. What ``memory_budget=`` bounds. None where not counted.
     peak: int | None = None

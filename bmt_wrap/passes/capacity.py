@@ -145,7 +145,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
       in backward).
     - ``blocks' backward end``: the head's gradient (none when it was reduced before the blocks: an untied
       head alone in its buffer, ``_head_grad_bytes``), every block's gradient shard, the gradients in
-      flight and one recompute's saved tensors. The activations are gone by then: each block's went with
+      flight and one recompute's saved tensors (under expert parallelism with the all-to-all buffers of
+      one MoE layer's exchange, ``est.exchange``). The activations are gone by then: each block's went with
       its backward; but a KV cache the blocks were passed stays until the first block's recompute is done
       (the calls keep their arguments for it).
     - ``root's gradient``: after the blocks, the root's other uses (the embedding's) make their gradients:
@@ -177,7 +178,7 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
     shards = _grad_shards_beside(plan, est)
     phases = {"backward start": held + head + kept,
               "blocks' backward end": held + (0 if early else head) + shards + est.grads_in_flight
-              + est.activations_recompute + est.activations_objects,
+              + est.activations_recompute + est.exchange + est.activations_objects,
               "root's gradient": held + full + _largest_root_use(plan) + shards}
     if plan.blocks():
         phases["blocks' backward start"] = phases["backward start"] + _first_block_backward(plan, est)
@@ -187,8 +188,8 @@ def training_phases(plan: WrapPlan, est: MemoryEstimate) -> dict[str, int]:
 
 
 def _first_block_backward(plan: WrapPlan, est: MemoryEstimate) -> int:
-    """The first block's backward beyond what backward's start holds: one recompute's saved tensors, the
-    gradients in flight, and the gradient shards there are then: the early head's (``_early_buffer``) and
+    """The first block's backward beyond what backward's start holds: one recompute's saved tensors (and
+    one MoE layer's all-to-all buffers, ``est.exchange``), the gradients in flight, and the gradient shards there are then: the early head's (``_early_buffer``) and
     one reduce-scatter's of a block in flight, no more than ``est.grads`` (with the shards offloaded, those
     in flight). The root's other shards come after the blocks' backward. Offloaded, the blocks' backward
     peaks here (measured, 2 ranks, GPT of width 1024: the peak grew by 0.66 MiB a layer from 8 to 24
@@ -201,7 +202,7 @@ def _first_block_backward(plan: WrapPlan, est: MemoryEstimate) -> int:
     # A first block that kept its activations (a budget's choice) recomputes nothing: they are among the kept.
     first = plan.group(plan.order[-1]) if plan.order else plan.blocks()[-1]
     recompute = est.activations_recompute if first.checkpoint else 0
-    return min(est.grads, head + GRADS_IN_FLIGHT * block) + est.grads_in_flight + recompute
+    return min(est.grads, head + GRADS_IN_FLIGHT * block) + est.grads_in_flight + recompute + est.exchange
 
 
 def training_peak(plan: WrapPlan, est: MemoryEstimate) -> int:

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, UnsupportedError, listed
-from ..job.distributed import parallel_layout
+from ..errors import CheckpointError
 from ..job.tp_values import expert_split, local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
-from ..runtime.tp_marks import tp_split_dim, tp_split_parts
+from ..runtime.tp_marks import tp_split_dim
 from .formats import TensorSpec
+from .optim_shards import param_piece
 from .reshard import Piece, whole
 
 
@@ -69,14 +69,16 @@ class Entry:
         return 0, self.numel
 
     def piece(self) -> Piece:
-        """Where ``local()`` sits in the whole tensor: this TP rank's slice and this rank's range of it."""
+        """Where ``local()`` sits in the whole tensor: this TP rank's slice (an expert parameter: this EP rank's
+        experts) and this rank's range of it."""
         if self.param is None:
             return whole(self.shape)
-        start, end = self.param.source_range()
-        if not self.tp_split:
-            return Piece(start, end)
-        tp = parallel_layout()
-        return Piece(start, end, tp_split_dim(self.param), tp.tp_rank, tp.tp_size, tp_split_parts(self.param))
+        return param_piece(self.param, *self.param.source_range())
+
+    @property
+    def expert(self) -> bool:
+        """An expert parameter under expert parallelism: ``piece()`` cuts its experts (dim 0) by EP rank."""
+        return self.param is not None and expert_split(self.param)
 
     @torch.no_grad()
     def set_local(self, flat: torch.Tensor) -> None:
@@ -139,17 +141,6 @@ def model_entries(model: nn.Module) -> list[Entry]:
         else:
             by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
     return list(by_id.values())
-
-
-def refuse_expert_parallel(entries: list[Entry], what: str) -> None:
-    """``UnsupportedError`` naming ``what`` when ``entries`` hold expert parameters under expert parallelism
-    (sharded checkpoints record TP pieces only: an EP rank's experts would be placed as the whole tensor)."""
-    split = [e.name for e in entries if e.param is not None and expert_split(e.param)]
-    if split:
-        raise UnsupportedError(
-            f"{what} of expert-parallel parameters ({listed(split, 3)}, ep_size={parallel_layout().ep_size}) is not "
-            "built yet: save whole tensors with bmt.save(model, path) or model.state_dict(), and load them with "
-            "bmt.load / load_state_dict")
 
 
 def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]], list[Entry]]:

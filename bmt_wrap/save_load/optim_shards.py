@@ -26,10 +26,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
 from ..job.distributed import current_state, parallel_layout
-from ..job.tp_values import whole_value
+from ..job.tp_values import expert_split, whole_shape, whole_value
 from ..runtime.param import DistributedParameter
 from ..runtime.sharded_tensor import ShardedTensor, local_view
-from ..runtime.tp_marks import tp_full_shape, tp_split_dim, tp_split_parts
+from ..runtime.tp_marks import tp_split_dim, tp_split_parts
 from .local_shard import LocalShard
 from .reshard import Piece
 
@@ -112,16 +112,28 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
     return {**state_dict, "state": state}
 
 
-def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
-    """``local`` (this rank's range of ``p``, or of state laid out like it) as a ``LocalShard`` of the whole
-    tensor: under tensor parallelism, of every TP slice together, placed by this TP rank's slice."""
-    start = p.source_range()[0]
+def param_piece(p: DistributedParameter, start: int, end: int) -> Piece:
+    """Where elements ``[start, end)`` of ``p``'s flattened value sit in the whole tensor: under tensor
+    parallelism they index this TP rank's slice, under expert parallelism an expert parameter's value is
+    this EP rank's experts (dim 0) of every EP rank's."""
+    layout = parallel_layout()
+    if expert_split(p):
+        return Piece(start, end, 0, layout.ep_rank, layout.ep_size)
     dim = tp_split_dim(p)
     if dim is None:
+        return Piece(start, end)
+    return Piece(start, end, dim, layout.tp_rank, layout.tp_size, tp_split_parts(p))
+
+
+def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
+    """``local`` (this rank's range of ``p``, or of state laid out like it) as a ``LocalShard`` of the whole
+    tensor: under tensor (expert) parallelism, of every TP slice (EP rank's experts) together, placed by
+    this rank's."""
+    start = p.source_range()[0]
+    piece = param_piece(p, start, start + local.numel())
+    if piece.tp_dim is None:
         return LocalShard.of(local, p.full_shape, start)
-    tp = parallel_layout()
-    full = tuple(tp_full_shape(p))
-    piece = Piece(start, start + local.numel(), dim, tp.tp_rank, tp.tp_size, tp_split_parts(p))
+    full = tuple(whole_shape(p))
     return LocalShard.of(local, full, start, piece.region(full), piece.boxes(full) if piece.tp_parts > 1 else None)
 
 

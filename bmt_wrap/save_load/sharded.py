@@ -1,19 +1,20 @@
-"""Resumable sharded checkpoints: each rank writes its slices; loadable at any (tp, dp) layout.
+"""Resumable sharded checkpoints: each rank writes its slices; loadable at any (tp, ep, dp) layout.
 
 A directory holds, per rank, ``shard-R-of-N.<id>.safetensors`` (its parameter slices and optimizer state
 tensors, by parameter name) and ``state-R-of-N.<id>.pt`` (RNG states, plain optimizer values; rank 0's
 also holds param groups, loss scaler, schedulers, step and ``extra``), then ``metadata.json``, written
 last and atomically by rank 0: names, whole shapes, dtypes, where each rank's part of every tensor sits
 in the whole (the tensor-parallel split dimension, each file's TP rank and the TP size; then each rank's
-flat element range of its TP slice: ``reshard.Piece``), world size, file sizes and CRC-32s. A
+flat element range of its TP slice: ``reshard.Piece``; an expert tensor under expert parallelism is cut
+by EP rank instead, each EP rank holding its experts), world size, file sizes and CRC-32s. A
 directory without it is an unfinished save and is refused; a new save replaces the old one only when
 its ``metadata.json`` lands, so a failed save leaves the previous checkpoint whole. A load checks every
 file's size and CRC-32 (each file by one rank) before reading anything; a checkpoint saved before
 checksums were written (its metadata has none) loads on sizes and headers alone.
 
 Loading reshards by name: each rank reads, for each tensor, the overlap of its own piece with every
-saved rank's piece (``reshard.py``), so a checkpoint saved at any tensor- and data-parallel layout loads
-at any other, and ``consolidated_state_dict`` reads one into a plain ``state_dict`` in one process. Under
+saved rank's piece (``reshard.py``), so a checkpoint saved at any tensor-, expert- and data-parallel
+layout loads at any other, and ``consolidated_state_dict`` reads one into a plain ``state_dict`` in one process. Under
 TP, a tensor TP does not split is written by every rank holding a range of it (the one-liner shards it
 over shard x TP), or, where it stays whole on each TP peer (the explicit API), by the TP rank 0 of each
 data-parallel rank only. The format
@@ -46,7 +47,7 @@ from . import optim_state, rng
 from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .checksum import check_crc32
-from .entries import Entry, materialize, meta_names, model_entries, refuse_expert_parallel
+from .entries import Entry, materialize, meta_names, model_entries
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 from .reshard import Piece, copy_overlaps, overlaps, shared, span
 
@@ -54,9 +55,10 @@ Plan = list[tuple[int, list[Any]]]  # (saved rank, the boxes shared with it) for
 
 METADATA = "metadata.json"
 FORMAT = "bmt_wrap.sharded"
-VERSION = 2  # 2: tensor-parallel pieces (tp_size, per file tp_rank, per tensor tp_dim and tp_parts, absent
-# meaning 1); 1 loads as tp_size 1
-READABLE = (1, VERSION)
+VERSION = 3  # 2: tensor-parallel pieces (tp_size, per file tp_rank, per tensor tp_dim and tp_parts, absent
+# meaning 1); 1 loads as tp_size 1; 3: expert-parallel pieces (ep_size, per file ep_rank, per expert tensor
+# ep_dim), 2 loading as ep_size 1
+READABLE = (1, 2, VERSION)
 
 
 @dataclass
@@ -96,17 +98,28 @@ def _ranges(e: Entry, writers: list[bool], placement: list[tuple[int, int]] | No
             if w else [0, 0] for r, w in enumerate(writers)]
 
 
-def _stage_ranges(entries: list[Entry], writers: dict[str, list[bool]], rank: int) -> dict[str, list[list[int]]]:
-    """Under pipeline parallelism, every rank's ``[start, end)`` of each tensor, each rank telling its own
-    (one all-reduce): only a tensor's stage knows where its shards are; another stage holds a ghost of it,
-    and a stage sharing a tensor with its owner (a tied embedding) leaves it to the owner."""
+def _own_ranges(entries: list[Entry], writers: dict[str, list[bool]], rank: int) -> dict[str, list[list[int]]]:
+    """Under pipeline or expert parallelism, every rank's ``[start, end)`` of each tensor (TP- or EP-split: of
+    its slice), each rank telling its own (one all-reduce): only a tensor's stage knows where its shards are
+    (another stage holds a ghost of it, and a stage sharing a tensor with its owner, a tied embedding, leaves
+    it to the owner), and an expert buffer is sharded over the ranks owning the same experts."""
     mine: list[int] = []
     for e in entries:
         stage = e.param.flat_buffer.stage if e.param is not None else None
         held = writers[e.name][rank] and (stage is None or stage.here)
-        mine += list(e.local_range()) if held and e.param is not None else [0, e.numel] if held else [0, 0]
+        piece = e.piece()
+        mine += [piece.start, piece.end] if held and e.param is not None else [0, e.numel] if held else [0, 0]
     table = agree(None, mine, what="save_checkpoint ranges")
     return {e.name: [row[2 * i:2 * i + 2] for row in table] for i, e in enumerate(entries)}
+
+
+def _cut(e: Entry) -> dict[str, Any]:
+    """How ``e``'s saved pieces are cut before ZeRO's ranges (``CheckpointReader.saved_piece``): an expert
+    tensor's experts by EP rank, else the TP cut."""
+    piece = e.piece()
+    if e.expert:
+        return {"ep_dim": piece.tp_dim}
+    return {"tp_dim": piece.tp_dim, "tp_parts": piece.tp_parts}
 
 
 def _param_names(entries: list[Entry]) -> dict[int, str]:
@@ -127,7 +140,6 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         state = get_state()
         rank, world = state.rank, state.world_size
         entries = model_entries(model)
-        refuse_expert_parallel(entries, "bmt.save_checkpoint")
         if meta := meta_names(entries):
             raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
                                   "initialise them first (bmt.init_parameters(model))")
@@ -137,11 +149,12 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         files = _file_names(rank, world, save_id)
         placement = shard_placement("save_checkpoint layout")
         tp = parallel_layout()
-        tp_ranks = ([0] * world if tp.tp_size == 1
-                    else [row[0] for row in agree(None, [tp.tp_rank], what="TP ranks")])
+        ranks = ([[0, 0]] * world if tp.tp_size == tp.ep_size == 1
+                 else agree(None, [tp.tp_rank, tp.ep_rank], what="TP and EP ranks"))
+        tp_ranks, ep_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
         writers = {e.name: _writers(e, world, placement, tp_ranks) for e in entries}
-        staged = _stage_ranges(entries, writers, rank) if tp.pp_size > 1 else None
-        if staged is not None:  # pipeline stages: a rank writes what its stage holds (the owner of a shared one)
+        staged = _own_ranges(entries, writers, rank) if tp.pp_size > 1 or tp.ep_size > 1 else None
+        if staged is not None:  # a rank writes what it holds (a pipeline stage's own, the owner of a shared one)
             writers = {e.name: [r[0] < r[1] or (w and e.numel == 0) for r, w in zip(staged[e.name], writers[e.name],
                                                                                      strict=True)] for e in entries}
         tensors = [(f"model/{e.name}", e.local()) for e in entries if writers[e.name][rank]]
@@ -173,12 +186,13 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                 try:
                     metadata = {
                         "format": FORMAT, "version": VERSION, "world_size": world, "save_id": save_id, "step": step,
-                        "seed": state.seed, "tp_size": tp.tp_size,
+                        "seed": state.seed, "tp_size": tp.tp_size, "ep_size": tp.ep_size,
                         "files": [dict(zip(("tensors", "state"), _file_names(r, world, save_id), strict=True),
-                                       tp_rank=tp_ranks[r], **dict(zip(_FILE_CHECKS, row, strict=True)))
+                                       tp_rank=tp_ranks[r], ep_rank=ep_ranks[r],
+                                       **dict(zip(_FILE_CHECKS, row, strict=True)))
                                   for r, row in enumerate(table)],
                         "model": [{"names": e.names, "shape": list(e.shape), "dtype": dtype_name(e.dtype),
-                                   "tp_dim": e.piece().tp_dim, "tp_parts": e.piece().tp_parts,
+                                   **_cut(e),
                                    "ranges": staged[e.name] if staged is not None else
                                    _ranges(e, writers[e.name], placement)} for e in entries],
                         "optimizers": [{"class": type(o).__name__, "state": kinds[k]} for k, o in enumerate(optimizers)],
@@ -249,6 +263,7 @@ class CheckpointReader:
                 raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
             self.world = int(meta["world_size"])
             self.tp_size = int(meta.get("tp_size", 1))
+            self.ep_size = int(meta.get("ep_size", 1))
             self.files = meta["files"]
             self.entries = {n: m for m in meta["model"] for n in m["names"]}
             self.optimizers = meta["optimizers"]
@@ -299,6 +314,8 @@ class CheckpointReader:
     def saved_piece(self, saved: dict[str, Any], rank: int) -> Piece:
         """Where saved rank ``rank``'s part of tensor ``saved`` (its metadata entry) sits in the whole."""
         start, end = saved["ranges"][rank]
+        if saved.get("ep_dim") is not None:  # an expert tensor: saved rank ``rank``'s experts, then its range
+            return Piece(start, end, saved["ep_dim"], self.files[rank]["ep_rank"], self.ep_size)
         return Piece(start, end, saved.get("tp_dim"), self.files[rank].get("tp_rank", 0), self.tp_size,
                      saved.get("tp_parts", 1))
 
@@ -343,7 +360,6 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()
         entries = model_entries(model)
-        refuse_expert_parallel(entries, "bmt.load_checkpoint")
         names = _param_names(entries)
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         error: CheckpointError | str | None = None

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..base._compat import dcp_state_dict_request, register_state_dict_hooks
-from ..errors import UnsupportedError, WrapError
-from ..job.tp_values import expert_split, local_value, whole_shape, whole_value
+from ..errors import WrapError
+from ..job.tp_values import local_value, whole_shape, whole_value
 from ..optim.local_step import install_fast_paths
 from ..optim.rebind import install_rebind_hook
 from ..runtime.active_engine import get_engine
@@ -61,10 +61,6 @@ class _StateDictScope:
     def value(cls, p: DistributedParameter) -> torch.Tensor:
         """What the state dict holds for ``p``: its full value on CPU, or this rank's ``LocalShard`` of it."""
         if cls.sharded:
-            if expert_split(p):  # its LocalShard would place this EP rank's experts as if they were all
-                raise UnsupportedError(f"a sharded state dict (torch.distributed.checkpoint) of expert-parallel "
-                                       f"{p.flat_buffer.group_name!r} is not built yet; read full tensors "
-                                       "(model.state_dict()) instead")
             local = p.to_local().detach()
             local = local.to("cpu") if cls.to_cpu else local
             return param_shard(p, local)

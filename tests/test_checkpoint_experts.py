@@ -1,0 +1,175 @@
+"""Sharded checkpoints of expert-parallel models (#51): transformers Mixtral (4 experts a layer, top-2,
+labels, ``output_router_logits=True``) saved with ``bmt.save_checkpoint`` and with DCP at ep2 (2 ranks) and at
+ep4 (4 ranks); both resumed at ep2 x dp2 (4 ranks), the ep2 one also at one rank (no EP) and at its saved
+layout; both read whole into plain PyTorch.
+
+As in tests/test_checkpoint_tp.py, "resumes exactly" means: after the load every whole parameter and every
+AdamW state tensor equals the saved one bit for bit at every layout (through ``state_dict()`` and by saving
+again at the new layout); continued training is bit-equal to the uninterrupted run at the saved layout and
+within the Contracts' tolerances at the others (the experts' rows are summed in another order there). Every
+rank trains on the whole batch, so every layout trains the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import models
+import pytest
+import torch
+from dist_harness import run_distributed
+from parity import ADAMW_REL, LOSS_RTOL
+from test_checkpoint_tp import _assert_same_tensors, _plain_state
+
+import bmt_wrap as bmt
+from bmt_wrap.save_load import dcp as bmt_dcp
+
+BEFORE, AFTER = 2, 2  # steps before the save, and after it
+FORMATS = ("bmt", "dcp")
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, models.VOCAB, (2, 8), generator=g) for _ in range(BEFORE + AFTER)]
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses, batches = [], _batches()
+    for s in steps:
+        loss = model(input_ids=batches[s], labels=batches[s], output_router_logits=True).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _wrapped(ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = bmt.BMTrainModelWrapper(models.mixtral(), ep_size=ep)
+    return model, _optimizer(model)
+
+
+def _save(fmt: str, path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if fmt == "bmt":
+        bmt.save_checkpoint(path, model, optimizer=opt, step=BEFORE)
+    else:
+        bmt_dcp.save_sharded(path, model, opt)
+
+
+def _load(fmt: str, path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if fmt == "bmt":
+        bmt.load_checkpoint(path, model, optimizer=opt)
+    else:
+        bmt_dcp.load_sharded(path, model, opt)
+
+
+def _resume(fmt: str, path: str, ep: int) -> dict:
+    """Load ``path`` at ``ep_size=ep`` on this group, save it again beside it, train on."""
+    model, opt = _wrapped(ep)
+    _load(fmt, path, model, opt)
+    params = {k: v.clone() for k, v in model.state_dict().items()}  # whole experts: a collective
+    again = f"{path}-again-ep{ep}-w{bmt.world_size()}"
+    _save(fmt, again, model, opt)
+    losses = _train(model, opt, range(BEFORE, BEFORE + AFTER))
+    final = model.state_dict()
+    return {"params": params if bmt.rank() == 0 else None, "again": again, "losses": losses,
+            "final": final if bmt.rank() == 0 else None}
+
+
+def _resume_body(fmt: str, path: str, ep: int) -> dict:
+    return _resume(fmt, path, ep)
+
+
+def _save_body(tmp: str, ep: int, resumes: list[tuple[str, int]]) -> dict:
+    """Train at ``ep_size=ep``, save in both formats (``{tmp}/ep{ep}-{fmt}``), train on; then each of
+    ``resumes`` ((saved directory without its format, ep_size)) in both formats."""
+    model, opt = _wrapped(ep)
+    losses = _train(model, opt, range(BEFORE))
+    for fmt in FORMATS:
+        _save(fmt, f"{tmp}/ep{ep}-{fmt}", model, opt)
+    losses += _train(model, opt, range(BEFORE, BEFORE + AFTER))
+    final = model.state_dict()
+    del model, opt
+    gc.collect()  # the saved layout's model goes before one of another layout is wrapped
+    resumed = {(path, fmt, at, bmt.world_size()): _resume(fmt, f"{path}-{fmt}", at) for path, at in resumes
+               for fmt in FORMATS}
+    return {"losses": losses, "final": final if bmt.rank() == 0 else None, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict]:
+    """(directory, the ep2 run's rank-0 results, the ep4 run's): ep2 on 2 ranks, resumed there at ep2; ep4 on 4
+    ranks, then both saves resumed there at ep2 x dp2."""
+    tmp = str(tmp_path_factory.mktemp("ep-ckpt"))
+    ep2 = run_distributed(_save_body, 2, tmp, 2, [(f"{tmp}/ep2", 2)])
+    ep4 = run_distributed(_save_body, 4, tmp, 4, [(f"{tmp}/ep2", 2), (f"{tmp}/ep4", 2)])
+    for results in (ep2, ep4):
+        assert all(r["losses"] == results[0]["losses"] for r in results)
+    return tmp, ep2[0], ep4[0]
+
+
+def _close(got: dict, want: dict, where: str) -> None:
+    """Parameters within AdamW's tolerance of the Contracts (per-tensor relative norm)."""
+    assert set(got) == set(want), where
+    for k, w in want.items():
+        rel = float((got[k] - w).norm() / w.norm().clamp_min(1e-12))
+        assert rel <= ADAMW_REL, f"{where}: {k} relative difference {rel:.2e}"
+
+
+def _plain(start: tuple[dict, dict] | None) -> tuple[list[float], dict]:
+    """Plain PyTorch in this process: every step, or the steps after the save from ``start``."""
+    model = models.mixtral()
+    opt = _optimizer(model)
+    steps = range(BEFORE + AFTER)
+    if start is not None:
+        params, states = start
+        model.load_state_dict(params)
+        osd = opt.state_dict()
+        osd["state"] = {i: copy.deepcopy(states[n]) for i, (n, _) in enumerate(model.named_parameters())}
+        opt.load_state_dict(osd)
+        steps = range(BEFORE, BEFORE + AFTER)
+    return _train(model, opt, steps), model.state_dict()
+
+
+def test_expert_parallel_checkpoints_resume_at_other_ep_sizes_and_in_plain_pytorch(saved) -> None:
+    tmp, ep2, ep4 = saved
+    plain_losses, plain_final = _plain(None)
+    for run in (ep2, ep4):  # every layout trains the plain model
+        torch.testing.assert_close(run["losses"], plain_losses, rtol=LOSS_RTOL, atol=0)
+        _close(run["final"], plain_final, "uninterrupted")
+    states = {ep: _plain_state("bmt", f"{tmp}/ep{ep}-bmt") for ep in (2, 4)}
+    for ep, (params, optim) in states.items():
+        # whole expert tensors under their names; DCP holds the same whole tensors
+        assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+        assert optim["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape[0] == 4
+        dcp_params, dcp_optim = _plain_state("dcp", f"{tmp}/ep{ep}-dcp")
+        _assert_same_tensors(dcp_params, params, f"ep{ep}: DCP's model state")
+        _assert_same_tensors(dcp_optim, optim, f"ep{ep}: DCP's optimizer state")
+        # into plain PyTorch: it continues like the plain run that never stopped
+        losses, final = _plain((params, optim))
+        torch.testing.assert_close(losses, plain_losses[BEFORE:], rtol=LOSS_RTOL, atol=0)
+        _close(final, plain_final, f"plain PyTorch resumed from the ep{ep} save")
+
+    one_rank = {(f"{tmp}/ep2", fmt, 1, 1): run_distributed(_resume_body, 1, fmt, f"{tmp}/ep2-{fmt}", 1)[0]
+                for fmt in FORMATS}
+    resumed = {**ep2["resumed"], **ep4["resumed"], **one_rank}
+    assert len(resumed) == 2 * 4
+    for (path, fmt, at, world), got in resumed.items():
+        saved_ep = int(path.rsplit("ep", 1)[1])
+        params, optim = states[saved_ep]
+        uninterrupted = (ep2 if saved_ep == 2 else ep4)["losses"][BEFORE:]
+        where = f"{fmt} saved at ep{saved_ep}, resumed at ep{at} on {world} rank(s)"
+        _assert_same_tensors(got["params"], params, f"{where}: loaded parameters")
+        again_params, again_optim = _plain_state(fmt, got["again"])
+        _assert_same_tensors(again_params, params, f"{where}: parameters saved again")
+        _assert_same_tensors(again_optim, optim, f"{where}: optimizer state saved again")
+        if at == saved_ep == world:
+            assert got["losses"] == uninterrupted, where  # the saved layout: bit-equal
+        else:
+            torch.testing.assert_close(got["losses"], uninterrupted, rtol=LOSS_RTOL, atol=0, msg=where)
+        _close(got["final"], plain_final, where)
