@@ -169,7 +169,9 @@ def _attention_body(cp_size: int) -> dict:
              "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size)),
              "fused": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, fused_loss=True)),
              "method": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, cp_method="zigzag")),
-             "with_tp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2)) if world == 4 else None}
+             "with_sp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2, sequence_parallel=True))
+             if world == 4 else None,
+             "with_pp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, pp_size=2)) if world == 4 else None}
     found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
     found["loss"] = _loss_case(comm)
@@ -188,7 +190,8 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert got["fused"][0] == "UnsupportedError" and "fused_loss=True" in got["fused"][1], got["fused"]
         assert got["method"][0] == "ContextParallelError" and "'zigzag'" in got["method"][1], got["method"]
         if world == 4:
-            assert got["with_tp"][0] == "UnsupportedError" and "beside tp 2" in got["with_tp"][1], got["with_tp"]
+            assert got["with_sp"][0] == "UnsupportedError" and "sequence_parallel" in got["with_sp"][1], got["with_sp"]
+            assert got["with_pp"][0] == "UnsupportedError" and "beside pp 2" in got["with_pp"][1], got["with_pp"]
         for method, kwargs, errors in got["f64"]:
             assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
         for method, kwargs, errors in got["f32"]:
@@ -253,13 +256,14 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
         torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _cp_body(kind: str, method: str, seq: int) -> dict:
-    """A model wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
-    and right padding; every check's failures, the losses and the plan's text. With more ranks than 2, each
-    data-parallel slice's loss is its own and the reference's gradient is the slices' average (DDP's)."""
+def _cp_body(kind: str, method: str, seq: int, tp: int = 1) -> dict:
+    """A model wrapped with cp_size=2 (and ``tp_size=tp``) beside the unwrapped one on the whole sequence, 3
+    AdamW steps with labels and right padding; every check's failures, the losses and the plan's text. With
+    more data-parallel slices than 1, each slice's loss is its own and the reference's gradient is the slices'
+    average (DDP's)."""
     import bmt_wrap as bmt
 
-    ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method)
+    ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method, tp_size=tp)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     g = torch.Generator().manual_seed(3)
     failures: list[str] = []
@@ -290,7 +294,10 @@ def _cp_body(kind: str, method: str, seq: int) -> dict:
     compare_params(ref, model, "adamw", "after 3 steps", failures=failures)
     cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
     ids = ids[:1, :6]
+    tp_section = model.plan.tensor_parallel
+    split = sorted({e.module.rsplit(".", 1)[-1] for e in tp_section.entries}) if tp_section else []
     return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
+            "tp_split": split,
             "odd": raised(lambda: model(input_ids=ids, labels=ids)),
             "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
@@ -319,3 +326,23 @@ def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
         for ref, mine in got["losses"]:
             assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
     assert results[0]["losses"] != results[2]["losses"]  # the slices are different data
+
+
+def _cp_tp_body(runs: list[tuple[str, str]], seq: int) -> list[dict]:
+    """``_cp_body`` at cp2 x tp2 for each (model kind, method), on one worker group."""
+    return [_cp_body(kind, method, seq, tp=2) for kind, method in runs]
+
+
+def test_cp2_beside_tp2_trains_as_on_the_whole_sequence() -> None:
+    """4 ranks: TP splits each layer's heads over 2 ranks, and CP's attention runs on each TP rank's heads (2
+    query heads, 1 KV head: Ulysses over 2 CP ranks repeats K/V to the query heads)."""
+    runs = [("llama", "ulysses"), ("qwen2", "ring")]
+    for got in run_distributed(_cp_tp_body, 4, runs, 128):
+        for (kind, method), one in zip(runs, got, strict=True):
+            assert not one["failures"], (kind, one["failures"][:5])
+            for ref, mine in one["losses"]:
+                assert abs(ref - mine) <= LOSS_RTOL * abs(ref), (kind, one["losses"])
+            assert f"context parallelism over 2 ranks ({method})" in one["plan"], one["plan"]
+            assert one["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3, one["cp_ops"]
+            assert one["differ"][0] == "ContextParallelError", one["differ"]
+            assert {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"} <= set(one["tp_split"]), one["tp_split"]

@@ -163,7 +163,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
         wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
         if wanted.cp > 1:  # the sizes and the model are alike on every rank: refused alike, before any group
-            check_context_parallel(model, wanted, cp_method, fused_loss)
+            check_context_parallel(model, wanted, cp_method, fused_loss, sequence_parallel)
         parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
