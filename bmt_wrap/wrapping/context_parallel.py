@@ -144,8 +144,6 @@ def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str, fuse
     """Raise before anything changes when ``model`` cannot be split over ``mesh``'s CP ranks as asked."""
     if method not in METHODS:
         raise ContextParallelError(f"cp_method={method!r}: use one of {METHODS}")
-    if fused_loss:  # its loss reads labels itself: the whole-sequence shift would be lost without an error
-        raise UnsupportedError(f"cp_size={mesh.cp} with fused_loss=True is not implemented yet (#52): leave one out")
     if sequence_parallel and mesh.tp > 1:  # untested: SP's split of the local sequence beside CP's indices
         raise UnsupportedError(f"cp_size={mesh.cp} with tp_size={mesh.tp} and sequence_parallel=True is not "
                                "implemented yet (#52): CP already splits each sequence, so leave "
