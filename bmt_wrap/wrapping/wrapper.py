@@ -146,8 +146,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     sequences between them (load-balanced: rank i holds chunks i and 2C-1-i of 2C); attention runs over the
     whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
     Ulysses when there are at least C heads). transformers models whose attentions call its attention
-    interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Not yet beside
-    ``tp_size``/``pp_size``/``ep_size``/replicas or ``fused_loss=True`` (``UnsupportedError``).
+    interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Beside ``tp_size``,
+    attention runs on each TP rank's heads; ``fused_loss=True`` runs on each rank's tokens. Not yet beside
+    ``pp_size``/``ep_size``/replicas or ``sequence_parallel=True`` (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
