@@ -254,15 +254,18 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
         torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False) -> dict:
-    """A model wrapped with cp_size=2 (and ``tp_size=tp``) beside the unwrapped one on the whole sequence, 3
-    AdamW steps with labels and right padding; every check's failures, the losses and the plan's text. With
-    more data-parallel slices than 1, each slice's loss is its own and the reference's gradient is the slices'
-    average (DDP's)."""
+def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False, replicas: bool = False) -> dict:
+    """A model wrapped with cp_size=2 (and ``tp_size=tp``; ``replicas``: HSDP, a (replicate, cp) mesh) beside
+    the unwrapped one on the whole sequence, 3 AdamW steps with labels and right padding; every check's
+    failures, the losses and the plan's text. With more data-parallel slices than 1, each slice's loss is its
+    own and the reference's gradient is the slices' average (DDP's)."""
     import bmt_wrap as bmt
 
     ref = _long(kind)
-    model = bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method, tp_size=tp, fused_loss=fused)
+    mesh = init_device_mesh("cpu", (bmt.world_size() // 2, 2), mesh_dim_names=("replicate", "cp")) if replicas \
+        else None
+    model = bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method, tp_size=tp, fused_loss=fused,
+                                    mesh=mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     g = torch.Generator().manual_seed(3)
     failures: list[str] = []
@@ -332,22 +335,33 @@ def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
     assert results[0]["losses"] != results[2]["losses"]  # the slices are different data
 
 
-def _cp_tp_body(runs: list[tuple[str, str, bool]], seq: int) -> list[dict]:
-    """``_cp_body`` at cp2 x tp2 for each (model kind, method, fused loss), on one worker group."""
-    return [_cp_body(kind, method, seq, tp=2, fused=fused) for kind, method, fused in runs]
+def _runs_body(runs: list[tuple[str, str, dict]], seq: int) -> list[dict]:
+    """``_cp_body`` for each (model kind, method, keyword arguments), on one worker group."""
+    import gc
+
+    out = []
+    for kind, method, kwargs in runs:
+        gc.collect()  # the models above go before one of another layout is wrapped
+        out.append(_cp_body(kind, method, seq, **kwargs))
+    return out
 
 
-def test_cp2_beside_tp2_trains_as_on_the_whole_sequence() -> None:
+def test_cp2_beside_tp2_and_beside_replicas_trains_as_on_the_whole_sequence() -> None:
     """4 ranks: TP splits each layer's heads over 2 ranks, and CP's attention runs on each TP rank's heads (2
     query heads, 1 KV head: Ulysses over 2 CP ranks repeats K/V to the query heads); Qwen2's fused loss is
-    vocabulary-parallel (its head split by TP) on each CP rank's tokens."""
-    runs = [("llama", "ulysses", False), ("qwen2", "ring", True)]
-    for got in run_distributed(_cp_tp_body, 4, runs, 128):
-        for (kind, method, _), one in zip(runs, got, strict=True):
+    vocabulary-parallel (its head split by TP) on each CP rank's tokens. Then HSDP: 2 replicas of a cp2 pair
+    (each replica its own data slice, gradients averaged across the replicas)."""
+    runs = [("llama", "ulysses", {"tp": 2}), ("qwen2", "ring", {"tp": 2, "fused": True}),
+            ("llama", "ring", {"replicas": True})]
+    results = run_distributed(_runs_body, 4, runs, 128)
+    assert results[0][2]["losses"] != results[2][2]["losses"]  # HSDP: the replicas take different slices
+    for got in results:
+        for (kind, method, kwargs), one in zip(runs, got, strict=True):
             assert not one["failures"], (kind, one["failures"][:5])
             for ref, mine in one["losses"]:
                 assert abs(ref - mine) <= LOSS_RTOL * abs(ref), (kind, one["losses"])
             assert f"context parallelism over 2 ranks ({method})" in one["plan"], one["plan"]
             assert one["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3, one["cp_ops"]
             assert one["differ"][0] == "ContextParallelError", one["differ"]
-            assert {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"} <= set(one["tp_split"]), one["tp_split"]
+            if kwargs.get("tp"):
+                assert {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"} <= set(one["tp_split"]), one["tp_split"]

@@ -148,12 +148,12 @@ def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str, fuse
         raise UnsupportedError(f"cp_size={mesh.cp} with tp_size={mesh.tp} and sequence_parallel=True is not "
                                "implemented yet (#52): CP already splits each sequence, so leave "
                                "sequence_parallel out (or cp_size)")
-    others = [f"{axis} {mesh.size(axis)}" for axis in ("pp", "replicate") if mesh.size(axis) > 1]
+    others = [f"pp {mesh.pp}"] if mesh.pp > 1 else []
     others += [f"ep {mesh.ep}"] if mesh.ep > 1 else []
     if others:
         raise UnsupportedError(f"cp_size={mesh.cp} beside {', '.join(others)} is not implemented yet (#52): context "
-                               "parallelism runs with data parallelism (ZeRO-3) and tensor parallelism only for "
-                               "now")
+                               "parallelism runs with data parallelism (ZeRO-3, HSDP) and tensor parallelism only "
+                               "for now")
     if getattr(model, "config", None) is None or not hasattr(model, "set_attn_implementation"):
         raise UnsupportedError(f"cp_size= splits transformers models whose attentions call transformers' attention "
                                f"interface; {type(model).__name__} is not one. Leave cp_size out, or call "

@@ -147,8 +147,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
     Ulysses when there are at least C heads). transformers models whose attentions call its attention
     interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Beside ``tp_size``,
-    attention runs on each TP rank's heads; ``fused_loss=True`` runs on each rank's tokens. Not yet beside
-    ``pp_size``/``ep_size``/replicas or ``sequence_parallel=True`` (``UnsupportedError``).
+    attention runs on each TP rank's heads; with HSDP replicas too; ``fused_loss=True`` runs on each rank's
+    tokens. Not yet beside ``pp_size``/``ep_size`` or ``sequence_parallel=True`` (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
