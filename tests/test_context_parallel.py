@@ -167,9 +167,10 @@ def _attention_body(cp_size: int) -> dict:
              "mismatch": raised(lambda: job_layout(device_mesh, cp_size=1)),
              "bad_size": raised(lambda: job_layout(cp_size=3)),
              "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size)),
-             "fused": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, fused_loss=True)),
              "method": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, cp_method="zigzag")),
-             "with_tp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2)) if world == 4 else None}
+             "with_sp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2, sequence_parallel=True))
+             if world == 4 else None,
+             "with_pp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, pp_size=2)) if world == 4 else None}
     found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
     found["loss"] = _loss_case(comm)
@@ -185,10 +186,10 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert got["mismatch"][0] == "MeshError" and "cp_size=" in got["mismatch"][1], got["mismatch"]
         assert got["bad_size"][0] == "InitError" and "cp_size=3" in got["bad_size"][1], got["bad_size"]
         assert got["wrap"][0] == "UnsupportedError" and "transformers models" in got["wrap"][1], got["wrap"]
-        assert got["fused"][0] == "UnsupportedError" and "fused_loss=True" in got["fused"][1], got["fused"]
         assert got["method"][0] == "ContextParallelError" and "'zigzag'" in got["method"][1], got["method"]
         if world == 4:
-            assert got["with_tp"][0] == "UnsupportedError" and "beside tp 2" in got["with_tp"][1], got["with_tp"]
+            assert got["with_sp"][0] == "UnsupportedError" and "sequence_parallel" in got["with_sp"][1], got["with_sp"]
+            assert got["with_pp"][0] == "UnsupportedError" and "beside pp 2" in got["with_pp"][1], got["with_pp"]
         for method, kwargs, errors in got["f64"]:
             assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
         for method, kwargs, errors in got["f32"]:
@@ -253,19 +254,26 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
         torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _cp_body(kind: str, method: str, seq: int) -> dict:
-    """A model wrapped with cp_size=2 beside the unwrapped one on the whole sequence, 3 AdamW steps with labels
-    and right padding; every check's failures, the losses and the plan's text. With more ranks than 2, each
-    data-parallel slice's loss is its own and the reference's gradient is the slices' average (DDP's)."""
+def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False, replicas: bool = False) -> dict:
+    """A model wrapped with cp_size=2 (and ``tp_size=tp``; ``replicas``: HSDP, a (replicate, cp) mesh) beside
+    the unwrapped one on the whole sequence, 3 AdamW steps with labels and right padding; every check's
+    failures, the losses and the plan's text. With more data-parallel slices than 1, each slice's loss is its
+    own and the reference's gradient is the slices' average (DDP's)."""
     import bmt_wrap as bmt
 
-    ref, model = _long(kind), bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method)
+    ref = _long(kind)
+    mesh = init_device_mesh("cpu", (bmt.world_size() // 2, 2), mesh_dim_names=("replicate", "cp")) if replicas \
+        else None
+    model = bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method, tp_size=tp, fused_loss=fused,
+                                    mesh=mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     g = torch.Generator().manual_seed(3)
     failures: list[str] = []
+    whole = None  # a fused loss's first call must carry labels: it is the capture that finds the loss
     with torch.no_grad():  # without gradients nothing is split: every rank runs the whole sequence
         ids = torch.randint(0, models.VOCAB, (1, 22), generator=g)  # 22 does not divide into 4 chunks
-        whole = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+        if not fused:
+            whole = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
     losses = []
     slices, mine = bmt.data_parallel_size(), bmt.data_parallel_rank()
     for step in range(3):
@@ -277,7 +285,9 @@ def _cp_body(kind: str, method: str, seq: int) -> dict:
                    for i, m, la in zip(ids.chunk(slices), mask.chunk(slices), labels.chunk(slices), strict=True)]
         ref_losses = torch.stack([ref(**b).loss for b in batches])
         ref_losses.mean().backward()
-        pair = [ref_losses[mine], model(**batches[mine]).loss]
+        out = model(**batches[mine])
+        assert not fused or out.logits is None  # the fused loss took them: never whole
+        pair = [ref_losses[mine], out.loss]
         pair[1].backward()
         losses.append((pair[0].item(), pair[1].item()))
         if step == 0:  # the same parameters: elementwise
@@ -290,21 +300,25 @@ def _cp_body(kind: str, method: str, seq: int) -> dict:
     compare_params(ref, model, "adamw", "after 3 steps", failures=failures)
     cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
     ids = ids[:1, :6]
+    tp_section = model.plan.tensor_parallel
+    split = sorted({e.module.rsplit(".", 1)[-1] for e in tp_section.entries}) if tp_section else []
     return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
+            "tp_split": split,
             "odd": raised(lambda: model(input_ids=ids, labels=ids)),
             "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
 
 # Each method at 2 ranks once per model kind; the ring trains Llama in the cp2 x dp2 test below (suite time).
-@pytest.mark.parametrize("kind, method, seq", [("llama", "ulysses", 256), ("qwen2", "ulysses", 128),
-                                               ("mistral", "ring", 128)])
-def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int) -> None:
-    for got in run_distributed(_cp_body, 2, kind, method, seq):
+# fused_loss=True: the chunked loss on each rank's local tokens, with the labels shifted on the whole sequence.
+@pytest.mark.parametrize("kind, method, seq, fused", [("llama", "ulysses", 256, False), ("qwen2", "ulysses", 128, False),
+                                                      ("mistral", "ring", 128, False), ("llama", "ring", 128, True)])
+def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int, fused: bool) -> None:
+    for got in run_distributed(_cp_body, 2, kind, method, seq, fused=fused):
         assert not got["failures"], got["failures"][:5]
         for ref, mine in got["losses"]:
             assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
         assert f"context parallelism over 2 ranks ({method})" in got["plan"], got["plan"]
-        assert got["no_grad"] <= 1e-5, got["no_grad"]
+        assert fused or got["no_grad"] <= 1e-5, got["no_grad"]
         # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
         assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
         assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
@@ -319,3 +333,35 @@ def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
         for ref, mine in got["losses"]:
             assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
     assert results[0]["losses"] != results[2]["losses"]  # the slices are different data
+
+
+def _runs_body(runs: list[tuple[str, str, dict]], seq: int) -> list[dict]:
+    """``_cp_body`` for each (model kind, method, keyword arguments), on one worker group."""
+    import gc
+
+    out = []
+    for kind, method, kwargs in runs:
+        gc.collect()  # the models above go before one of another layout is wrapped
+        out.append(_cp_body(kind, method, seq, **kwargs))
+    return out
+
+
+def test_cp2_beside_tp2_and_beside_replicas_trains_as_on_the_whole_sequence() -> None:
+    """4 ranks: TP splits each layer's heads over 2 ranks, and CP's attention runs on each TP rank's heads (2
+    query heads, 1 KV head: Ulysses over 2 CP ranks repeats K/V to the query heads); Qwen2's fused loss is
+    vocabulary-parallel (its head split by TP) on each CP rank's tokens. Then HSDP: 2 replicas of a cp2 pair
+    (each replica its own data slice, gradients averaged across the replicas)."""
+    runs = [("llama", "ulysses", {"tp": 2}), ("qwen2", "ring", {"tp": 2, "fused": True}),
+            ("llama", "ring", {"replicas": True})]
+    results = run_distributed(_runs_body, 4, runs, 128)
+    assert results[0][2]["losses"] != results[2][2]["losses"]  # HSDP: the replicas take different slices
+    for got in results:
+        for (kind, method, kwargs), one in zip(runs, got, strict=True):
+            assert not one["failures"], (kind, one["failures"][:5])
+            for ref, mine in one["losses"]:
+                assert abs(ref - mine) <= LOSS_RTOL * abs(ref), (kind, one["losses"])
+            assert f"context parallelism over 2 ranks ({method})" in one["plan"], one["plan"]
+            assert one["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3, one["cp_ops"]
+            assert one["differ"][0] == "ContextParallelError", one["differ"]
+            if kwargs.get("tp"):
+                assert {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"} <= set(one["tp_split"]), one["tp_split"]

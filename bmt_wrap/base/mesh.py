@@ -152,6 +152,12 @@ class MeshLayout:
         c = self.coords(rank)
         return c["replicate"] * self.shard + c["shard"]
 
+    def zero_axes(self, whole_on_tp: bool = False) -> tuple[str, ...]:
+        """The axes ZeRO-3 shards a flat buffer over: ``shard`` and ``cp`` (CP peers hold the same parameters,
+        torchtitan's ``dp_shard_cp``), and ``tp`` too for parameters every TP peer holds whole
+        (``whole_on_tp``); the gradient is averaged over the same ranks."""
+        return ("shard", "cp", "tp") if whole_on_tp else ("shard", "cp")
+
     # ---- expert parallelism: a split of the shard axis ------------------------------------------------
     def ep_rank(self, rank: int) -> int:
         """Which ``1/ep`` of every MoE layer's experts ``rank`` owns."""

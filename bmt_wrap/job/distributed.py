@@ -465,7 +465,7 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
     def along(axes: tuple[str, ...] | Callable[[int], tuple[int, ...]], scope: str) -> Communicator:
         group_of = axes if callable(axes) else (lambda r: mesh.group(r, axes))
         ranks = group_of(state.rank)
-        if axes in (("shard",), ("shard", "cp")) and ranks == tuple(range(state.world_size)):
+        if axes == mesh.zero_axes() and ranks == tuple(range(state.world_size)):
             return state.comm  # ZeRO-3 over the whole job: the job's own communicator (one rank: counted too)
         if (ranks, scope) not in made:
             if len(ranks) == 1:
@@ -481,11 +481,11 @@ def build_layout(mesh: MeshLayout) -> ParallelLayout:
     # Built in the same order on every rank (NCCL backends need it): tp, shard, replicate, whole, pp, stage,
     # ep, experts, cp.
     tp = along(("tp",), "tp")
-    # CP peers hold the same parameters: ZeRO shards over them too (torchtitan's dp_shard_cp), and the loss's
-    # backward scales by C so the group's average sums their parts (runtime/context_parallel.slice_loss).
-    shard = along(("shard", "cp") if mesh.cp > 1 else ("shard",), shard_scope)
+    # CP peers hold the same parameters: ZeRO shards over them too, and the loss's backward scales by C so the
+    # group's average sums their parts (runtime/context_parallel.slice_loss); under TP, so does ``whole``.
+    shard = along(mesh.zero_axes(), shard_scope)
     replicate = along(("replicate",), "replicate") if mesh.replicate > 1 else None
-    whole = along(("shard", "tp"), shard_scope) if mesh.tp > 1 else None
+    whole = along(mesh.zero_axes(whole_on_tp=True), shard_scope) if mesh.tp > 1 else None
     pp = along(("pp",), "pp") if mesh.pp > 1 else None
     stage = along(("replicate", "shard", "cp", "tp"), "stage") if mesh.pp > 1 else None
     ep, experts = None, None

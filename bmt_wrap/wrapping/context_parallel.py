@@ -139,17 +139,21 @@ def _whole_loss(model: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
-def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str, fused_loss: bool = False) -> None:
+def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str, fused_loss: bool = False,
+                           sequence_parallel: bool = False) -> None:
     """Raise before anything changes when ``model`` cannot be split over ``mesh``'s CP ranks as asked."""
     if method not in METHODS:
         raise ContextParallelError(f"cp_method={method!r}: use one of {METHODS}")
-    if fused_loss:  # its loss reads labels itself: the whole-sequence shift would be lost without an error
-        raise UnsupportedError(f"cp_size={mesh.cp} with fused_loss=True is not implemented yet (#52): leave one out")
-    others = [f"{axis} {mesh.size(axis)}" for axis in ("pp", "replicate", "tp") if mesh.size(axis) > 1]
+    if sequence_parallel and mesh.tp > 1:  # untested: SP's split of the local sequence beside CP's indices
+        raise UnsupportedError(f"cp_size={mesh.cp} with tp_size={mesh.tp} and sequence_parallel=True is not "
+                               "implemented yet (#52): CP already splits each sequence, so leave "
+                               "sequence_parallel out (or cp_size)")
+    others = [f"pp {mesh.pp}"] if mesh.pp > 1 else []
     others += [f"ep {mesh.ep}"] if mesh.ep > 1 else []
     if others:
         raise UnsupportedError(f"cp_size={mesh.cp} beside {', '.join(others)} is not implemented yet (#52): context "
-                               "parallelism runs with data parallelism (ZeRO-3) only for now")
+                               "parallelism runs with data parallelism (ZeRO-3, HSDP) and tensor parallelism only "
+                               "for now")
     if getattr(model, "config", None) is None or not hasattr(model, "set_attn_implementation"):
         raise UnsupportedError(f"cp_size= splits transformers models whose attentions call transformers' attention "
                                f"interface; {type(model).__name__} is not one. Leave cp_size out, or call "

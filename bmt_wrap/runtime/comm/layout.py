@@ -51,7 +51,7 @@ class ParallelLayout:
     of where ranks sit): ``tp``, the T adjacent ranks that split layers between them; ``dp``, the ranks with
     this rank's stage and TP rank, which ZeRO shards over (HSDP: its shard and replicate groups; with CP, the
     CP peers too); ``whole``,
-    the shard x tp ranks of one replica, which buffers of parameters every TP peer holds whole are sharded
+    the shard x cp x tp ranks of one replica, which buffers of parameters every TP peer holds whole are sharded
     over; ``pp``, the stages of this rank's pipeline; ``stage``, every rank of this rank's stage; ``cp``, the
     ranks splitting each sequence of this rank's data slice between them (context parallelism).
 
