@@ -32,6 +32,13 @@ def _llama_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss
 
 
+def _llama_loss_counted(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The loss as transformers' Trainer asks for it: with the batch's count of labelled tokens given."""
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return model(input_ids=ids, labels=labels, num_items_in_batch=int((labels[..., 1:] != -100).sum())).loss
+
+
 def _llama4() -> nn.Module:
     """``models.llama()`` with 4 layers, one per stage at pp4."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,8 +48,9 @@ def _llama4() -> nn.Module:
 
 def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
     """One model trained side by side with plain PyTorch (3 steps); the test's own checks raise inside."""
-    if kind in ("llama", "llama4"):
-        build, loss_fn = models.llama if kind == "llama" else _llama4, _llama_loss
+    if kind in ("llama", "llama4", "llama counted"):
+        build = _llama4 if kind == "llama4" else models.llama
+        loss_fn = _llama_loss_counted if kind == "llama counted" else _llama_loss
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
         batches[1][0][0, -1] = 7  # another batch on the second step
     else:
@@ -60,12 +68,15 @@ def _train(kind: str, optimizer: str, wrap_kwargs: dict | None = None) -> dict:
 # ---- parity -------------------------------------------------------------------------------------------------
 def _pp2_body() -> list[dict]:
     use_pipeline(2)
-    return [_train("toy", "adamw"), _train("tied", "sgd", {"pp_microbatches": 4}), _train("llama", "adamw")]
+    return [_train("toy", "adamw"), _train("tied", "sgd", {"pp_microbatches": 4}), _train("llama", "adamw"),
+            _train("llama counted", "sgd")]
 
 
 def test_pp2_trains_like_plain_pytorch() -> None:
     # toy GPT (AdamW), its tied-embedding variant (the weight on both stages, gradients summed; SGD: parameters
-    # elementwise), transformers' Llama with labels (AdamW), all within DESIGN.md's tolerances
+    # elementwise), transformers' Llama with labels (AdamW), and given num_items_in_batch as the Trainer gives
+    # it (its micro-batch losses already divide by the whole batch's count: they sum), all within DESIGN.md's
+    # tolerances
     results = run_distributed(_pp2_body, 2)
     assert results[0] == results[1]  # both stages return the whole batch's loss
 

@@ -411,9 +411,14 @@ def _pipelined(model: nn.Module, runtime: PipelineRuntime, original: Any, accept
     return _own_objects(out, kwargs) if not runtime.last_stage else out
 
 
-def _items_in_batch(accepts_items: bool, kwargs: dict) -> int | None:
-    """The whole batch's count of tokens a transformers causal loss divides by, for its micro-batches."""
-    if accepts_items and kwargs.get("labels") is not None and "num_items_in_batch" not in kwargs:
+def _items_in_batch(accepts_items: bool, kwargs: dict) -> Any:
+    """The whole batch's count of tokens a transformers causal loss divides by, for its micro-batches: the
+    caller's own (transformers' Trainer passes it), else counted from the labels; None for a mean loss."""
+    # Given, it already makes each micro-batch's loss a share of the batch's: they sum, not average (weighting
+    # them as means divided the Trainer's loss and gradients by the micro-batch count).
+    if kwargs.get("num_items_in_batch") is not None:
+        return kwargs["num_items_in_batch"]
+    if accepts_items and kwargs.get("labels") is not None:
         return int((kwargs["labels"][..., 1:] != -100).sum())
     return None
 
