@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..job.distributed import parallel_layout
 from ..job.tp_values import (
     every_ep_rank,
     expert_split,
@@ -43,6 +44,7 @@ class Entry:
     # An expert of a ModuleList under EP: the names of the same position among each EP rank's own experts
     # (job/tp_values.list_expert_names), which whole-state files hold beside this rank's
     ep_names: list[str] | None = None
+    absent: bool = False  # another EP rank's list expert (``with_peers``): named and shaped here, held there
 
     @property
     def name(self) -> str:
@@ -164,6 +166,19 @@ def model_entries(model: nn.Module) -> list[Entry]:
         else:
             by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
     return list(by_id.values())
+
+
+def with_peers(entries: list[Entry]) -> list[Entry]:
+    """``entries`` with every EP rank's list experts, the same names in the same order on every rank (what a
+    sharded checkpoint lines up by position): each rank's own in its EP rank's place, the others absent."""
+    ep_rank = parallel_layout().ep_rank
+    out = []
+    for e in entries:
+        if e.ep_names is None:
+            out.append(e)
+            continue
+        out += [e if r == ep_rank else Entry([n], e.shape, e.dtype, absent=True) for r, n in enumerate(e.ep_names)]
+    return out
 
 
 def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]], list[Entry]]:
