@@ -92,8 +92,9 @@ def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: obje
         routed.append(bmt.distributed.comm().snapshot().get("all_to_all", {}).get("calls", 0))
     if readers:
         _check_readers(model, ref, readers)
-    shapes = {n: list(p.shape) for n, p in model.named_parameters() if expert_split(p)}
-    held = {id(p.flat_buffer): p.flat_buffer.shard for p in model.parameters() if expert_split(p)}
+    # an EP rank's experts: packed ones' (its experts on dim 0) or its own of a ModuleList
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if expert_split(p) or list_expert(p)}
+    held = {id(p.flat_buffer): p.flat_buffer.shard for p in model.parameters() if expert_split(p) or list_expert(p)}
     q = dict(model.named_parameters()).get("model.layers.0.self_attn.q_proj.weight")
     total = sum(p.numel() * p.element_size() for name, p in ref.named_parameters() if name.startswith(experts))
     return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed, "total": total,
