@@ -1,5 +1,6 @@
-"""Sharded checkpoints of expert-parallel models (#51): transformers Mixtral (4 experts a layer, top-2,
-labels, ``output_router_logits=True``) saved with ``bmt.save_checkpoint`` and with DCP at ep2 (2 ranks) and at
+"""Sharded checkpoints of expert-parallel models (#51): transformers Mixtral (4 packed experts a layer, top-2,
+labels, ``output_router_logits=True``) and an LM whose experts are a ModuleList of MLPs (4 a layer, each EP rank
+holding its own under their names) saved with ``bmt.save_checkpoint`` and with DCP at ep2 (2 ranks) and at
 ep4 (4 ranks); both resumed at ep2 x dp2 (4 ranks), the ep2 one also at one rank (no EP) and at its saved
 layout; both read whole into plain PyTorch.
 
@@ -27,6 +28,8 @@ from bmt_wrap.save_load import dcp as bmt_dcp
 
 BEFORE, AFTER = 2, 2  # steps before the save, and after it
 FORMATS = ("bmt", "dcp")
+LOSSES = {"mixtral": lambda m, ids: m(input_ids=ids, labels=ids, output_router_logits=True).loss,
+          "list_moe": lambda m, ids: m(ids, ids)}  # packed experts, and a ModuleList of expert MLPs
 
 
 def _batches() -> list[torch.Tensor]:
@@ -38,10 +41,10 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+def _train(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
     losses, batches = [], _batches()
     for s in steps:
-        loss = model(input_ids=batches[s], labels=batches[s], output_router_logits=True).loss
+        loss = LOSSES[kind](model, batches[s])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -49,8 +52,8 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
     return losses
 
 
-def _wrapped(ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = bmt.BMTrainModelWrapper(models.mixtral(), ep_size=ep)
+def _wrapped(kind: str, ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = bmt.BMTrainModelWrapper(getattr(models, kind)(), ep_size=ep)
     return model, _optimizer(model)
 
 
@@ -68,49 +71,50 @@ def _load(fmt: str, path: str, model: torch.nn.Module, opt: torch.optim.Optimize
         bmt_dcp.load_sharded(path, model, opt)
 
 
-def _resume(fmt: str, path: str, ep: int) -> dict:
+def _resume(kind: str, fmt: str, path: str, ep: int) -> dict:
     """Load ``path`` at ``ep_size=ep`` on this group, save it again beside it, train on."""
-    model, opt = _wrapped(ep)
+    model, opt = _wrapped(kind, ep)
     _load(fmt, path, model, opt)
     params = {k: v.clone() for k, v in model.state_dict().items()}  # whole experts: a collective
     again = f"{path}-again-ep{ep}-w{bmt.world_size()}"
     _save(fmt, again, model, opt)
-    losses = _train(model, opt, range(BEFORE, BEFORE + AFTER))
+    losses = _train(kind, model, opt, range(BEFORE, BEFORE + AFTER))
     final = model.state_dict()
     return {"params": params if bmt.rank() == 0 else None, "again": again, "losses": losses,
             "final": final if bmt.rank() == 0 else None}
 
 
-def _resume_body(fmt: str, path: str, ep: int) -> dict:
-    return _resume(fmt, path, ep)
+def _resume_body(kind: str, fmt: str, path: str, ep: int) -> dict:
+    return _resume(kind, fmt, path, ep)
 
 
-def _save_body(tmp: str, ep: int, resumes: list[tuple[str, int]]) -> dict:
-    """Train at ``ep_size=ep``, save in both formats (``{tmp}/ep{ep}-{fmt}``), train on; then each of
-    ``resumes`` ((saved directory without its format, ep_size)) in both formats."""
-    model, opt = _wrapped(ep)
-    losses = _train(model, opt, range(BEFORE))
+def _save_body(kind: str, tmp: str, ep: int, resumes: list[tuple[str, int]]) -> dict:
+    """Train at ``ep_size=ep``, save in both formats (``{tmp}/{kind}/ep{ep}-{fmt}``), train on; then each of
+    ``resumes`` ((saved directory under the kind's, without its format, ep_size)) in both formats."""
+    model, opt = _wrapped(kind, ep)
+    losses = _train(kind, model, opt, range(BEFORE))
     for fmt in FORMATS:
-        _save(fmt, f"{tmp}/ep{ep}-{fmt}", model, opt)
-    losses += _train(model, opt, range(BEFORE, BEFORE + AFTER))
+        _save(fmt, f"{tmp}/{kind}/ep{ep}-{fmt}", model, opt)
+    losses += _train(kind, model, opt, range(BEFORE, BEFORE + AFTER))
     final = model.state_dict()
     del model, opt
     gc.collect()  # the saved layout's model goes before one of another layout is wrapped
-    resumed = {(path, fmt, at, bmt.world_size()): _resume(fmt, f"{path}-{fmt}", at) for path, at in resumes
-               for fmt in FORMATS}
+    resumed = {(path, fmt, at, bmt.world_size()): _resume(kind, fmt, f"{tmp}/{kind}/{path}-{fmt}", at)
+               for path, at in resumes for fmt in FORMATS}
     return {"losses": losses, "final": final if bmt.rank() == 0 else None, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict]:
-    """(directory, the ep2 run's rank-0 results, the ep4 run's): ep2 on 2 ranks, resumed there at ep2; ep4 on 4
-    ranks, then both saves resumed there at ep2 x dp2."""
+    """(directory, the ep2 run's rank-0 results by model kind, the ep4 run's): ep2 on 2 ranks, resumed there at
+    ep2; ep4 on 4 ranks, then both saves resumed there at ep2 x dp2."""
     tmp = str(tmp_path_factory.mktemp("ep-ckpt"))
-    ep2 = run_distributed(_save_body, 2, tmp, 2, [(f"{tmp}/ep2", 2)])
-    ep4 = run_distributed(_save_body, 4, tmp, 4, [(f"{tmp}/ep2", 2), (f"{tmp}/ep4", 2)])
-    for results in (ep2, ep4):
+    # one call per model kind on each worker group (no extra start-up), each inside the harness's time-out
+    ep2 = {kind: run_distributed(_save_body, 2, kind, tmp, 2, [("ep2", 2)]) for kind in LOSSES}
+    ep4 = {kind: run_distributed(_save_body, 4, kind, tmp, 4, [("ep2", 2), ("ep4", 2)]) for kind in LOSSES}
+    for results in [*ep2.values(), *ep4.values()]:
         assert all(r["losses"] == results[0]["losses"] for r in results)
-    return tmp, ep2[0], ep4[0]
+    return tmp, {k: r[0] for k, r in ep2.items()}, {k: r[0] for k, r in ep4.items()}
 
 
 def _close(got: dict, want: dict, where: str) -> None:
@@ -121,9 +125,9 @@ def _close(got: dict, want: dict, where: str) -> None:
         assert rel <= ADAMW_REL, f"{where}: {k} relative difference {rel:.2e}"
 
 
-def _plain(start: tuple[dict, dict] | None) -> tuple[list[float], dict]:
+def _plain(kind: str, start: tuple[dict, dict] | None) -> tuple[list[float], dict]:
     """Plain PyTorch in this process: every step, or the steps after the save from ``start``."""
-    model = models.mixtral()
+    model = getattr(models, kind)()
     opt = _optimizer(model)
     steps = range(BEFORE + AFTER)
     if start is not None:
@@ -133,29 +137,36 @@ def _plain(start: tuple[dict, dict] | None) -> tuple[list[float], dict]:
         osd["state"] = {i: copy.deepcopy(states[n]) for i, (n, _) in enumerate(model.named_parameters())}
         opt.load_state_dict(osd)
         steps = range(BEFORE, BEFORE + AFTER)
-    return _train(model, opt, steps), model.state_dict()
+    return _train(kind, model, opt, steps), model.state_dict()
 
 
-def test_expert_parallel_checkpoints_resume_at_other_ep_sizes_and_in_plain_pytorch(saved) -> None:
+@pytest.mark.parametrize("kind", list(LOSSES))
+def test_expert_parallel_checkpoints_resume_at_other_ep_sizes_and_in_plain_pytorch(saved, kind: str) -> None:
     tmp, ep2, ep4 = saved
-    plain_losses, plain_final = _plain(None)
+    tmp, ep2, ep4 = f"{tmp}/{kind}", ep2[kind], ep4[kind]
+    plain_losses, plain_final = _plain(kind, None)
     for run in (ep2, ep4):  # every layout trains the plain model
         torch.testing.assert_close(run["losses"], plain_losses, rtol=LOSS_RTOL, atol=0)
         _close(run["final"], plain_final, "uninterrupted")
     states = {ep: _plain_state("bmt", f"{tmp}/ep{ep}-bmt") for ep in (2, 4)}
     for ep, (params, optim) in states.items():
-        # whole expert tensors under their names; DCP holds the same whole tensors
-        assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
-        assert optim["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape[0] == 4
+        # whole expert tensors under their names (a list's: each expert, whichever rank held it); DCP holds the
+        # same whole tensors
+        if kind == "mixtral":
+            assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+            assert optim["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape[0] == 4
+        else:
+            assert set(params) == set(models.list_moe().state_dict())
+            assert optim["layers.1.moe.experts.3.2.weight"]["exp_avg"].shape == (16, 32)
         dcp_params, dcp_optim = _plain_state("dcp", f"{tmp}/ep{ep}-dcp")
         _assert_same_tensors(dcp_params, params, f"ep{ep}: DCP's model state")
         _assert_same_tensors(dcp_optim, optim, f"ep{ep}: DCP's optimizer state")
         # into plain PyTorch: it continues like the plain run that never stopped
-        losses, final = _plain((params, optim))
+        losses, final = _plain(kind, (params, optim))
         torch.testing.assert_close(losses, plain_losses[BEFORE:], rtol=LOSS_RTOL, atol=0)
         _close(final, plain_final, f"plain PyTorch resumed from the ep{ep} save")
 
-    one_rank = {(f"{tmp}/ep2", fmt, 1, 1): run_distributed(_resume_body, 1, fmt, f"{tmp}/ep2-{fmt}", 1)[0]
+    one_rank = {("ep2", fmt, 1, 1): run_distributed(_resume_body, 1, kind, fmt, f"{tmp}/ep2-{fmt}", 1)[0]
                 for fmt in FORMATS}
     resumed = {**ep2["resumed"], **ep4["resumed"], **one_rank}
     assert len(resumed) == 2 * 4

@@ -92,8 +92,9 @@ def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: obje
         routed.append(bmt.distributed.comm().snapshot().get("all_to_all", {}).get("calls", 0))
     if readers:
         _check_readers(model, ref, readers)
-    shapes = {n: list(p.shape) for n, p in model.named_parameters() if expert_split(p)}
-    held = {id(p.flat_buffer): p.flat_buffer.shard for p in model.parameters() if expert_split(p)}
+    # an EP rank's experts: packed ones' (its experts on dim 0) or its own of a ModuleList
+    shapes = {n: list(p.shape) for n, p in model.named_parameters() if expert_split(p) or list_expert(p)}
+    held = {id(p.flat_buffer): p.flat_buffer.shard for p in model.parameters() if expert_split(p) or list_expert(p)}
     q = dict(model.named_parameters()).get("model.layers.0.self_attn.q_proj.weight")
     total = sum(p.numel() * p.element_size() for name, p in ref.named_parameters() if name.startswith(experts))
     return {"losses": losses, "expert_shapes": shapes, "plan": str(model.plan), "a2a_calls": routed, "total": total,
@@ -105,6 +106,7 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> No
     """state_dict() and bmt.save hold whole expert tensors under their names, load_state_dict() and bmt.load
     take them back (sharded checkpoints: tests/test_checkpoint_experts.py)."""
     state = model.state_dict()
+    assert list(state) == list(ref.state_dict())  # every expert under its name (a list's: every EP rank's), in order
     params = dict(model.named_parameters())
     for name, value in state.items():
         if name in params:
@@ -112,6 +114,8 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> No
     model.load_state_dict(ref.state_dict())
     for name, p in model.named_parameters():
         assert torch.equal(_whole(p, p), ref.get_parameter(name).detach()), name
+    again = model.state_dict()  # other EP ranks' experts too, gathered from their owners
+    assert all(torch.equal(again[k], v) for k, v in ref.state_dict().items())
     path = f"{tmp}/ep.safetensors"
     bmt.save(model, path)
     from safetensors.torch import load_file
@@ -128,8 +132,8 @@ def _check_readers(model: torch.nn.Module, ref: torch.nn.Module, tmp: str) -> No
 
 def _parity_body(tmp: str) -> dict:
     # experts in a ModuleList (each rank keeps its slice), trained with torch's Muon on their matrices
-    listed = _train(models.list_moe, loss=lambda m, ids: m(ids, ids), optims=_muon)
-    listed["refused"] = raised(bmt.BMTrainModelWrapper(models.list_moe(), ep_size=2).state_dict)
+    listed = _train(models.list_moe, loss=lambda m, ids: m(ids, ids), optims=_muon, readers=tmp)
+    listed["refused"] = raised(lambda: bmt.init_parameters(bmt.BMTrainModelWrapper(models.list_moe(), ep_size=2)))
     return {"mixtral": _train(models.mixtral, readers=tmp), "skewed": _train(models.gpt_oss, skew=True), "list": listed,
             **{name: _train(getattr(models, name)) for name in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}}
 
@@ -139,13 +143,13 @@ def test_ep2_matches_plain_pytorch_on_transformers_moe_models_a_skewed_gpt_oss_a
     # experts held in a ModuleList trained with torch.optim.Muon
     results = run_distributed(_parity_body, 2, str(tmp_path))  # each rank asserts parity at every step
     for rank, got in enumerate(results):
-        # a ModuleList's experts: rank r keeps experts 2r and 2r+1 under their own names; whole-state readers
-        # refuse by name (each rank holds different names)
+        # a ModuleList's experts: rank r keeps experts 2r and 2r+1 under their own names; the whole-state readers
+        # hold and take every expert (_check_readers); init_parameters refuses them by name
         held = {name.split(".experts.")[1].split(".")[0] for name in got["list"]["expert_shapes"]}
         assert held == {str(2 * rank), str(2 * rank + 1)}, held
         assert got["list"]["expert_bytes"] <= 1.05 * got["list"]["total"] / 2
         kind, text = got["list"]["refused"]
-        assert kind == "UnsupportedError" and "experts held as a ModuleList under ep_size=" in text
+        assert kind == "UnsupportedError" and "init_parameters of experts held as a ModuleList" in text
         mixtral = got["mixtral"]
         # Each rank holds 2 of each layer's 4 experts; the plan says which.
         assert all(s[0] == 2 for s in mixtral["expert_shapes"].values()) and mixtral["expert_shapes"]

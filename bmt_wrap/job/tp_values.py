@@ -10,37 +10,43 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedError
 from ..runtime.tp_marks import tp_blocks, tp_full_shape, tp_slice, tp_split_dim, tp_split_parts
 from ..runtime.tp_ops import gather_tp_slices
 from .distributed import parallel_layout
 
 
 def expert_split(p: torch.Tensor) -> bool:
-    """True for an expert parameter under expert parallelism: it holds this EP rank's experts (dim 0), in a
-    buffer sharded over their owners (``FlatBufferSpec.ep_split``)."""
+    """True for a packed expert parameter under expert parallelism: it holds this EP rank's experts (dim 0),
+    in a buffer sharded over their owners (``FlatBufferSpec.ep_split``)."""
     buffer = getattr(getattr(p, "_layout", None), "buffer", None)
-    return buffer is not None and bool(buffer.spec.ep_split)
+    return buffer is not None and bool(buffer.spec.ep_split) and not list_expert(p)
 
 
 def list_expert(p: torch.Tensor) -> bool:
-    """True for a parameter of an expert held in a ModuleList under expert parallelism: whole on its EP
-    rank alone, under its own name (``wrapping/experts.py``)."""
-    return bool(getattr(p, "_bmt_list_expert", False))
+    """True for a parameter of an expert held in a ModuleList under expert parallelism: whole on its owners
+    alone, under its own name (``wrapping/experts.py``)."""
+    return getattr(p, "_bmt_list_expert", None) is not None
 
 
-def _refuse_list_expert(p: torch.Tensor) -> None:
-    """A whole state would need every EP rank's expert names gathered, which is not built."""
-    if list_expert(p):
-        raise UnsupportedError("reading or loading whole values of experts held as a ModuleList under ep_size= "
-                               "(state_dict, bmt.save/load, init_parameters) is not built yet: each EP rank "
-                               "holds its own experts' parameters, under their names (model.named_parameters())")
+def list_expert_names(p: torch.Tensor, key: str) -> list[str]:
+    """The names, by EP rank, of the parameter each EP rank holds where this rank holds list expert ``p``
+    under ``key``: the same position among each rank's own experts (``every_ep_rank`` joins them)."""
+    own, per, suffix = p._bmt_list_expert
+    base = key[:len(key) - len(f"{own}.{suffix}")]
+    return [f"{base}{r * per + own % per}.{suffix}" for r in range(parallel_layout().ep_size)]
+
+
+def every_ep_rank(local: torch.Tensor) -> torch.Tensor:
+    """``local`` stacked with each EP peer's tensor of the same shape, in EP rank order; a collective over the
+    EP group (every EP peer must call it)."""
+    layout = parallel_layout()
+    assert layout.ep is not None
+    return gather_tp_slices(local.detach().contiguous().unsqueeze(0), layout.ep, 0)
 
 
 def whole_shape(p: torch.Tensor) -> torch.Size:
     """The shape ``p`` has in a checkpoint: the whole tensor for a TP-split parameter or an expert
     parameter under expert parallelism (every EP rank's experts), else ``p.shape``."""
-    _refuse_list_expert(p)
     if expert_split(p):
         return torch.Size([p.shape[0] * parallel_layout().ep_size, *p.shape[1:]])
     return tp_full_shape(p)
@@ -52,7 +58,6 @@ def whole_value(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     must call it), else ``local``."""
     dim = tp_split_dim(p)
     layout = parallel_layout()
-    _refuse_list_expert(p)
     if expert_split(p):  # every EP rank's experts, in rank order (a collective over the EP group)
         assert layout.ep is not None
         return gather_tp_slices(local.contiguous(), layout.ep, 0)
@@ -69,7 +74,6 @@ def local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     parameter under expert parallelism (no communication), else ``whole``."""
     dim = tp_split_dim(p)
     layout = parallel_layout()
-    _refuse_list_expert(p)
     if expert_split(p):
         return whole.chunk(layout.ep_size)[layout.ep_rank]
     if dim is None or layout.tp_size == 1:

@@ -54,7 +54,6 @@ def consolidated_optimizer_state(directory: str | os.PathLike, k: int = 0) -> di
     if not 0 <= k < len(reader.optimizers):
         raise CheckpointError(f"{reader.directory} holds state of {len(reader.optimizers)} optimizer(s); "
                               f"there is no optimizer {k}")
-    values = reader.state(0)["values"][k]
     out: dict[str, dict[str, Any]] = {}
     for name, keys in reader.optimizers[k]["state"].items():
         saved = reader.entries[name]
@@ -63,10 +62,10 @@ def consolidated_optimizer_state(directory: str | os.PathLike, k: int = 0) -> di
             if kind == optim_state.SHARDED:
                 value: Any = _whole(reader, tname, saved)
             elif kind == optim_state.REPLICATED:
-                src = reader.tensors(0)
+                src = reader.holder(name, tname)
                 shape = src.info(tname)[0]
                 value = src.read(tname, 0, math.prod(shape)).reshape(shape).clone()
             else:
-                value = values[name][key]
+                value = reader.value(k, name, key)
             out.setdefault(name, {})[key] = value
     return out

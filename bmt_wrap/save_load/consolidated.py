@@ -64,8 +64,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
                 slot = buffer.spec.slots[e.param.slot_index]  # type: ignore[union-attr]
                 value = full[slot.offset:slot.offset + slot.numel].view(e.param.full_shape)  # type: ignore[union-attr]
                 value = whole_value(e.param, value)  # TP-split: every TP rank's slice (a collective)
-                if out is not None:
-                    out.put(e.names, value.view(e.shape))
+                for names, tensor in e.file_values(value):  # a list expert's: every EP rank's (a collective)
+                    if out is not None:
+                        out.put(names, tensor)
             del full
         for e in replicated:
             if out is not None:
@@ -85,7 +86,7 @@ class _RankZeroWriter:
                 specs = [s for e in ordered for s in e.specs()]
                 self.writer = SafetensorsWriter(path, specs, {"format": "pt"}, tensor_checksums=True)
             else:
-                self.writer = TorchWriter(path, [n for e in entries for n in e.names])
+                self.writer = TorchWriter(path, [n for e in entries for n in e.file_names])
         except CheckpointError as exc:
             self.error = str(exc)
 
@@ -136,7 +137,7 @@ def load(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> Load
         try:
             source = open_checkpoint(path)
             plan, result = match_keys(entries, source, strict)
-            check_my_share(source, [key for _, key in plan])
+            check_my_share(source, [n for e, key in plan for n in e.ep_names or [key]])  # the same keys on every rank
         except CheckpointError as exc:
             # A subclass (CheckpointCorruptError) keeps its type on every rank; a plain one is agree's own.
             error = exc if type(exc) is not CheckpointError else str(exc)
@@ -193,7 +194,7 @@ def match_keys(entries: list[Entry], source: Source | FilesSource,
             mismatched.append(f"{key!r} is {dtype} {list(shape)} in {source.file_of(key).name} but {e.name!r} "
                               f"is {e.dtype} {list(e.shape)} in the model")
         plan.append((e, key))
-    known = {n for e in entries for n in e.names}
+    known = {n for e in entries for n in e.file_names + e.names}  # other EP ranks' list experts are theirs
     unexpected = [k for k in keys if k not in known]
     problems = [listed(mismatched, 3, str, "; ")] if mismatched else []
     if strict and (missing or unexpected):

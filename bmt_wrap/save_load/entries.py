@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..job.tp_values import expert_split, local_value, whole_shape
+from ..job.distributed import parallel_layout
+from ..job.tp_values import (
+    every_ep_rank,
+    expert_split,
+    list_expert,
+    list_expert_names,
+    local_value,
+    whole_shape,
+)
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.param import DistributedParameter
 from ..runtime.tp_marks import tp_split_dim
@@ -33,6 +41,10 @@ class Entry:
     value: torch.Tensor | None = None  # replicated: every rank holds the whole tensor
     # TP-split (job/tp_values.py): ``shape`` is the whole tensor's, the parameter holds this TP rank's slice
     tp_split: bool = False
+    # An expert of a ModuleList under EP: the names of the same position among each EP rank's own experts
+    # (job/tp_values.list_expert_names), which whole-state files hold beside this rank's
+    ep_names: list[str] | None = None
+    absent: bool = False  # another EP rank's list expert (``with_peers``): named and shaped here, held there
 
     @property
     def name(self) -> str:
@@ -49,9 +61,21 @@ class Entry:
         """A parameter every TP peer holds whole, sharded over shard x tp ranks (each its own range)."""
         return self.param is not None and self.param.flat_buffer.spec.over_tp
 
+    @property
+    def file_names(self) -> list[str]:
+        """The names a whole-state file holds for this entry: its aliases, or each EP rank's list expert."""
+        return self.ep_names or self.names
+
     def specs(self) -> list[TensorSpec]:
         """One file tensor per name: aliases are written as plain torch writes them, each in full."""
-        return [TensorSpec(n, self.dtype, self.shape) for n in self.names]
+        return [TensorSpec(n, self.dtype, self.shape) for n in self.file_names]
+
+    def file_values(self, whole: torch.Tensor) -> list[tuple[list[str], torch.Tensor]]:
+        """(names, tensor) pairs a whole-state file holds, from this rank's ``whole`` value: a list expert's
+        every EP rank's (a collective over the EP group), else ``whole`` under every alias."""
+        if self.ep_names is None:
+            return [(self.names, whole.view(self.shape))]
+        return [([n], v) for n, v in zip(self.ep_names, every_ep_rank(whole.view(self.shape)), strict=True)]
 
     def local(self) -> torch.Tensor:
         """This rank's part, flattened: the slice of a sharded entry, the whole of a replicated one."""
@@ -137,10 +161,24 @@ def model_entries(model: nn.Module) -> list[Entry]:
             # An expert parameter under EP holds this EP rank's experts: like a TP slice, its entry is the whole
             # tensor, read and written through job/tp_values.py (local_range: the whole; assign: its part).
             split = tp_split_dim(t) is not None or expert_split(t)
-            by_id[id(t)] = Entry([name], tuple(whole_shape(t)), t.dtype, param=t, tp_split=split)
+            by_id[id(t)] = Entry([name], tuple(whole_shape(t)), t.dtype, param=t, tp_split=split,
+                                 ep_names=list_expert_names(t, name) if list_expert(t) else None)
         else:
             by_id[id(t)] = Entry([name], tuple(t.shape), t.dtype, value=t)
     return list(by_id.values())
+
+
+def with_peers(entries: list[Entry]) -> list[Entry]:
+    """``entries`` with every EP rank's list experts, the same names in the same order on every rank (what a
+    sharded checkpoint lines up by position): each rank's own in its EP rank's place, the others absent."""
+    ep_rank = parallel_layout().ep_rank
+    out = []
+    for e in entries:
+        if e.ep_names is None:
+            out.append(e)
+            continue
+        out += [e if r == ep_rank else Entry([n], e.shape, e.dtype, absent=True) for r, n in enumerate(e.ep_names)]
+    return out
 
 
 def by_buffer(entries: list[Entry]) -> tuple[list[tuple[FlatBuffer, list[Entry]]], list[Entry]]:

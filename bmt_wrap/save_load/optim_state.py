@@ -32,7 +32,13 @@ def tensor_key(k: int, name: str, key: str) -> str:
     return f"optim/{k}/{name}/{key}"
 
 
-def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
+def _group_names(params: list[torch.Tensor], names: dict[int, str], peers: dict[str, list[str]]) -> list[str]:
+    """A param group's parameters by name, a list expert under EP as every EP rank's at its place (``peers``):
+    the same group at any ``ep_size``."""
+    return [n for p in params for n in peers.get(names.get(id(p), "?"), [names.get(id(p), "?")])]
+
+
+def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str], peers: dict[str, list[str]]
             ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, Any]], dict[str, dict[str, str]], list]:
     """Optimizer ``k``'s state: file tensors, plain values, the kind of each state key, and param groups
     (hyperparameters, parameters by name)."""
@@ -45,7 +51,8 @@ def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
         if unknown:
             raise CheckpointError(f"optimizer {k} ({type(opt).__name__}) holds parameters that are not the model's "
                                   f"(shapes {listed(unknown, 3)}): build it over model.parameters()")
-        groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": [names[id(p)] for p in g["params"]]})
+        groups.append({**{key: v for key, v in g.items() if key != "params"},
+                       "params": _group_names(g["params"], names, peers)})
     # An optimizer whose state lives elsewhere (AdamDiskOptimizer's file) reads it in to be saved.
     state = opt.full_state() if hasattr(opt, "full_state") else opt.state
     for p, st in state.items():
@@ -61,9 +68,10 @@ def capture(k: int, opt: torch.optim.Optimizer, names: dict[int, str]
     return tensors, values, kinds, groups
 
 
-def check_groups(k: int, opt: torch.optim.Optimizer, names: dict[int, str], saved_groups: list) -> str | None:
+def check_groups(k: int, opt: torch.optim.Optimizer, names: dict[int, str], saved_groups: list,
+                 peers: dict[str, list[str]]) -> str | None:
     """Why ``opt`` cannot take optimizer ``k``'s saved state, or None."""
-    mine = [sorted(names.get(id(p), "?") for p in g["params"]) for g in opt.param_groups]
+    mine = [sorted(_group_names(g["params"], names, peers)) for g in opt.param_groups]
     theirs = [sorted(g["params"]) for g in saved_groups]
     if mine == theirs:
         return None
@@ -79,7 +87,7 @@ def check_groups(k: int, opt: torch.optim.Optimizer, names: dict[int, str], save
 
 
 def restore(opt: torch.optim.Optimizer, names: dict[int, str], saved_groups: list, kinds: dict[str, dict[str, str]],
-            read: Callable[[str, str, str], Any]) -> None:
+            read: Callable[[str, str, str], Any], peers: dict[str, list[str]]) -> None:
     """Load the saved state into ``opt``; ``read(name, key, kind)`` returns one state value for this rank."""
     state: dict[int, dict[str, Any]] = {}
     groups = []
@@ -87,7 +95,7 @@ def restore(opt: torch.optim.Optimizer, names: dict[int, str], saved_groups: lis
     saved_by_names = {tuple(sorted(g["params"])): g for g in saved_groups}
     for g in opt.param_groups:
         params = [names[id(p)] for p in g["params"]]
-        saved = saved_by_names[tuple(sorted(params))]
+        saved = saved_by_names[tuple(sorted(_group_names(g["params"], names, peers)))]
         ids = []
         for name in params:
             if name in kinds:

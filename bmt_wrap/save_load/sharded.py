@@ -47,7 +47,7 @@ from . import optim_state, rng
 from .agree import agree, agree_on_directory
 from .atomic import make_dirs, os_errors, require_directory, write_atomic
 from .checksum import check_crc32
-from .entries import Entry, materialize, meta_names, model_entries
+from .entries import Entry, materialize, meta_names, model_entries, with_peers
 from .formats import SafetensorsSource, SafetensorsWriter, TensorSpec, torch_bytes
 from .reshard import Piece, copy_overlaps, overlaps, shared, span
 
@@ -80,6 +80,8 @@ def _writers(e: Entry, world: int, placement: list[tuple[int, int]] | None,
     """Which ranks write ``e``: rank 0 a replicated tensor; else the first replica's ranks (under HSDP the
     others hold the same shards), and of a tensor TP does not split, the TP rank 0 of each when its TP
     peers hold the same range (every rank when it is sharded over shard x tp ranks)."""
+    if e.absent:
+        return [False] * world
     if e.param is None:
         return [r == 0 for r in range(world)]
     return [(placement is None or placement[r][1] == 0) and (e.tp_split or e.over_tp or tp_ranks[r] == 0)
@@ -126,6 +128,21 @@ def _param_names(entries: list[Entry]) -> dict[int, str]:
     return {id(e.param if e.param is not None else e.value): e.name for e in entries}
 
 
+def _peers(entries: list[Entry]) -> dict[str, list[str]]:
+    """Each of this rank's list experts' names -> the names of every EP rank's at its place (``with_peers``)."""
+    return {e.name: e.ep_names for e in entries if e.ep_names is not None}
+
+
+def _peer_kinds(kinds: list[dict[str, dict[str, str]]], peers: dict[str, list[str]], world: int) -> None:
+    """Add every rank's list experts' optimizer state kinds to ``kinds`` (rank 0's go in the metadata): each
+    rank's own in turn, a broadcast from each rank."""
+    mine = json.dumps([{n: keys for n, keys in kind.items() if n in peers} for kind in kinds]).encode()
+    for r in range(world):
+        theirs = json.loads(broadcast_bytes(mine if get_state().rank == r else None, src=r))
+        for kind, more in zip(kinds, theirs, strict=True):
+            kind.update(more)
+
+
 def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manager: Any = None,
                     optimizer: torch.optim.Optimizer | None = None, step: int | None = None, extra: Any = None) -> None:
     """Write this rank's shard of ``model`` and optimizer state, plus RNG/scaler/scheduler state; a collective.
@@ -143,7 +160,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         if meta := meta_names(entries):
             raise CheckpointError(f"cannot save a checkpoint to {directory}: {listed(meta)} are still on the meta device; "
                                   "initialise them first (bmt.init_parameters(model))")
-        names = _param_names(entries)
+        names, peers = _param_names(entries), _peers(entries)
+        entries = with_peers(entries)
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         save_id = broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None).decode()
         files = _file_names(rank, world, save_id)
@@ -160,7 +178,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
         tensors = [(f"model/{e.name}", e.local()) for e in entries if writers[e.name][rank]]
         kinds, saved_groups, values = [], [], []
         for k, opt in enumerate(optimizers):
-            t, v, kind, groups = optim_state.capture(k, opt, names)
+            t, v, kind, groups = optim_state.capture(k, opt, names, peers)
             # Element-wise state is laid out like its parameter: written by the ranks that write that.
             skipped = {optim_state.tensor_key(k, n, key) for n, keys in kind.items()
                        for key, what in keys.items() if what == optim_state.SHARDED and not writers[n][rank]}
@@ -168,6 +186,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
             values.append(v)
             kinds.append(kind)
             saved_groups.append(groups)
+        if peers:
+            _peer_kinds(kinds, peers, world)
         rank_state: dict[str, Any] = {"rng": rng.capture(), "values": values}
         if rank == 0:
             rank_state.update(step=step, extra=extra, param_groups=saved_groups, **_manager_state(optim_manager))
@@ -339,6 +359,24 @@ class CheckpointReader:
                                   "resume from an earlier checkpoint")
         return out
 
+    def _keeper(self, name: str, held: Any) -> int:
+        """The saved rank holding parameter ``name``'s whole per-parameter state: rank 0, or for a list expert
+        it does not hold, the first rank holding a range of it."""
+        if held(0):
+            return 0
+        return next((r for r, (a, b) in enumerate(self.entries[name]["ranges"]) if a < b), 0)
+
+    def holder(self, name: str, tname: str) -> SafetensorsSource:
+        """The saved file holding ``tname``, parameter ``name``'s optimizer state tensor kept whole."""
+        src = self.tensors(self._keeper(name, lambda r: tname in self.tensors(r).keys()))
+        if tname not in src.keys():
+            raise CheckpointError(f"{src.path} lacks {tname!r}: the checkpoint is corrupted")
+        return src
+
+    def value(self, k: int, name: str, key: str) -> Any:
+        """Optimizer ``k``'s plain state value ``key`` of parameter ``name``, as saved."""
+        return self.state(self._keeper(name, lambda r: name in self.state(r)["values"][k]))["values"][k][name][key]
+
     def read(self, name: str, plan: Plan, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's ``numel`` elements of ``name``, assembled from the saved files ``plan`` names."""
         out = torch.empty(numel, dtype=dtype)
@@ -360,7 +398,8 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
     with collective_purpose("load_checkpoint", str(directory)):
         state = get_state()
         entries = model_entries(model)
-        names = _param_names(entries)
+        names, peers = _param_names(entries), _peers(entries)
+        entries = with_peers(entries)
         optimizers = optim_state.optimizers_of(optim_manager, optimizer)
         error: CheckpointError | str | None = None
         try:
@@ -368,7 +407,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
             # Each saved rank's files are checked by one rank: at the saved world size, by the rank that reads them.
             reader.verify(range(state.rank, reader.world, state.world_size))
             plan = _plan_model(reader, entries)
-            optim_plan = _plan_optimizers(reader, optimizers, entries, names, optim_manager)
+            optim_plan = _plan_optimizers(reader, optimizers, entries, names, peers, optim_manager)
             # Each rank's saved RNG state is its own only at the same layout (TP peers draw alike).
             same_world = reader.world == state.world_size and reader.tp_size == parallel_layout().tp_size
             if same_world:
@@ -383,7 +422,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optim_manage
                 e.set_local(reader.read(name, pieces, e.piece().numel, e.dtype))
             for k, opt in enumerate(optimizers):
                 optim_state.restore(opt, names, reader.state(0)["param_groups"][k], reader.optimizers[k]["state"],
-                                    lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind))
+                                    lambda n, key, kind, k=k: optim_plan[(k, n, key)](kind), peers)
             common = reader.state(0)
             if optim_manager is not None:
                 if optim_manager.scaler is not None:
@@ -419,6 +458,8 @@ def _plan_model(reader: CheckpointReader, entries: list[Entry]) -> list[tuple[En
             mismatched.append(f"{e.name!r} is {saved['dtype']} {saved['shape']} in the checkpoint but {e.dtype} "
                               f"{list(e.shape)} in the model")
             continue
+        if e.absent:  # another EP rank's list expert: this rank reads none of it
+            continue
         name = f"model/{saved['names'][0]}"
         plan.append((e, name, reader.pieces(name, saved, e.piece())))
     unexpected = [m["names"][0] for m in reader.meta["model"] if m["names"][0] not in used]
@@ -435,7 +476,7 @@ def _plan_model(reader: CheckpointReader, entries: list[Entry]) -> list[tuple[En
 
 
 def _plan_optimizers(reader: CheckpointReader, optimizers: list[torch.optim.Optimizer], entries: list[Entry],
-                     names: dict[int, str], mgr: Any) -> dict[tuple[int, str, str], Any]:
+                     names: dict[int, str], peers: dict[str, list[str]], mgr: Any) -> dict[tuple[int, str, str], Any]:
     """For each saved optimizer state value, a function reading this rank's part; raises on any mismatch."""
     if len(optimizers) != len(reader.optimizers):
         raise CheckpointError(f"{reader.directory} holds state of {len(reader.optimizers)} optimizer(s), "
@@ -451,11 +492,13 @@ def _plan_optimizers(reader: CheckpointReader, optimizers: list[torch.optim.Opti
     by_name = {e.name: e for e in entries}
     readers: dict[tuple[int, str, str], Any] = {}
     for k, opt in enumerate(optimizers):
-        why = optim_state.check_groups(k, opt, names, common["param_groups"][k])
+        why = optim_state.check_groups(k, opt, names, common["param_groups"][k], peers)
         if why:
             raise CheckpointError(f"{reader.directory}: {why}")
         for name, keys in reader.optimizers[k]["state"].items():
             e = by_name[name]
+            if e.absent:
+                continue
             saved = reader.entries[name]
             for key, kind in keys.items():
                 tname = optim_state.tensor_key(k, name, key)
@@ -466,12 +509,10 @@ def _plan_optimizers(reader: CheckpointReader, optimizers: list[torch.optim.Opti
                     readers[(k, name, key)] = lambda _kind, t=tname, p=pieces, n=mine.numel, d=dtype: \
                         reader.read(t, p, n, d)
                 elif kind == optim_state.REPLICATED:
-                    src = reader.tensors(0)
-                    if tname not in src.keys():
-                        raise CheckpointError(f"{src.path} lacks {tname!r}: the checkpoint is corrupted")
+                    src = reader.holder(name, tname)
                     readers[(k, name, key)] = lambda _kind, t=tname, s=src: _whole(s, t)
                 else:
-                    value = common["values"][k][name][key]
+                    value = reader.value(k, name, key)
                     readers[(k, name, key)] = lambda _kind, v=value: v
     return readers
 

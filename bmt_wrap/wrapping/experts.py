@@ -86,14 +86,18 @@ def keep_own_list_experts(model: nn.Module, section: ExpertPlan, layout: Paralle
 
 def name_list_experts(model: nn.Module, section: ExpertPlan, layout: ParallelLayout) -> None:
     """After the plan is applied: each list's experts under their own numbers (rank 1 of 2 holds experts
-    ``E/2 ..`` under those names), as ``named_parameters()`` names the originals; marked for the readers."""
+    ``E/2 ..`` under those names), as ``named_parameters()`` names the originals; marked for the readers
+    (``job/tp_values.list_expert_names``)."""
     for layer in section.layers:
         if layer.layout == "list":
             experts = model.get_submodule(layer.experts)
             start = layer.owned(layout.ep_rank, layout.ep_size).start
-            experts._modules = {str(start + j): m for j, m in enumerate(experts._modules.values())}
-            for p in experts.parameters():
-                p._bmt_list_expert = True
+            mine = list(experts._modules.values())
+            experts._modules = {str(start + j): m for j, m in enumerate(mine)}
+            for j, m in enumerate(mine):  # where each one sits, so the readers name its peers on other EP ranks
+                for suffix, p in m.named_parameters():
+                    p._bmt_list_expert = (start + j, len(mine), suffix)
+            experts._bmt_ep_list = True  # its state dict holds every EP rank's experts (wrapping/sharded_module.py)
 
 
 class _OwnExperts(nn.ModuleList):

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from ..base._compat import hf_initialize_weights, hf_initialize_weights_replaced, tensor_version
-from ..errors import InitError
+from ..errors import InitError, UnsupportedError
 from ..job.distributed import get_state
-from ..job.tp_values import local_value, whole_shape
+from ..job.tp_values import list_expert, local_value, whole_shape
 from ..runtime.flat_buffer import FlatBuffer
 from ..runtime.module_params import installed, registrations
 from ..runtime.offload import release_pages
@@ -46,6 +46,10 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Any] | None
     parameters installed as full tensors, instead of ``reset_parameters``/``_init_weights``. Peak extra
     memory: one module's parameters.
     """
+    listed = next((n for n, p in model.named_parameters() if list_expert(p)), None)
+    if listed is not None:  # each EP rank would draw its own experts from the same random stream
+        raise UnsupportedError(f"init_parameters of experts held as a ModuleList under ep_size= ({listed}) is not "
+                               "built yet: initialise the model before wrapping, or load its weights (bmt.load)")
     replay = _Replay(model)
     for buffer in replay.buffers:
         buffer.materialize(replay.device)

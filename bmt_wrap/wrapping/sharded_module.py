@@ -19,7 +19,7 @@ from torch import nn
 
 from ..base._compat import dcp_state_dict_request, register_state_dict_hooks
 from ..errors import WrapError
-from ..job.tp_values import local_value, whole_shape, whole_value
+from ..job.tp_values import every_ep_rank, list_expert_names, local_value, whole_shape, whole_value
 from ..optim.local_step import install_fast_paths
 from ..optim.rebind import install_rebind_hook
 from ..runtime.active_engine import get_engine
@@ -64,6 +64,11 @@ class _StateDictScope:
             local = p.to_local().detach()
             local = local.to("cpu") if cls.to_cpu else local
             return param_shard(p, local)
+        return cls.out(p, cls.whole(p))
+
+    @classmethod
+    def whole(cls, p: DistributedParameter) -> torch.Tensor:
+        """``p``'s whole value, on every rank (a collective over its buffer's ranks, and its TP peers')."""
         buffer = p.flat_buffer
         if cls.buffer is not buffer:
             cls.buffer, cls.values = None, None  # the previous buffer's values go before the next gather
@@ -71,7 +76,11 @@ class _StateDictScope:
             cls.buffer, cls.values = buffer, {id(q): v for q, v in zip(buffer.params, buffer.slot_views(full),
                                                                           strict=True)}
         assert cls.values is not None
-        value = whole_value(p, cls.values[id(p)])  # TP-split: joined with its TP peers' slices (a collective)
+        return whole_value(p, cls.values[id(p)])  # TP-split: joined with its TP peers' slices (a collective)
+
+    @classmethod
+    def out(cls, p: DistributedParameter, value: torch.Tensor) -> torch.Tensor:
+        """What the state dict holds for whole ``value``: a CPU copy (an empty slice where rank 0 alone keeps them)."""
         if cls.rank0_only:
             return p.to_local().detach()[:0]
         return value.detach().to("cpu", copy=True)
@@ -82,6 +91,24 @@ def _save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
         key = prefix + attr
         if isinstance(p, DistributedParameter) and key in state_dict and state_dict[key] is not p:
             state_dict[key] = _StateDictScope.value(p)
+
+
+def _save_list_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A ModuleList of one EP rank's experts (after its children wrote theirs): every EP rank's experts, each
+    under its own name, in the order plain torch writes them. Each position among a rank's own experts is
+    one gather over the EP group, in the same order on every rank. A sharded (DCP) or ``keep_vars`` state
+    dict keeps each rank's own experts only."""
+    held = {prefix + n: p for n, p in module.named_parameters()}
+    if _StateDictScope.sharded or any(state_dict.get(k) is p for k, p in held.items()):
+        return
+    every: list[tuple[int, int, str, torch.Tensor]] = []  # (expert, its parameter's place, name, value)
+    for place, (key, p) in enumerate(held.items()):
+        stacked = every_ep_rank(_StateDictScope.whole(p))
+        every += [(r, place, name, _StateDictScope.out(p, v))
+                  for r, (name, v) in enumerate(zip(list_expert_names(p, key), stacked, strict=True))]
+        state_dict.pop(key, None)
+    # plain torch's order: expert by expert (EP rank, then place among a rank's own), each as it writes them
+    state_dict.update((name, v) for *_, name, v in sorted(every, key=lambda t: t[:2]))
 
 
 def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -116,10 +143,21 @@ def _load_into(p: DistributedParameter, value: torch.Tensor) -> str | None:
     return None
 
 
+def _load_list_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                        missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """A ModuleList of one EP rank's experts takes a whole state dict: other EP ranks' experts are theirs."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key[len(prefix):].partition(".")[0] not in module._modules:
+            del state_dict[key]
+
+
 def install_state_hooks(module: nn.Module) -> None:
-    """Make ``module``'s own sharded parameters save as full tensors and load from full tensors."""
+    """Make ``module``'s own sharded parameters save as full tensors and load from full tensors (and a
+    list of one EP rank's experts save and take every EP rank's)."""
     if getattr(module, "_bmt_state_hooks", False):
         return
+    if getattr(module, "_bmt_ep_list", False):
+        register_state_dict_hooks(module, _save_list_hook, _load_list_pre_hook)
     register_state_dict_hooks(module, _save_hook, _load_pre_hook)
     module._bmt_state_hooks = True
     install_rebind_hook()  # first: optimizers built before wrapping move onto these parameters
@@ -131,7 +169,7 @@ def _install_below(root: nn.Module) -> None:
     # Bare DistributedParameters are assigned to modules after they are built, so their holders are
     # found here rather than when the parameter is made.
     for m in root.modules():
-        if any(isinstance(p, DistributedParameter) for p in m._parameters.values()):
+        if getattr(m, "_bmt_ep_list", False) or any(isinstance(p, DistributedParameter) for p in m._parameters.values()):
             install_state_hooks(m)
 
 
