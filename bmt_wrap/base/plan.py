@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import PlanError
+from .cp_plan import ContextParallelPlan, cp_text
 from .dtypes import align_elems, dtype_name, itemsize
 from .expert_plan import ExpertPlan, experts_text
 from .fused_loss_plan import FusedLossPlan
@@ -300,6 +301,7 @@ class WrapPlan:
     offload: str | None = None
     pipeline: PipelinePlan | None = None  # the stages each block and root parameter runs on (None: one stage)
     experts: ExpertPlan | None = None  # mixture-of-experts layers and their placement (None: not looked for)
+    context_parallel: ContextParallelPlan | None = None  # attentions split over CP ranks (None: no CP)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -360,7 +362,9 @@ class WrapPlan:
                        fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
                        offload=raw.get("offload"),
                        pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None,
-                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None)
+                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None,
+                       context_parallel=(ContextParallelPlan.from_dict(raw["context_parallel"])
+                                         if raw.get("context_parallel") else None))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -541,6 +545,8 @@ def tables(plan: WrapPlan) -> list[str]:
         lines += pipeline_text(plan.pipeline)
     if plan.experts is not None:
         lines += experts_text(plan.experts)
+    if plan.context_parallel is not None:
+        lines += cp_text(plan.context_parallel)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines
