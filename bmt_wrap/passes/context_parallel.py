@@ -38,20 +38,13 @@ def _sequence(call: Call) -> tuple[int, int]:
 
 
 def local_call(call: Call, cp_size: int) -> Call:
-    """``call`` as one CP rank runs it: every tensor whose dim 1 is the sequence holds ``seq / C`` tokens
-    (the split's sizes; which tokens does not change the bytes)."""
+    """``call`` as one CP rank runs it: every tensor whose dim 1 is the sequence holds ``seq / C`` tokens, as
+    meta tensors (the split's sizes; which tokens does not change the bytes)."""
     _, seq = _sequence(call)
     if seq % (2 * cp_size):
         raise ContextParallelError(f"a sequence of {seq} tokens does not divide into 2 x cp_size = {2 * cp_size} "
                                    "equal chunks: give a multiple of it")
-
-    def cut(x: object) -> object:
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq:
-            return x.narrow(1, 0, seq // cp_size)
-        return x
-
-    args, kwargs = call
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    return with_sequence(call, seq // cp_size)
 
 
 def plan_context_parallel(model: nn.Module, cp_size: int, method: str = "auto", call: Call | None = None,
