@@ -81,7 +81,6 @@ from torch import nn
 
 from . import process_baseline
 from .base._compat import pytree
-from .base.cp_plan import cp_text
 from .base.dtypes import to_dtype
 from .base.expert_plan import experts_text
 from .base.host_allocator import EXACT_SETTING
@@ -89,6 +88,7 @@ from .base.mixed_precision import MixedPrecision
 from .base.pipeline_plan import pipeline_text
 from .base.plan import (
     WrapPlan,
+    cp_text,
     fmt_bytes,
     fused_loss_text,
     layout_label,

@@ -153,21 +153,3 @@ class ContextParallelPlan:
         """The section as ``dataclasses.asdict`` wrote it (the plan's JSON)."""
         return cls(**raw)
 
-
-def cp_text(section: ContextParallelPlan) -> list[str]:
-    """The section as ``str(plan)`` and ``bmt-wrap plan --cp-size`` show it."""
-    from .plan import fmt_bytes  # plan.py imports this module for the section
-    lines = [f"context parallelism: cp_size={section.cp_size}, {section.method} over {section.layers} attention(s) "
-             f"({section.heads} heads, {section.kv_heads} KV heads, head dim {section.head_dim}, {section.dtype})"]
-    if section.seq_len is None:
-        return [*lines, "  per-rank bytes need a sequence: give example_inputs= (or bmt-wrap plan --input)"]
-    lines.append(f"  each rank holds {section.local_tokens()} of {section.seq_len} tokens x batch {section.batch}"
-                 + (f": activations {fmt_bytes(section.activations)} per rank" if section.activations is not None
-                    else ""))
-    moved = section.exchange()
-    assert moved is not None
-    lines.append(f"  {section.method} bytes sent per rank per step: {fmt_bytes(moved['step'])} (forward "
-                 f"{fmt_bytes(moved['forward'])}, backward {fmt_bytes(moved['backward'])}, recompute "
-                 f"{fmt_bytes(moved['recompute'])}); one attention holds {fmt_bytes(section.attention_bytes())} "
-                 "while it runs")
-    return lines

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import PlanError
-from .cp_plan import ContextParallelPlan, cp_text
+from .cp_plan import ContextParallelPlan
 from .dtypes import align_elems, dtype_name, itemsize
 from .expert_plan import ExpertPlan, experts_text
 from .fused_loss_plan import FusedLossPlan
@@ -580,4 +580,22 @@ def fused_loss_text(section: FusedLossPlan) -> list[str]:
                      f"({fmt_bytes(abs(saved))} {'less' if saved >= 0 else 'more: too few tokens to gain'})")
     else:
         lines.append("  logits' bytes unknown: they need an input shape (example_inputs= or --input)")
+    return lines
+
+
+def cp_text(section: ContextParallelPlan) -> list[str]:
+    """The section as ``str(plan)`` and ``bmt-wrap plan --cp-size`` show it."""
+    lines = [f"context parallelism: cp_size={section.cp_size}, {section.method} over {section.layers} attention(s) "
+             f"({section.heads} heads, {section.kv_heads} KV heads, head dim {section.head_dim}, {section.dtype})"]
+    if section.seq_len is None:
+        return [*lines, "  per-rank bytes need a sequence: give example_inputs= (or bmt-wrap plan --input)"]
+    lines.append(f"  each rank holds {section.local_tokens()} of {section.seq_len} tokens x batch {section.batch}"
+                 + (f": activations {fmt_bytes(section.activations)} per rank" if section.activations is not None
+                    else ""))
+    moved = section.exchange()
+    assert moved is not None
+    lines.append(f"  {section.method} bytes sent per rank per step: {fmt_bytes(moved['step'])} (forward "
+                 f"{fmt_bytes(moved['forward'])}, backward {fmt_bytes(moved['backward'])}, recompute "
+                 f"{fmt_bytes(moved['recompute'])}); one attention holds {fmt_bytes(section.attention_bytes())} "
+                 "while it runs")
     return lines
