@@ -595,8 +595,8 @@ def _run(opts: argparse.Namespace) -> str:
         return _capacity(opts)
     if opts.command == "plan" and (opts.grow or opts.grow_seq or opts.streaming or opts.baseline or opts.json
                                    or opts.optimizer_state or opts.optimizer_chunk):
-        raise CLIError("--grow, --grow-seq, --streaming, --baseline, --json and --optimizer-state answer --memory: "
-                       "give --memory SIZE")
+        raise CLIError("--grow, --streaming, --baseline, --json and --optimizer-state answer --memory (--grow-seq "
+                       "too): give --memory SIZE")
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
     if inputs is not None:
