@@ -9,6 +9,8 @@
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N --pp-size P [--microbatches M] --memory 8GiB --input SPEC ... [--grow KW]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --cp-size C [--cp-method auto|ulysses|ring] --input SPEC ...
+    bmt-wrap plan MODULE:FACTORY --world-size N --cp-size C --memory 8GiB --input SPEC ... [--grow-seq STEP]
 
 MODULE is a dotted module name (importable from the current directory) or a path to a ``.py`` file;
 FACTORY is called with no arguments under ``with torch.device("meta")``. An input SPEC such as
@@ -31,6 +33,13 @@ with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
 one's experts placed over E ranks, what stays dense and why) and, per world size, each rank's expert bytes,
 the all-to-all bytes per step for --input's tokens (uniform routing) and the owners' ZeRO bytes, beside
 ZeRO-3's gather and reduce-scatter bytes for the same experts.
+``--cp-size C [--cp-method M]`` plans ``BMTrainModelWrapper(model, cp_size=C, cp_method=M)`` for a
+transformers model: --input is one rank's whole batch (CP peers take the same one), each rank's activations
+are counted on its ``seq / C`` tokens, and the CP section gives the method "auto" picks, the attentions'
+heads, and the bytes each rank sends per step for them (all-to-all or ring; forward, backward, recompute).
+``--grow-seq STEP`` (with ``--memory``) answers the longest sequence, a multiple of STEP tokens, whose
+training step fits: --input's tensors whose dim 1 is the sequence grow together (with --cp-size, STEP must
+be a multiple of 2 x C, the load-balanced split's chunks).
 ``--memory B`` (bytes summed over the job's ranks) answers whether a training process fits: its peak per
 rank is the process baseline (this process's resident memory before building anything, or ``--baseline``)
 plus the larger of wrapping's peak (the full copy built before wrapping and the shards made while its
@@ -79,6 +88,7 @@ from .base.mixed_precision import MixedPrecision
 from .base.pipeline_plan import pipeline_text
 from .base.plan import (
     WrapPlan,
+    cp_text,
     fmt_bytes,
     fused_loss_text,
     layout_label,
@@ -99,6 +109,7 @@ from .passes.capacity import (
     with_peak,
 )
 from .passes.capture import Call, Capture, capture
+from .passes.context_parallel import local_call, plan_context_parallel, with_sequence
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
 from .passes.experts import plan_experts
@@ -306,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan expert parallelism over E ranks (ep_size=E): the MoE layers, their experts' "
                            "placement, and per rank the expert bytes and all-to-all bytes per step (--input's "
                            "tokens) beside ZeRO-3's bytes for the same experts")
+    plan.add_argument("--cp-size", type=int, default=None, metavar="C",
+                      help="plan context parallelism over C ranks (cp_size=C): activations on seq/C tokens per "
+                           "rank, and the all-to-all or ring bytes per step (needs --input)")
+    plan.add_argument("--cp-method", choices=("auto", "ulysses", "ring"), default="auto",
+                      help="with --cp-size: cp_method= (default auto: Ulysses with at least C heads, else ring)")
+    plan.add_argument("--grow-seq", type=int, default=None, metavar="STEP",
+                      help="with --memory: answer the longest sequence (a multiple of STEP tokens) that fits; "
+                           "--input's sequence dims grow")
     plan.add_argument("--sequence-parallel", action="store_true",
                       help="with --tp-size: plan sequence_parallel=True (norms and residuals on sequence parts; "
                            "the traffic as all-gathers and reduce-scatters along the sequence)")
@@ -384,6 +403,13 @@ def _capacity(opts: argparse.Namespace) -> str:
         raise CLIError("--memory with --ep-size counts the all-to-all buffers for the tokens a rank routes: give "
                        "the token ids in --input, e.g. --input input_ids=int64[4,512]")
 
+    cp = _check_cp(opts, [n], inputs)
+    if opts.grow_seq is not None:
+        if opts.grow:
+            raise CLIError("--grow grows a factory keyword and --grow-seq the input's sequence: give one")
+        if opts.grow_seq < 1 or opts.grow_seq % (2 * cp):
+            raise CLIError(f"--grow-seq {opts.grow_seq} must be a positive multiple of 2 x cp size = {2 * cp} "
+                           "(the load-balanced split's chunks)")
     on_disk = opts.optimizer_state == "disk"
     if opts.optimizer_chunk and not on_disk:
         raise CLIError("--optimizer-chunk sizes the disk optimizer's buffer: add --optimizer-state disk")
@@ -397,7 +423,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         dtype = _dtype_option(opts.dtype, "--dtype")
         model = model.to(dtype) if dtype is not None else model
         discovery = discover_blocks(model)
-        captured = capture(model, discovery, inputs)
+        call = with_sequence(inputs, k * opts.grow_seq) if opts.grow_seq and k is not None else inputs
+        captured = capture(model, discovery, local_call(call, cp) if opts.cp_size else call)
         section = fused_loss_section(model, captured, enabled=opts.fused_loss)
         if opts.pp_size is not None:
             return _stages_peak(model, discovery, opts, n, with_fused_loss(captured, section), budget, baseline, k)
@@ -411,6 +438,13 @@ def _capacity(opts: argparse.Namespace) -> str:
             assert tokens is not None  # checked above
             est = replace(est, exchange=experts.exchange_bytes(tokens))
             exchanged[k] = est.exchange
+        context = ""
+        if opts.cp_size:  # one attention's exchange buffers and mask, held beside a block's backward
+            cp_section = plan_context_parallel(model, cp, opts.cp_method, call, est.activations,
+                                               recomputed=sum(g.checkpoint for g in plan.blocks()))
+            est = replace(est, exchange=cp_section.attention_bytes())
+            exchanged[k] = est.exchange
+            context = "".join(f"\n  {line}" for line in cp_text(cp_section))
         if on_disk:
             est, io[k] = optimizer_on_disk(plan, est, chunk)
         p = process_peak(plan, est, baseline.resident, built_full=not opts.streaming,
@@ -421,7 +455,7 @@ def _capacity(opts: argparse.Namespace) -> str:
               f"{n // opts.ep_size} ranks owning them; all-to-all buffers {fmt_bytes(est.exchange)} (one MoE "
               "layer's rows sent and received by dispatch and combine) with a block's backward"
               if experts is not None else "")
-        disk = ep + (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
+        disk = ep + context + (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
         if est.disk_read is not None:
             shards_io[k] = (est.disk_read, est.disk_written)
@@ -440,7 +474,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                  f"process baseline {fmt_bytes(p.baseline)}){margin}")
         return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
-    if opts.grow:
+    if opts.grow or opts.grow_seq:
         # Pipeline stages need a block each: k counts from pp_size layers up.
         least = (opts.pp_size or 1) - 1
         try:
@@ -452,8 +486,10 @@ def _capacity(opts: argparse.Namespace) -> str:
     else:
         k = None
         chosen, detail, phases = peak(None)
-    answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": opts.grow, "layers": k,
-              "value": k, "peak_per_rank": chosen.total, "counted_per_rank": chosen.counted,
+    value = k * opts.grow_seq if opts.grow_seq and k is not None else k
+    grown = "seq_len" if opts.grow_seq else opts.grow
+    answer = {"world_size": n, "memory": limit, "limit_per_rank": limit // n, "grow": grown,
+              "layers": k if opts.grow else None, "value": value, "cp_size": opts.cp_size, "peak_per_rank": chosen.total, "counted_per_rank": chosen.counted,
               "margin": chosen.margin, "margin_fraction": chosen.margin_fraction, "baseline": chosen.baseline,
               "baseline_before_training": chosen.wrapping_baseline,
               "beside_per_layer": baseline.per_layer, "beside": chosen.beside, "wrapping": chosen.wrapping,
@@ -467,8 +503,8 @@ def _capacity(opts: argparse.Namespace) -> str:
               "ep_size": opts.ep_size, "all_to_all_buffers": exchanged.get(k)}
     if opts.json:
         return json.dumps(answer)
-    head = (f"largest {opts.grow}={k} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
-            if opts.grow else f"{'fits' if answer['fits'] else 'does not fit'} {opts.memory} over {n} ranks "
+    head = (f"largest {grown}={value} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
+            if grown else f"{'fits' if answer['fits'] else 'does not fit'} {opts.memory} over {n} ranks "
                               f"({fmt_bytes(limit // n)} per rank)")
     return (f"{opts.model}: {head}\n  {detail}\n  counts tensors: exact for a job run with {EXACT_SETTING} "
             "(freed tensors leave the process); under glibc's default its heap can hold more (docs/design.md "
@@ -508,6 +544,25 @@ def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, 
     return chosen, "\n  ".join(lines), phases
 
 
+def _check_cp(opts: argparse.Namespace, sizes: list[int], inputs: Call | None) -> int:
+    """``--cp-size``'s C (1 without it), or ``CLIError`` where the wrapper would refuse it."""
+    if getattr(opts, "cp_size", None) is None:
+        return 1
+    c = opts.cp_size
+    if c < 1 or any(n % c for n in sizes):
+        raise CLIError(f"--cp-size {c} must divide every --world-size ({sizes})")
+    others = [f for f, v in (("--tp-size", opts.tp_size), ("--pp-size", opts.pp_size), ("--ep-size", opts.ep_size),
+                             ("--shard-size", opts.shard_size)) if v is not None] + (
+        ["--fused-loss"] if opts.fused_loss else [])
+    if others:
+        raise CLIError(f"--cp-size plans context parallelism with ZeRO-3 only, as cp_size= runs today (#52): drop "
+                       f"{', '.join(others)}")
+    if inputs is None:
+        raise CLIError("--cp-size splits the input's sequence: give one rank's batch, e.g. --input "
+                       "input_ids=int64[1,4096] --input labels=int64[1,4096]")
+    return c
+
+
 def _run(opts: argparse.Namespace) -> str:
     if opts.pp_size is not None and (opts.command == "plan" and (opts.shard_size is not None or opts.sequence_parallel)):
         raise CLIError("--pp-size plans pipeline stages with ZeRO-3 (and --tp-size TP) inside each: drop "
@@ -538,10 +593,10 @@ def _run(opts: argparse.Namespace) -> str:
                            "job: drop --memory to read its device memory per rank from the estimates (or plan "
                            "a CPU job with --offload disk)")
         return _capacity(opts)
-    if opts.command == "plan" and (opts.grow or opts.streaming or opts.baseline or opts.json
+    if opts.command == "plan" and (opts.grow or opts.grow_seq or opts.streaming or opts.baseline or opts.json
                                    or opts.optimizer_state or opts.optimizer_chunk):
-        raise CLIError("--grow, --streaming, --baseline, --json and --optimizer-state answer --memory: give "
-                       "--memory SIZE")
+        raise CLIError("--grow, --streaming, --baseline, --json and --optimizer-state answer --memory (--grow-seq "
+                       "too): give --memory SIZE")
     model = build_model(opts.model)
     inputs = parse_inputs(opts.input)
     if inputs is not None:
@@ -556,8 +611,10 @@ def _run(opts: argparse.Namespace) -> str:
     discovery = discover_blocks(model)
     # Activations are measured in the dtype blocks compute in: param_dtype under mixed precision.
     measured = copy.deepcopy(model).to(mp.param_dtype) if mp is not None else model
-    captured = capture(measured, discovery, pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs)
     sizes = opts.world_size if opts.command == "plan" else [opts.world_size]
+    cp = _check_cp(opts, sizes, inputs) if opts.command == "plan" else 1
+    call = pytree.tree_map(mp.cast_input, inputs) if mp is not None else inputs
+    captured = capture(measured, discovery, local_call(call, cp) if cp > 1 else call)  # a CP rank's tokens
     if opts.command == "plan" and opts.tp_size is not None and opts.pp_size is None:  # its fused-loss section
         return _tp_report(model, measured, discovery, opts, sizes, captured, inputs, budget, mp)  # needs TP's plan
     section = fused_loss_section(measured, captured, enabled=opts.fused_loss)
@@ -580,6 +637,11 @@ def _run(opts: argparse.Namespace) -> str:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
     if opts.command == "plan" and opts.ep_size is not None:
         return "\n".join([_plan_report(opts, sizes, plans), *_ep_report(model, opts.ep_size, sizes, plans, inputs)])
+    if opts.command == "plan" and opts.cp_size is not None:
+        est = plans[0].estimates[str(sizes[0])]
+        section = plan_context_parallel(model, cp, opts.cp_method, call, est.activations,
+                                        recomputed=sum(g.checkpoint for g in plans[0].blocks()))
+        return "\n".join([_plan_report(opts, sizes, plans), *cp_text(section)])
     if opts.command == "plan":
         return _plan_report(opts, sizes, plans)
     graph = schedule_graph(captured, plans[0])

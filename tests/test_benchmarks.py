@@ -152,3 +152,19 @@ def test_mesh3d_benchmark_writes_its_table_with_counted_bytes_equal_to_the_plan(
         ("HSDP 2 x 1 x TP 2", a) for a in ("replicate", "shard", "tp", "world")]
     assert all(r[5].strip() in ("1.00x", "-") for r in rows if len(r) == 6)
     assert "command: torchrun --nproc_per_node=4 benchmarks/mesh3d.py" in text
+
+
+def test_context_benchmark_writes_its_table(tmp_path: Path) -> None:
+    # smoke sizes: one 64-token step per probe, the search capped at its first step
+    out = tmp_path / "context.md"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "context.py"), "--size", "smoke", "--seq", "64",
+                           "--step", "64", "--max-seq", "64", "--memory", "8GiB", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=BENCHMARKS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [r[0].strip() for r in rows] == [
+        "step peak per rank at 64 tokens", "longest sequence that trains (measured; jobs)",
+        "the plan's answer (plan --memory --grow-seq 64)", "plan - measured, in steps"]
+    assert rows[1][1].strip() == rows[1][2].strip() == "64 (the cap) (1)"  # both fit 8 GiB at the cap
+    assert int(rows[2][1]) >= 64 and int(rows[2][2]) >= 64
+    assert "command:" in out.read_text()

@@ -10,9 +10,13 @@ chunk's last token is the first token of the next chunk, which another rank hold
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ..errors import ContextParallelError
+from .dtypes import itemsize
 
 #: transformers' and torch's cross-entropy ``ignore_index``.
 IGNORE_INDEX = -100
@@ -77,3 +81,75 @@ def check_padding_mask(mask: torch.Tensor, what: str = "attention_mask") -> torc
             f"{what} holds values other than 0 and 1 (packed-sequence ids or additive biases?); context "
             "parallelism splits a 0/1 padding mask only. Unpack the sequences, or leave cp_size out")
     return mask.bool()
+
+
+@dataclass
+class ContextParallelPlan:
+    """The context-parallel section of a plan: the attentions split over ``cp_size`` ranks and what each rank
+    holds and sends for them per step (``passes/context_parallel.py`` fills one in; docs/design.md, "Context
+    parallelism"). ``batch``/``seq_len``: one rank's call (the CP peers take the same one), None when unknown;
+    ``activations``: a rank's activation bytes counted at its ``seq_len / cp_size`` tokens."""
+
+    cp_size: int
+    method: str  # "ulysses" or "ring": what "auto" resolves to for these heads
+    layers: int  # attention calls per forward
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # the attention's q/k/v dtype
+    recomputed: int = 0  # of ``layers``, those in checkpointed blocks (their forward runs again in backward)
+    batch: int | None = None
+    seq_len: int | None = None
+    activations: int | None = None
+
+    def local_tokens(self) -> int | None:
+        """Tokens one rank holds of each sequence."""
+        return None if self.seq_len is None else self.seq_len // self.cp_size
+
+    def _row(self, heads: int) -> int:
+        """Bytes of ``heads`` heads of one rank's local tokens (one of q, k, v or the output)."""
+        return (self.batch or 0) * heads * (self.local_tokens() or 0) * self.head_dim * itemsize(self.dtype)
+
+    def exchange(self) -> dict[str, int] | None:
+        """Bytes a rank sends per training step for the attentions, by pass (None without a sequence).
+
+        Ulysses: four all-to-alls per call (q, k, v in, the output back), each sending (C-1)/C of the local
+        tensor (K/V repeated to the query heads when there are fewer KV heads than ranks); backward the same
+        four again. Ring: C-1 K/V transfers of the local K and V in forward; C-1 again in backward and C of
+        dK/dV (fp32 for half inputs). Each call also all-gathers the token indices and the key mask
+        (``(1 + batch) x local`` int64 to C-1 ranks). A checkpointed block's recompute repeats the forward."""
+        if self.seq_len is None or self.batch is None:
+            return None
+        c = self.cp_size
+        index = (1 + self.batch) * (self.local_tokens() or 0) * 8 * (c - 1)
+        if self.method == "ulysses":
+            kv = self.heads if self.kv_heads < c else self.kv_heads
+            moved = (2 * self._row(self.heads) + 2 * self._row(kv)) * (c - 1) // c
+            forward, backward = moved + index, moved
+        else:
+            kv = 2 * self._row(self.kv_heads)
+            grad = kv * max(4, itemsize(self.dtype)) // itemsize(self.dtype)
+            forward, backward = kv * (c - 1) + index, kv * (c - 1) + grad * c
+        forward, backward = forward * self.layers, backward * self.layers
+        recompute = (forward // self.layers) * self.recomputed if self.layers else 0
+        return {"forward": forward, "backward": backward, "recompute": recompute,
+                "step": forward + backward + recompute}
+
+    def attention_bytes(self) -> int:
+        """Bytes one attention call holds on a rank beyond its saved q, k, v and output while it runs (at a
+        block's backward): Ulysses the received and sent copies of q, k, v and the output and the whole
+        sequence's boolean mask [batch, 1, S, S]; the ring the K/V block in hand and in flight, and one
+        block's scores and probabilities [batch, heads, local, local] in fp32."""
+        if self.seq_len is None or self.batch is None:
+            return 0
+        local = self.local_tokens() or 0
+        if self.method == "ulysses":
+            kv = self.heads if self.kv_heads < self.cp_size else self.kv_heads
+            return 2 * (2 * self._row(self.heads) + 2 * self._row(kv)) + self.batch * self.seq_len ** 2
+        return 4 * self._row(self.kv_heads) + 3 * self.batch * self.heads * local * local * 4
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ContextParallelPlan:
+        """The section as ``dataclasses.asdict`` wrote it (the plan's JSON)."""
+        return cls(**raw)
+

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import PlanError
+from .cp_plan import ContextParallelPlan
 from .dtypes import align_elems, dtype_name, itemsize
 from .expert_plan import ExpertPlan, experts_text
 from .fused_loss_plan import FusedLossPlan
@@ -300,6 +301,7 @@ class WrapPlan:
     offload: str | None = None
     pipeline: PipelinePlan | None = None  # the stages each block and root parameter runs on (None: one stage)
     experts: ExpertPlan | None = None  # mixture-of-experts layers and their placement (None: not looked for)
+    context_parallel: ContextParallelPlan | None = None  # attentions split over CP ranks (None: no CP)
 
     def group(self, name: str) -> ShardGroupSpec:
         """The group called ``name``."""
@@ -360,7 +362,9 @@ class WrapPlan:
                        fused_loss=(FusedLossPlan.from_dict(raw["fused_loss"]) if raw.get("fused_loss") else None),
                        offload=raw.get("offload"),
                        pipeline=PipelinePlan.from_dict(raw["pipeline"]) if raw.get("pipeline") else None,
-                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None)
+                       experts=ExpertPlan.from_dict(raw["experts"]) if raw.get("experts") else None,
+                       context_parallel=(ContextParallelPlan.from_dict(raw["context_parallel"])
+                                         if raw.get("context_parallel") else None))
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan JSON is missing or has a malformed field: {exc}") from exc
 
@@ -541,6 +545,8 @@ def tables(plan: WrapPlan) -> list[str]:
         lines += pipeline_text(plan.pipeline)
     if plan.experts is not None:
         lines += experts_text(plan.experts)
+    if plan.context_parallel is not None:
+        lines += cp_text(plan.context_parallel)
     if plan.estimates:
         lines += ["estimates:", render_estimates([plan])]
     return lines
@@ -574,4 +580,22 @@ def fused_loss_text(section: FusedLossPlan) -> list[str]:
                      f"({fmt_bytes(abs(saved))} {'less' if saved >= 0 else 'more: too few tokens to gain'})")
     else:
         lines.append("  logits' bytes unknown: they need an input shape (example_inputs= or --input)")
+    return lines
+
+
+def cp_text(section: ContextParallelPlan) -> list[str]:
+    """The section as ``str(plan)`` and ``bmt-wrap plan --cp-size`` show it."""
+    lines = [f"context parallelism: cp_size={section.cp_size}, {section.method} over {section.layers} attention(s) "
+             f"({section.heads} heads, {section.kv_heads} KV heads, head dim {section.head_dim}, {section.dtype})"]
+    if section.seq_len is None:
+        return [*lines, "  per-rank bytes need a sequence: give example_inputs= (or bmt-wrap plan --input)"]
+    lines.append(f"  each rank holds {section.local_tokens()} of {section.seq_len} tokens x batch {section.batch}"
+                 + (f": activations {fmt_bytes(section.activations)} per rank" if section.activations is not None
+                    else ""))
+    moved = section.exchange()
+    assert moved is not None
+    lines.append(f"  {section.method} bytes sent per rank per step: {fmt_bytes(moved['step'])} (forward "
+                 f"{fmt_bytes(moved['forward'])}, backward {fmt_bytes(moved['backward'])}, recompute "
+                 f"{fmt_bytes(moved['recompute'])}); one attention holds {fmt_bytes(section.attention_bytes())} "
+                 "while it runs")
     return lines

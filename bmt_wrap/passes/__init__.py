@@ -13,6 +13,7 @@ from .capture import (
     meta_skeleton,
     to_meta,
 )
+from .context_parallel import local_call, plan_context_parallel, with_sequence
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate, estimate_mesh, estimate_tp
 from .experts import plan_experts
@@ -31,7 +32,7 @@ __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_from_capture", "chain_graph",
     "check_captured_reads", "check_root_order", "plan_experts", "plan_pipeline",
-    "discover_blocks", "eager_capture", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
+    "discover_blocks", "eager_capture", "local_call", "plan_context_parallel", "with_sequence", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
     "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "refuse_outside_reads", "render_dot",
     "render_estimates", "render_json", "render_text", "schedule", "schedule_graph",

@@ -220,6 +220,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         install_fused_loss(model, plan.fused_loss)
         if parallel.cp is not None:
             plan.notes.append(apply_context_parallel(model, parallel.cp, cp_method))
+            plan.context_parallel = passes.plan_context_parallel(
+                model, parallel.cp.world_size, cp_method, recomputed=sum(g.checkpoint for g in plan.blocks()))
         model._bmt_first_forward = first
         attach_verify(model)
         attach_generate(model)  # transformers models: ranks stop together, parameters gathered once
