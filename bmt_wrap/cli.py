@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -418,6 +419,7 @@ def _capacity(opts: argparse.Namespace) -> str:
     exchanged: dict[int | None, int] = {}  # under --ep-size: the all-to-all buffers counted (est.exchange)
     shards_io: dict[int | None, tuple[int, int]] = {}
 
+    @functools.cache  # the search's last probe is often the answer, printed in full after it
     def peak(k: int | None) -> tuple[ProcessPeak, str, dict[str, int]]:
         model = build_model(opts.model, **({opts.grow: k} if opts.grow else {}))
         dtype = _dtype_option(opts.dtype, "--dtype")
