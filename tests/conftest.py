@@ -21,7 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under `make test-fast`, make any process a test starts fail it (see process_scan.forbid_processes)."""
     # A process started anyway means the scan missed one: that must fail loudly, not quietly slow the
     # inner loop down or hang it on a worker group.
-    if os.environ.get(FORBID_PROCESSES_ENV) == "1":
+    # Under pytest-xdist the controller starts the workers and runs no test: the guard goes in each worker.
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    if os.environ.get(FORBID_PROCESSES_ENV) == "1" and not controller:
         # A library that starts a helper on its first import (matplotlib's font cache, on a fresh machine)
         # does so here, before the guard: the guard is for the processes tests start.
         warm_import_helpers()

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import multiprocessing.process
 import os
+import platform
 import subprocess
 import sys
 import types
@@ -288,3 +289,5 @@ def warm_import_helpers() -> None:
     for name in IMPORT_HELPERS:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
             importlib.import_module(name)
+    # pytest-xdist's worker reports platform.platform(), whose first call runs `uname -p` and caches its answer.
+    platform.platform()
