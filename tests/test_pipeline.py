@@ -325,11 +325,11 @@ def _virtual_failures(local: tuple[torch.Tensor, ...]) -> dict:
     out = {}
     with _short_timeouts(15):
         model.layers[2].explode = pipe_rank == 0  # stage 2: rank 0's second stage
-        out["v2 loop"] = _raises(lambda: model(*local))
-        out["v2 step"] = _raises(lambda: model.pipeline_step(*local))
+        out["v2 loop"] = _raises(lambda m=model: m(*local))
+        out["v2 step"] = _raises(lambda m=model: m.pipeline_step(*local))
         model.layers[2].explode = False
         model.layers[1].explode_backward = pipe_rank == 1  # stage 1: rank 1's first stage
-        out["v2 bwd"] = _raises(lambda: model.pipeline_step(*local))
+        out["v2 bwd"] = _raises(lambda m=model: m.pipeline_step(*local))
         model.layers[1].explode_backward = False
     del model
     gc.collect()
