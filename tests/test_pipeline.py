@@ -444,6 +444,24 @@ def test_stages_are_balanced_by_the_blocks_compute() -> None:
     assert block_costs(list("ab"), {"a": 3, "b": 4}, ActivationProfile(0, [BlockCallActivations("a", 0, 0, 9)])) == [3, 4]
 
 
+def test_the_last_stage_weighs_the_head_and_loss_after_its_blocks() -> None:
+    # A head over a large vocabulary costs more than a block (here 2 x 32 x 1024 FLOPs per token against a
+    # block's about 2 x 12 x 32 x 32): only the last stage runs it, so it weighs there, and the stages cut
+    # 3 / 1 blocks, not 2 / 2 (the last stage then paced the pipeline with two blocks and the head).
+    model = models.ToyGPT(n_layers=4, vocab=1024)
+    discovery = passes.discover_blocks(model)
+    batch, seq = 2, 8
+    ids = torch.randint(0, 1024, (batch, seq))
+    cap = passes.capture(model, discovery, ((ids, ids), {}))
+    plan = passes.build_plan(model, discovery, world_size=2, capture=cap)
+    assert cap.activations is not None
+    assert cap.activations.tail_flops == 2 * batch * seq * models.DIM * 1024  # the head's matmul (the loss: none)
+    block = cap.activations.calls[0].flops
+    assert 0 < block < cap.activations.tail_flops / 2, (block, cap.activations.tail_flops)
+    section = plan_pipeline(model, plan, 2, 2, cap.graph, activations=cap.activations)
+    assert [len(s.blocks) for s in section.stages] == [3, 1]
+
+
 # ---- everything that reads parameters -------------------------------------------------------------------------
 def _readers_body(tmp: str) -> dict:
     import copy

@@ -110,14 +110,17 @@ def balanced_split(costs: list[int], parts: int) -> list[int]:
 
 def block_costs(order: list[str], param_bytes: dict[str, int], activations: ActivationProfile | None) -> list[int]:
     """What each block of ``order`` weighs in the stage split: its forward FLOPs at the profiled batch (a
-    stage's compute, which paces the pipeline) when the profile counted some for every block, its parameter
-    bytes breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
+    stage's compute, which paces the pipeline) when the profile counted some for every block, the last one
+    with the FLOPs after it (a head and its loss, which only the last stage runs), its parameter bytes
+    breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
     flops = dict.fromkeys(order, 0)
     for call in activations.calls if activations is not None else []:
         if call.block in flops:
             flops[call.block] += call.flops
     if not all(flops.values()):
         return [param_bytes[b] for b in order]
+    assert activations is not None  # every block's FLOPs came from it
+    flops[order[-1]] += activations.tail_flops
     scale = sum(param_bytes[b] for b in order) + 1
     return [flops[b] * scale + param_bytes[b] for b in order]
 
