@@ -6,8 +6,10 @@
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
                   [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
-    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--microbatches M] [--tp-size T] [--input SPEC ...]
-    bmt-wrap plan MODULE:FACTORY --world-size N --pp-size P [--microbatches M] --memory 8GiB --input SPEC ... [--grow KW]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--virtual-stages V] [--microbatches M] [--tp-size T]
+                  [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N --pp-size P [--virtual-stages V] [--microbatches M] --memory 8GiB
+                  --input SPEC ... [--grow KW]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --cp-size C [--cp-method auto|ulysses|ring] --input SPEC ...
     bmt-wrap plan MODULE:FACTORY --world-size N --cp-size C --memory 8GiB --input SPEC ... [--grow-seq STEP]
@@ -25,7 +27,9 @@ stage split, each stage's bytes per rank (shards, its blocks held gathered for t
 received activations GPipe holds, 1F1B's bound beside), the bubble (P-1)/(M+P-1) and the point-to-point
 and ZeRO bytes per rank per step (with --input for the activations); with ``--tp-size T`` the stages' blocks
 are split over T ranks (bytes per TP rank); ``dump --pp-size P`` shows the stages; with ``--memory`` the answer
-is the peak of the stage whose ranks peak highest under the GPipe loop.
+is the peak of the stage whose ranks peak highest under the GPipe loop. ``--virtual-stages V`` plans
+``pp_virtual_stages=V``: P x V stages, rank r running r, r+P, ...; each rank's sums over its stages under the
+GPipe loop and Interleaved1F1B, and the interleaved bubble (P-1)/(V M+P-1); ``--memory`` answers for the rank.
 ``--tp-size T`` plans ``BMTrainModelWrapper(model, tp_size=T)``: the TP section (split modules, head counts,
 what stays replicated and why), ZeRO over N/T data-parallel ranks, and the TP traffic for --input's tokens;
 with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
@@ -115,7 +119,7 @@ from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
 from .passes.experts import plan_experts
 from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
-from .passes.pipeline import estimate_pipeline, pipeline_report, plan_pipeline
+from .passes.pipeline import estimate_pipeline, pipeline_report, plan_pipeline, rank_estimates
 from .passes.planner import build_plan
 from .passes.render import render_dot, render_json, render_text
 from .passes.schedule_graph import schedule_graph
@@ -296,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "bubble and the point-to-point bytes (dump shows the stages)")
     common.add_argument("--microbatches", type=int, default=None, metavar="M",
                         help="with --pp-size: micro-batches per step (pp_microbatches=M; default P)")
+    common.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                        help="with --pp-size: stages per rank (pp_virtual_stages=V; default 1): P x V stages, rank r "
+                             "running r, r+P, ...; each rank's bytes and the interleaved bubble")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also show expected fallbacks (fx failing on a model torch.export then captures)")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -477,8 +484,8 @@ def _capacity(opts: argparse.Namespace) -> str:
         return p, f"{params:,} parameters: peak per rank {fmt_bytes(p.total)} = {split}" + disk + pair, phases
 
     if opts.grow or opts.grow_seq:
-        # Pipeline stages need a block each: k counts from pp_size layers up.
-        least = (opts.pp_size or 1) - 1
+        # Pipeline stages need a block each: k counts from pp_size x virtual_stages layers up.
+        least = (opts.pp_size or 1) * (opts.virtual_stages or 1) - 1
         try:
             k, _ = largest_fitting(lambda k: peak(k + least)[0].total, limit // n, start=8)
         except PlanError as exc:
@@ -502,6 +509,7 @@ def _capacity(opts: argparse.Namespace) -> str:
               "shards_read_per_step": shards_io[k][0] if k in shards_io else None,
               "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING,
               "pp_size": opts.pp_size, "microbatches": (opts.microbatches or opts.pp_size) if opts.pp_size else None,
+              "virtual_stages": (opts.virtual_stages or 1) if opts.pp_size else None,
               "ep_size": opts.ep_size, "all_to_all_buffers": exchanged.get(k)}
     if opts.json:
         return json.dumps(answer)
@@ -518,8 +526,9 @@ def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, 
                  ) -> tuple[ProcessPeak, str, dict[str, int]]:
     """``plan --memory --pp-size P``: the process's peak per rank on the stage that peaks highest under the
     GPipe loop (each stage's shards, its blocks held for the step and their summed gradients, and the
-    activations GPipe holds: every micro-batch's), with each stage's peak under GPipe and 1F1B."""
-    p, m = opts.pp_size, opts.microbatches or opts.pp_size
+    activations GPipe holds: every micro-batch's), with each stage's peak under GPipe and 1F1B; with
+    ``--virtual-stages V``, on the rank (its V stages summed), with each rank's under GPipe and Interleaved1F1B."""
+    p, m, v = opts.pp_size, opts.microbatches or opts.pp_size, opts.virtual_stages or 1
     if p < 1 or n % p:
         raise CLIError(f"--pp-size {p} must divide --world-size {n} (stages x data-parallel size)")
     dp = n // p
@@ -527,22 +536,32 @@ def _stages_peak(model: nn.Module, discovery: object, opts: argparse.Namespace, 
                       memory_budget=budget, capture=captured)
     try:
         plan.pipeline = plan_pipeline(model, plan, p, m, captured.graph if captured.method != "none" else None,
-                                      activations=captured.activations)
+                                      activations=captured.activations, virtual=v)
     except (PipelineError, PlanError) as exc:
-        raise CLIError(f"--pp-size {p}: {exc}") from None
+        raise CLIError(f"{_pp_flags(opts)}: {exc}") from None
     stages = estimate_pipeline(plan, plan.pipeline, dp, captured.activations)
-    worst, chosen = pipeline_peak(plan, stages, baseline.resident, built_full=not opts.streaming,
+    ranks = rank_estimates(plan.pipeline, stages) if v > 1 else None
+    worst, chosen = pipeline_peak(plan, ranks or stages, baseline.resident, built_full=not opts.streaming,
                                   beside=baseline.per_layer * (k - 1) if k is not None else 0,
                                   wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
     params = sum(g.param_numel() for g in plan.groups)
     margin = f" + margin {fmt_bytes(chosen.margin)} ({chosen.margin_fraction:.0%} of the count: {MARGIN_REASON})"
-    lines = [f"{params:,} parameters in {p} stages x data-parallel {dp}, {m} micro-batches: peak per rank "
-             f"{fmt_bytes(chosen.total)} on stage {worst} = max(wrapping {fmt_bytes(chosen.wrapping)} + the process "
+    where = (f"rank {worst} (stages {', '.join(map(str, plan.pipeline.stages_on(worst)))})" if ranks
+             else f"stage {worst}")
+    layout = f"{p} ranks x {v} stages" if ranks else f"{p} stages"
+    lines = [f"{params:,} parameters in {layout} x data-parallel {dp}, {m} micro-batches: peak per rank "
+             f"{fmt_bytes(chosen.total)} on {where} = max(wrapping {fmt_bytes(chosen.wrapping)} + the process "
              f"before its first step {fmt_bytes(chosen.before_first_step)}, training {fmt_bytes(chosen.training)} "
              f"+ the process baseline {fmt_bytes(chosen.baseline)}){margin}"]
-    lines += [f"stage {e.stage}: training {fmt_bytes(e.peak('GPipe'))} under GPipe (model(...) and "
-              f"pipeline_step(schedule='GPipe')), {fmt_bytes(e.peak('1F1B'))} under 1F1B" for e in stages]
-    phases = {f"stage {e.stage}": e.peak("GPipe") for e in stages}
+    if ranks:
+        lines += [f"rank {r.rank}: training {fmt_bytes(r.peak('GPipe'))} under GPipe (model(...), and "
+                  f"pipeline_step(schedule='LoopedBFS')), {fmt_bytes(r.peak('Interleaved1F1B'))} under "
+                  "Interleaved1F1B" for r in ranks]
+        phases = {f"rank {r.rank}": r.peak("GPipe") for r in ranks}
+    else:
+        lines += [f"stage {e.stage}: training {fmt_bytes(e.peak('GPipe'))} under GPipe (model(...) and "
+                  f"pipeline_step(schedule='GPipe')), {fmt_bytes(e.peak('1F1B'))} under 1F1B" for e in stages]
+        phases = {f"stage {e.stage}": e.peak("GPipe") for e in stages}
     return chosen, "\n  ".join(lines), phases
 
 
@@ -579,6 +598,8 @@ def _run(opts: argparse.Namespace) -> str:
                        "--shard-size and --pp-size (their answers do not count experts yet)")
     if opts.microbatches is not None and opts.pp_size is None:
         raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
+    if opts.virtual_stages is not None and opts.pp_size is None:
+        raise CLIError("--virtual-stages gives each pipeline rank several stages: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
         if opts.tp_size is not None or opts.shard_size is not None:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
@@ -753,7 +774,7 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         what = "stages x TP size x data-parallel size" if t > 1 else "stages x data-parallel size"
         raise CLIError(f"--pp-size {p}{f' x --tp-size {t}' if t > 1 else ''} must divide every --world-size "
                        f"({what}); {bad} do not")
-    m = opts.microbatches or p
+    m, v = opts.microbatches or p, opts.virtual_stages or 1
     graph = captured.graph if captured.method != "none" else None  # type: ignore[attr-defined]
     tp = plan_tensor_parallel(model, t, discovery) if t > 1 else None  # type: ignore[arg-type]
     lines, plans = [], []
@@ -762,12 +783,14 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
         plan = build_plan(model, discovery, world_size=dp, prefetch_depth=opts.prefetch_depth,  # type: ignore[arg-type]
                           memory_budget=budget, mixed_precision=mp, capture=captured, tensor_parallel=tp)
         try:
-            plan.pipeline = plan_pipeline(model, plan, p, m, graph, activations=captured.activations)  # type: ignore[attr-defined]
+            plan.pipeline = plan_pipeline(model, plan, p, m, graph, virtual=v,
+                                          activations=captured.activations)  # type: ignore[attr-defined]
         except (PipelineError, PlanError) as exc:
-            raise CLIError(f"--pp-size {p}: {exc}") from None
+            raise CLIError(f"{_pp_flags(opts)}: {exc}") from None
         plans.append(plan)
         if opts.command == "plan":
-            lines += [f"N={n}: {p} stages x {f'TP {t} x ' if t > 1 else ''}data-parallel {dp}: {summary_line(plan)}",
+            stages = f"{p} ranks x {v} stages" if v > 1 else f"{p} stages"
+            lines += [f"N={n}: {stages} x {f'TP {t} x ' if t > 1 else ''}data-parallel {dp}: {summary_line(plan)}",
                       *pipeline_report(plan.pipeline, estimate_pipeline(
                           plan, plan.pipeline, dp, captured.activations))]  # type: ignore[attr-defined]
     if opts.command == "dump":
@@ -779,6 +802,11 @@ def _pp_report(model: nn.Module, discovery: object, opts: argparse.Namespace, si
     per = " per TP rank" if tp is not None else ""
     return "\n".join([f"{opts.model}: {psi:,} parameters{per}, {fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
                       *lines, *pipeline_text(plans[0].pipeline)[1:]])
+
+
+def _pp_flags(opts: argparse.Namespace) -> str:
+    """The pipeline flags as given, for an error's prefix."""
+    return f"--pp-size {opts.pp_size}" + (f" --virtual-stages {opts.virtual_stages}" if opts.virtual_stages else "")
 
 
 def _with_hsdp(model: nn.Module, discovery: object, opts: argparse.Namespace, sizes: list[int],

@@ -286,3 +286,57 @@ def test_plan_shows_pipeline_stages_with_tp_inside(capsys: pytest.CaptureFixture
     assert all(t == pytest.approx(p / 2, rel=0.01) for t, p in zip(tp, plain, strict=True)), (tp, plain)
     code, _, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "6", "--pp-size", "2", "--tp-size", "2")
     assert code == 2 and "--pp-size 2 x --tp-size 2 must divide every --world-size" in err
+
+
+def _in_flight_by_torch(size: int, virtual: int, micro: int, rank: int) -> int:
+    """The most forwards without their backward yet in torch's own Interleaved1F1B order for ``rank``."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    shape = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=micro // max(1, micro // size),
+                            pp_group_size=size, _n_microbatches=micro)
+    held = most = 0
+    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(shape, rank):
+        if action is not None:
+            held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
+            most = max(most, held)
+    return most
+
+
+def test_plan_shows_virtual_stages_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    # --virtual-stages V: P x V stages round the ranks, each rank's sums over its stages, the interleaved bubble
+    argv = ["plan", f"{MODELS}:ToyGPT", "--world-size", "4", "--pp-size", "2", "--virtual-stages", "2",
+            "--microbatches", "4", "--input", "int64[2,8]", "--input", "int64[2,8]"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "2 ranks x 2 stages x data-parallel 2" in out and "(P-1)/(V*M+P-1) = 11.1%" in out  # 1 / (2 x 4 + 1)
+    kib = {"B": 1 / 1024, "KiB": 1.0, "MiB": 1024.0}
+    stages = [line.split() for line in out.splitlines() if re.match(r"\s+[0-3]\s+[01]\s+1\s", line)]
+    assert [row[1] for row in stages] == ["0", "1", "0", "1"], out
+    ranks = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s+\d,\d\s", line)]
+    assert [row[1] for row in ranks] == ["0,2", "1,3"], out
+    for r, row in enumerate(ranks):
+        mine = [s for s in stages if s[1] == str(r)]
+        for col, stage_col in ((2, 3), (4, 5)):  # shards and held/step: the sums of its stages'
+            assert float(row[col]) * kib[row[col + 1]] == pytest.approx(
+                sum(float(s[stage_col]) * kib[s[stage_col + 1]] for s in mine), abs=0.02), (row, mine)
+        gpipe, interleaved = float(row[6]) * kib[row[7]], float(row[8]) * kib[row[9]]
+        assert interleaved < gpipe, row  # 1F1B's order holds fewer micro-batches' activations than every one
+        assert int(row[10]) == _in_flight_by_torch(2, 2, 4, r) == (5, 3)[r], row
+    code, _, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "4", "--pp-size", "2",
+                       "--virtual-stages", "3")
+    assert code == 2 and "--virtual-stages 3" in err and "6 pipeline stages" in err, err
+    code, _, err = run(capsys, "plan", f"{MODELS}:ToyGPT", "--world-size", "4", "--virtual-stages", "2")
+    assert code == 2 and "--virtual-stages" in err and "--pp-size" in err, err
+
+    # --memory answers for the rank whose stages sum highest under the GPipe loop
+    code, out, err = run(capsys, *argv, "--memory", "1GiB", "--baseline", "100MiB", "--streaming", "--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    phases = {f"rank {r}": float(row[6]) * kib[row[7]] for r, row in enumerate(ranks)}
+    assert answer["virtual_stages"] == 2 and answer["training_phases"].keys() == phases.keys(), answer
+    assert all(answer["training_phases"][k] / 1024 == pytest.approx(v, abs=0.01) for k, v in phases.items()), answer
+    assert answer["counted_per_rank"] == 100 * 2**20 + max(answer["training_phases"].values()), answer
+    code, out, _ = run(capsys, *argv, "--memory", "1GiB", "--baseline", "100MiB", "--streaming")
+    assert code == 0 and "on rank 0 (stages 0, 2)" in out and "under Interleaved1F1B" in out, out

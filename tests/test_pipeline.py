@@ -5,8 +5,10 @@ rank), each rank holding only its stage's share, and bad input fails every rank 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from datetime import timedelta
 
 import models
 import pytest
@@ -14,6 +16,7 @@ import torch
 from dist_harness import COMM_TIMEOUT, run_distributed
 from parity import lm_batches, train_side_by_side
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import bmt_wrap as bmt
 from bmt_wrap import passes
@@ -204,19 +207,48 @@ def _held_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 # ---- bad input fails every rank, named, at once ------------------------------------------------------------
+class _BackwardBoom(torch.autograd.Function):
+    """The identity, whose backward raises: a stage's backward failing (in its own code, as a user's does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"backward boom on rank {bmt.rank()}")
+
+
 class _ExplodingBlock(models.Block):
     explode = False
+    explode_backward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.explode:
             raise ValueError(f"boom on rank {bmt.rank()}")
-        return super().forward(x)
+        out = super().forward(x)
+        return _BackwardBoom.apply(out) if self.explode_backward else out
 
 
 def _exploding() -> nn.Module:
     model = models.ToyGPT(n_layers=4)
     model.layers = nn.ModuleList(_ExplodingBlock() for _ in range(4))
     return model
+
+
+@contextlib.contextmanager
+def _short_timeouts(seconds: float):
+    """The job's waits, ours and torch's schedules' on the pipe group, time out after ``seconds``: a rank left
+    waiting for a failed one fails fast, not after the job's timeout."""
+    comm, pipe = bmt.get_state().comm, bmt.parallel_layout().pp.process_group
+    before = comm.timeout
+    comm.timeout = timedelta(seconds=seconds)
+    _set_pg_timeout(comm.timeout, pipe)
+    try:
+        yield
+    finally:
+        comm.timeout = before
+        _set_pg_timeout(before, pipe)
 
 
 def _raises(fn) -> tuple[str, str, float]:
@@ -252,9 +284,19 @@ def _errors_body() -> dict:
     exploding.layers[3].explode = False
     exploding.layers[0].explode = bmt.config["pipe_rank"] == 0
     out["step_first"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    exploding.layers[0].explode = False
+    # A backward that raises under torch's 1F1B (the last stage's: stage 0 waits for its gradients; the
+    # first stage's: stage 1 waits for its next activations), named on every rank within seconds, not the
+    # timeout (15 s here, so that a rank left waiting fails fast).
+    with _short_timeouts(15):
+        exploding.layers[3].explode_backward = bmt.config["pipe_rank"] == 1
+        out["bwd_last"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+        exploding.layers[3].explode_backward = False
+        exploding.layers[0].explode_backward = bmt.config["pipe_rank"] == 0
+        out["bwd_first"] = _raises(lambda m=exploding: m.pipeline_step(*local))
+    exploding.layers[0].explode_backward = False
     # A failed step leaves nothing behind (no transfer left pending between the stages, no partial sums):
     # the next step's gradients are those of a step on its own.
-    exploding.layers[0].explode = False
     # as a step that raised out of torch's schedule (a timeout) leaves it: the next step starts afresh
     exploding._bmt_pipeline.scheduled[1][0].submod.failure = RuntimeError("left over")
     exploding.zero_grad()
@@ -267,8 +309,30 @@ def _errors_body() -> dict:
         torch.equal(a, b) for a, b in zip(after_failure, alone, strict=True))
     del exploding
     gc.collect()
+    out.update(_virtual_failures(local))
     depth = 4 if bmt.rank() < 2 else 5  # ranks that built different models
     out["models"] = _raises(lambda: bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=depth)))
+    return out
+
+
+def _virtual_failures(local: tuple[torch.Tensor, ...]) -> dict:
+    """Two stages per rank (rank 0 of the pipe: layers 0 and 2, rank 1: layers 1 and 3): a stage in the
+    middle of the pipeline whose forward raises, in the GPipe loop and under Interleaved1F1B, and one whose
+    backward raises; every rank names it."""
+    torch.manual_seed(0)
+    model = bmt.BMTrainModelWrapper(_exploding(), pp_virtual_stages=2)
+    pipe_rank = bmt.config["pipe_rank"]
+    out = {}
+    with _short_timeouts(15):
+        model.layers[2].explode = pipe_rank == 0  # stage 2: rank 0's second stage
+        out["v2 loop"] = _raises(lambda m=model: m(*local))
+        out["v2 step"] = _raises(lambda m=model: m.pipeline_step(*local))
+        model.layers[2].explode = False
+        model.layers[1].explode_backward = pipe_rank == 1  # stage 1: rank 1's first stage
+        out["v2 bwd"] = _raises(lambda m=model: m.pipeline_step(*local))
+        model.layers[1].explode_backward = False
+    del model
+    gc.collect()
     return out
 
 
@@ -283,7 +347,8 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
             assert name == "ValueError" and "boom on rank 2" in message, r["stage"]
         else:  # every other rank stops and names it
             assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
-        for key, failing in (("step_last", 2), ("step_first", 0)):
+        for key, failing in (("step_last", 2), ("step_first", 0), ("bwd_last", 2), ("bwd_first", 0),
+                             ("v2 loop", 0), ("v2 step", 0), ("v2 bwd", 2)):
             name, message, seconds = r[key]
             if rank == failing:
                 assert name == "ValueError" and f"boom on rank {failing}" in message, r[key]
@@ -292,6 +357,7 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
         assert r["clean_after"], "a step after a failed pipeline_step got other gradients than a step alone"
         assert r["models"][0] == ModelMismatchError.__name__, r["models"]
         assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "step_last", "step_first", "models")), r
+        assert all(r[k][2] < 15 for k in ("bwd_last", "bwd_first", "v2 loop", "v2 step", "v2 bwd")), r
 
 
 # ---- the plan's pipeline section (pure) ----------------------------------------------------------------------
@@ -376,6 +442,24 @@ def test_stages_are_balanced_by_the_blocks_compute() -> None:
     assert balanced_split(block_costs(list("abc"), {"a": 5, "b": 1, "c": 1}, profile), 2) == [1]
     # a profile without FLOPs for some block (none counted) falls back to parameter bytes
     assert block_costs(list("ab"), {"a": 3, "b": 4}, ActivationProfile(0, [BlockCallActivations("a", 0, 0, 9)])) == [3, 4]
+
+
+def test_the_last_stage_weighs_the_head_and_loss_after_its_blocks() -> None:
+    # A head over a large vocabulary costs more than a block (here 2 x 32 x 1024 FLOPs per token against a
+    # block's about 2 x 12 x 32 x 32): only the last stage runs it, so it weighs there, and the stages cut
+    # 3 / 1 blocks, not 2 / 2 (the last stage then paced the pipeline with two blocks and the head).
+    model = models.ToyGPT(n_layers=4, vocab=1024)
+    discovery = passes.discover_blocks(model)
+    batch, seq = 2, 8
+    ids = torch.randint(0, 1024, (batch, seq))
+    cap = passes.capture(model, discovery, ((ids, ids), {}))
+    plan = passes.build_plan(model, discovery, world_size=2, capture=cap)
+    assert cap.activations is not None
+    assert cap.activations.tail_flops == 2 * batch * seq * models.DIM * 1024  # the head's matmul (the loss: none)
+    block = cap.activations.calls[0].flops
+    assert 0 < block < cap.activations.tail_flops / 2, (block, cap.activations.tail_flops)
+    section = plan_pipeline(model, plan, 2, 2, cap.graph, activations=cap.activations)
+    assert [len(s.blocks) for s in section.stages] == [3, 1]
 
 
 # ---- everything that reads parameters -------------------------------------------------------------------------

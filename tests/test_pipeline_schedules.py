@@ -50,9 +50,10 @@ def _llama_labels(ids):
     return labels
 
 
-def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1) -> list[float]:
+def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1,
+           layers: int = 4) -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
-    checked inside); ``virtual``: stages per rank."""
+    checked inside); ``virtual``: stages per rank; ``layers``: the toy GPT's blocks."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -63,7 +64,7 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtu
             return m.pipeline_step(input_ids=ids, labels=_llama_labels(ids), schedule=schedule)
     else:
         def build():
-            return models.ToyGPT(n_layers=4, tie=kind == "tied")
+            return models.ToyGPT(n_layers=layers, tie=kind == "tied")
         batches, loss_fn = lm_batches(3, 8, seq=8, vocab=models.VOCAB), None
 
         def step_fn(m, ids, targets):
@@ -206,6 +207,8 @@ def _pp2_dp2_body() -> dict:
     out["per_block v2"] = _reduced_once(2, "Interleaved1F1B")
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=4)
     out["pp4"] = _train("toy", "1F1B", 4)
+    # four ranks of two stages each (8 stages of one block, width 32): rank r runs blocks r and r + 4
+    out["pp4 v2"] = _train("tied", "Interleaved1F1B", 4, virtual=2, layers=8)
     # TP inside the stages: each stage's blocks split over its TP pair. The TP size goes to init_distributed
     # so that data_parallel_rank() gives TP peers the same slice (given to the wrapper alone, the slices were
     # taken for the layout without TP: stage 0 raised TPInputMismatchError inside the schedule and stage 1
@@ -218,7 +221,7 @@ def _pp2_dp2_body() -> dict:
     return out
 
 
-def test_1f1b_and_interleaved_train_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp2_and_reduce_once() -> None:
+def test_1f1b_and_interleaved_train_like_plain_pytorch_at_pp2_dp2_pp4_pp4v2_and_pp2_tp2_and_reduce_once() -> None:
     results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
         for key, blocks in (("per_block", 2), ("per_block v2", 2)):
@@ -230,5 +233,6 @@ def test_1f1b_and_interleaved_train_like_plain_pytorch_at_pp2_dp2_pp4_and_pp2_tp
     for a, b in ((0, 2), (1, 3)):
         assert results[a]["toy"] == results[b]["toy"] and results[a]["llama"] == results[b]["llama"]
     assert all(r["pp4"] == results[0]["pp4"] for r in results)
+    assert all(r["pp4 v2"] == results[0]["pp4 v2"] for r in results)  # parity checked inside
     assert all(r["pp2_tp2"] == results[0]["pp2_tp2"] for r in results)  # parity checked inside
     assert all(r["pipe_timeout"] == COMM_TIMEOUT.total_seconds() for r in results), [r["pipe_timeout"] for r in results]

@@ -40,6 +40,8 @@ class ActivationProfile:
     # arguments, the cache among them, for its recompute, so the cache lives through the blocks' backward
     # even though the caller drops the output; a non-checkpointed call's saved tensors already count them.
     object_bytes: int = 0
+    # Forward FLOPs after the last block call (a head and its loss): a pipeline's last stage runs them alone.
+    tail_flops: int = 0
 
     def total(self, checkpointed: set[str]) -> int:
         """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""
@@ -81,6 +83,7 @@ class _Profiler(fx.Interpreter):
         self.entered: dict[int, torch.Tensor] = {}
         self.muted = False  # inside an attention op, whose saves are counted as a fused kernel's
         self.flop_counter = FlopCounterMode(display=False)
+        self.tail_flops = 0  # counted outside blocks since the last block call
 
     def run_node(self, n: fx.Node) -> object:
         """Attribute the node to its block call, counting the tensors that enter a call."""
@@ -102,8 +105,12 @@ class _Profiler(fx.Interpreter):
         try:
             return self._run_counted(n)
         finally:
+            spent = self.flop_counter.get_total_flops() - before
             if key is not None:
-                self.calls[-1].flops += self.flop_counter.get_total_flops() - before
+                self.calls[-1].flops += spent
+                self.tail_flops = 0
+            elif self.calls:
+                self.tail_flops += spent
 
     def _run_counted(self, n: fx.Node) -> object:
         if "scaled_dot_product" not in str(n.target):
@@ -160,4 +167,4 @@ def profile_activations(gm: fx.GraphModule, flat_inputs: list[object],
     with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_weak_pack(profiler), lambda t: t),
           profiler.flop_counter):
         profiler.run(*flat_inputs)
-    return ActivationProfile(root_bytes=profiler.root_bytes, calls=profiler.calls)
+    return ActivationProfile(root_bytes=profiler.root_bytes, calls=profiler.calls, tail_flops=profiler.tail_flops)

@@ -14,7 +14,7 @@ count is the process's peak when freed tensors leave the process (on CPU, glibc 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..base.dtypes import LOW_PRECISION, itemsize, master_dtype, to_dtype
@@ -22,7 +22,7 @@ from ..base.plan import GRADS_IN_FLIGHT, FlatBufferSpec, MemoryEstimate, WrapPla
 from ..errors import PlanError
 from .activations import ActivationProfile
 from .estimate import estimate, estimate_tp, tp_of
-from .pipeline import StageEstimate
+from .pipeline import RankEstimate, StageEstimate
 
 #: The count's known error, kept beside it on ``plan --memory``'s answers instead of answering at 99% of the
 #: limit: its largest shortfall measured against a job, 1.04x per rank (issue 49: a 2-rank Llama with
@@ -245,17 +245,18 @@ def process_peak(plan: WrapPlan, est: MemoryEstimate, baseline: int, built_full:
     return ProcessPeak(baseline, wrapping, training_peak(plan, est), beside, wrapping_baseline, margin_fraction)
 
 
-def pipeline_peak(plan: WrapPlan, stages: list[StageEstimate], baseline: int, schedule: str = "GPipe",
-                  built_full: bool = True, beside: int = 0, wrapping_baseline: int | None = None,
-                  margin_fraction: float = 0.0) -> tuple[int, ProcessPeak]:
-    """The stage whose ranks peak highest under ``schedule`` and that peak, for ``plan`` cut into ``stages``
-    (``estimate_pipeline``): its shards, its blocks held for the step with their summed gradients, the root
-    group, and the activations the schedule holds (``StageEstimate.peak``). Every rank builds the whole model
-    before wrapping (``wrapping_bytes`` over every group: more than a stage keeps, never less)."""
-    worst = max(stages, key=lambda e: e.peak(schedule))
+def pipeline_peak(plan: WrapPlan, stages: Sequence[StageEstimate | RankEstimate], baseline: int,
+                  schedule: str = "GPipe", built_full: bool = True, beside: int = 0,
+                  wrapping_baseline: int | None = None, margin_fraction: float = 0.0) -> tuple[int, ProcessPeak]:
+    """The stage whose ranks peak highest under ``schedule`` (its index in ``stages``) and that peak, for
+    ``plan`` cut into ``stages`` (``estimate_pipeline``; with V stages per rank, ``rank_estimates``: the
+    pipeline rank): its shards, its blocks held for the step with their summed gradients, the root group,
+    and the activations the schedule holds (``peak``). Every rank builds the whole model before wrapping
+    (``wrapping_bytes`` over every group: more than a stage keeps, never less)."""
+    i = max(range(len(stages)), key=lambda i: stages[i].peak(schedule))
+    worst = stages[i]
     wrapping = wrapping_bytes(plan, worst.zero) if built_full else 0
-    return worst.stage, ProcessPeak(baseline, wrapping, worst.peak(schedule), beside, wrapping_baseline,
-                                    margin_fraction)
+    return i, ProcessPeak(baseline, wrapping, worst.peak(schedule), beside, wrapping_baseline, margin_fraction)
 
 
 def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:

@@ -11,7 +11,7 @@ registration order, which the first call's capture then checks (``check_root_ord
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import fx, nn
@@ -110,14 +110,17 @@ def balanced_split(costs: list[int], parts: int) -> list[int]:
 
 def block_costs(order: list[str], param_bytes: dict[str, int], activations: ActivationProfile | None) -> list[int]:
     """What each block of ``order`` weighs in the stage split: its forward FLOPs at the profiled batch (a
-    stage's compute, which paces the pipeline) when the profile counted some for every block, its parameter
-    bytes breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
+    stage's compute, which paces the pipeline) when the profile counted some for every block, the last one
+    with the FLOPs after it (a head and its loss, which only the last stage runs), its parameter bytes
+    breaking ties (they weigh less than one FLOP); else its parameter bytes alone (no inputs known)."""
     flops = dict.fromkeys(order, 0)
     for call in activations.calls if activations is not None else []:
         if call.block in flops:
             flops[call.block] += call.flops
     if not all(flops.values()):
         return [param_bytes[b] for b in order]
+    assert activations is not None  # every block's FLOPs came from it
+    flops[order[-1]] += activations.tail_flops
     scale = sum(param_bytes[b] for b in order) + 1
     return [flops[b] * scale + param_bytes[b] for b in order]
 
@@ -283,11 +286,55 @@ def estimate_pipeline(plan: WrapPlan, section: PipelinePlan, shard_size: int,
     return out
 
 
+def interleaved_in_flight(size: int, virtual: int, microbatches: int, rank: int) -> int:
+    """The most micro-batch x stage forwards torch's Interleaved1F1B has run on ``rank`` of ``size`` and not
+    yet run backward: its warm-up (torch's ``_get_warmup_ops``, rounds of ``M // max(1, M // P)``) and one
+    more in the steady state, at most every one (M x V)."""
+    per_round = microbatches // max(1, microbatches // size)
+    return min(microbatches * virtual, (virtual - 1) * per_round + 2 * (size - 1 - rank) + 1)
+
+
+@dataclass
+class RankEstimate:
+    """One pipeline rank's bytes per rank and per step with ``pp_virtual_stages=V``: the sum of its V stages'
+    (every block of the rank held gathered for the step)."""
+
+    rank: int
+    stages: list[StageEstimate]
+    in_flight: int  # micro-batch x stage forwards Interleaved1F1B holds at most (``interleaved_in_flight``)
+
+    @property
+    def zero(self) -> MemoryEstimate:
+        """Its first stage's ZeRO estimate (the shard group every stage of the rank is sharded over)."""
+        return self.stages[0].zero
+
+    def peak(self, schedule: str = "GPipe") -> int:
+        """Memory per rank at the step's peak under ``schedule``: GPipe (the loop users write) and LoopedBFS
+        hold every micro-batch's activations and received inputs of every stage until its backward;
+        Interleaved1F1B ``in_flight`` micro-batch x stage forwards', each counted at the rank's largest."""
+        if schedule.lower() in ("gpipe", "loopedbfs"):
+            return sum(e.total for e in self.stages)
+        if schedule.lower() != "interleaved1f1b":
+            raise PipelineError(f"RankEstimate.peak({schedule!r}): one of 'GPipe', 'LoopedBFS', 'Interleaved1F1B'")
+        fixed = sum(e.total - (e.zero.activations or 0) - (e.held_gpipe or 0) for e in self.stages)
+        chunk = max((e.zero.activations or 0) // e.microbatches + (e.boundary_in or 0) for e in self.stages)
+        return fixed + self.in_flight * chunk
+
+
+def rank_estimates(section: PipelinePlan, stages: list[StageEstimate]) -> list[RankEstimate]:
+    """Each pipeline rank's ``RankEstimate`` from its stages' (``section.stages_on``)."""
+    return [RankEstimate(r, [stages[s] for s in section.stages_on(r)],
+                         interleaved_in_flight(section.size, section.virtual, section.microbatches, r))
+            for r in range(section.size)]
+
+
 def pipeline_report(section: PipelinePlan, stages: list[StageEstimate]) -> list[str]:
-    """The stage table ``bmt-wrap plan --pp-size`` prints."""
+    """The stage table ``bmt-wrap plan --pp-size`` prints (with V stages per rank, each rank's sums too)."""
     def b(n: int | None) -> str:
         return fmt_bytes(n) if n is not None else "?"
 
+    if section.virtual > 1:
+        return _interleaved_report(section, stages, b)
     lines = [f"pipeline: {section.size} stages x {section.microbatches} micro-batches, {section.schedule}; "
              f"bubble (P-1)/(M+P-1) = {section.bubble():.1%}",
              f"  {'stage':<6}{'blocks':>7}{'shards':>12}{'held/step':>12}{'activations':>13}"
@@ -304,3 +351,36 @@ def pipeline_report(section: PipelinePlan, stages: list[StageEstimate]) -> list[
         lines.append("  note: activation and point-to-point bytes need an input shape (--input)")
     return lines
 
+
+def _interleaved_report(section: PipelinePlan, stages: list[StageEstimate], b: Callable[[int | None], str]
+                        ) -> list[str]:
+    """``pipeline_report`` with ``pp_virtual_stages=V``: the P x V stages, then each rank's sums over its
+    stages under the GPipe loop and Interleaved1F1B."""
+    p, v, m = section.size, section.virtual, section.microbatches
+    lines = [f"pipeline: {p} ranks x {v} stages = {p * v} stages (rank r runs stages r, r+{p}, ...) x {m} "
+             f"micro-batches; bubble under Interleaved1F1B (P-1)/(V*M+P-1) = {section.bubble():.1%} (the GPipe loop "
+             "runs a rank's stages one after another)",
+             f"  {'stage':<6}{'rank':>5}{'blocks':>7}{'shards':>12}{'held/step':>12}{'activations':>13}"
+             f"{'GPipe holds':>13}{'p2p/step':>11}{'ZeRO/step':>11}"]
+    for e in stages:
+        z = e.zero
+        lines.append(f"  {e.stage:<6}{section.rank_of(e.stage):>5}{e.blocks:>7}{b(z.params + z.grads + z.optimizer):>12}"
+                     f"{b(e.gathered_step):>12}{b(z.activations):>13}{b(e.held_gpipe):>13}{b(e.p2p):>11}"
+                     f"{b(e.zero_traffic):>11}")
+    known = all(e.p2p is not None for e in stages)
+    lines.append(f"  {'rank':<6}{'stages':>9}{'shards':>12}{'held/step':>12}{'GPipe':>11}{'Interleaved':>13}"
+                 f"{'in flight':>11}{'p2p/step':>11}{'ZeRO/step':>11}")
+    for r in rank_estimates(section, stages):
+        zs = [e.zero for e in r.stages]
+        lines.append(f"  {r.rank:<6}{','.join(str(e.stage) for e in r.stages):>9}"
+                     f"{b(sum(z.params + z.grads + z.optimizer for z in zs)):>12}"
+                     f"{b(sum(e.gathered_step for e in r.stages)):>12}{b(r.peak('GPipe')):>11}"
+                     f"{b(r.peak('Interleaved1F1B')):>13}{r.in_flight:>11}"
+                     f"{b(sum(e.p2p for e in r.stages) if known else None):>11}"  # type: ignore[misc]
+                     f"{b(sum(e.zero_traffic for e in r.stages)):>11}")
+    lines.append("  per rank, over its stages: GPipe is the loop's (and LoopedBFS's) peak, every micro-batch's "
+                 "activations held; Interleaved is Interleaved1F1B's, 'in flight' micro-batch x stage forwards held "
+                 "at most, each at the rank's largest; shards, held/step and p2p as without virtual stages")
+    if not known:
+        lines.append("  note: activation and point-to-point bytes need an input shape (--input)")
+    return lines

@@ -107,7 +107,7 @@ class _StageModule(nn.Module):
         self.weights: list[float] = []  # each micro-batch loss's weight in the batch's loss
         self.micro = 0
         self.sends: tuple[torch.Tensor, ...] = ()  # examples of what it returns per micro-batch
-        self.failure: Exception | None = None  # what this rank's forward raised during the step
+        self.failure: Exception | None = None  # what this stage's forward or backward raised during the step
 
     def forward(self, *received: torch.Tensor) -> Any:
         runtime = self.runtime
@@ -162,6 +162,20 @@ class _Stage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         finally:
             self.compute += time.perf_counter() - start
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                   last_backward: bool = False) -> tuple[tuple[torch.Tensor | None, ...], Any]:
+        """Torch's backward of one micro-batch; one that raises is kept for the step's end, as a forward's is
+        (``pipeline_step``), and this stage's later backwards run nothing: torch sends the previous stage
+        zeros for the missing gradients, so no stage waits for one that left the schedule."""
+        module = self.submod
+        if module.failure is None:
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            except Exception as exc:
+                # torch wraps what the backward raised in a RuntimeError naming the stage's tensors
+                module.failure = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        return tuple(None for _ in bwd_kwargs["input_values"]), None
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
@@ -234,8 +248,9 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | N
                 stage.submod.failure = None
             if failure is not None:
                 discard_unsynced(model)  # earlier micro-batches' unreduced sums: the step is void
-            # A stage whose forward raised ran the schedule to its end with zeros, so every rank reaches this
-            # all-reduce over the job: each raises the failing rank's error, before the stages' agreement.
+            # A stage whose forward or backward raised ran the schedule to its end with zeros, so every rank
+            # reaches this all-reduce over the job: each raises the failing rank's error, before the stages'
+            # agreement.
             agree(failure, what="pipeline_step", error_type=PipelineError)
     finally:
         runtime.run = None
