@@ -129,6 +129,40 @@ def test_cli_plan_prints_expert_bytes_and_all_to_all(capsys: pytest.CaptureFixtu
     assert "ep rank 1: experts 2-3" in out
 
 
+def test_cli_plan_ep_with_tp_shards_experts_over_their_owners_and_splits_attention(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tests/models.py:mixtral", "--world-size", "4", "8", "--ep-size", "2", "--tp-size", "2",
+                 "--input", "input_ids=int64[2,16]"]) == 0
+    out = capsys.readouterr().out
+    model = models.mixtral()
+    total = plan_experts(model, ep_size=2).expert_bytes()
+    every = sum(p.numel() * 4 for p in model.parameters())
+    kib = lambda n: f"{n / 1024:.2f} KiB"  # noqa: E731
+
+    def row(label: str) -> list[str]:
+        line = next(x for x in out.splitlines() if x.strip().startswith(label))
+        return re.split(r"\s{2,}", line.strip()[len(label):].strip())
+
+    # Attention split over the 2 TP peers, experts over the 2 EP ranks; the N / 2 owners of an EP rank's
+    # experts are its TP peers too (mesh.expert_shard_group), so each rank holds 1/N of every parameter.
+    assert "split model.layers.0.self_attn.q_proj: colwise" in out and "parameters per TP and EP rank" in out
+    for got, n in zip(row("parameters (shard)"), (4, 8), strict=True):
+        assert abs(float(got.split()[0]) * 1024 - every / n) <= 0.03 * every / n, (got, n)
+    assert row("expert bytes per rank (EP)") == [kib(total / 4), kib(total / 8)]
+    # each TP rank routes its data-parallel slice's 32 tokens within its EP group: as without TP
+    assert row("all-to-all / step (EP)") == [kib(32 * 2 * models.DIM * 4 // 2 * 6 * 2)] * 2
+    assert row("experts' ZeRO among owners / step (EP)") == [kib(3 * total / 4), kib(3 * total / 8 * 3)]
+    # what the wrapper refuses, or what --memory cannot count under TP, is refused naming the fix
+    for extra, says in ((["--world-size", "4", "--ep-size", "4"], "--ep-size 4 must divide every --world-size's "
+                         "data-parallel ranks (N / --tp-size 2); [4] do not"),
+                        (["--world-size", "4", "--ep-size", "2", "--sequence-parallel"], "drop --shard-size, "
+                         "--pp-size and --sequence-parallel"),
+                        (["--world-size", "4", "--ep-size", "2", "--memory", "1GiB", "--input",
+                          "input_ids=int64[2,16]"], "--memory answers for ZeRO-3 over every rank (with --ep-size")):
+        assert main(["plan", "tests/models.py:mixtral", "--tp-size", "2", *extra]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -> None:
     from bmt_wrap.passes import build_plan, discover_blocks
 
