@@ -111,7 +111,7 @@ from .passes.capacity import (
     training_phases,
     with_peak,
 )
-from .passes.capture import Call, Capture, capture
+from .passes.capture import Call, Capture, capture, token_count
 from .passes.context_parallel import local_call, plan_context_parallel, with_sequence
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
@@ -401,7 +401,7 @@ def _capacity(opts: argparse.Namespace) -> str:
     if opts.ep_size is not None and opts.pp_size is not None:
         raise CLIError("--memory counts --ep-size or --pp-size, not both (the wrapper refuses ep_size= beside "
                        "pp_size=): drop one")
-    tokens = _tokens(inputs)
+    tokens = token_count(inputs)
     if opts.ep_size is not None and tokens is None:
         raise CLIError("--memory with --ep-size counts the all-to-all buffers for the tokens a rank routes: give "
                        "the token ids in --input, e.g. --input input_ids=int64[4,512]")
@@ -437,9 +437,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload,
                           experts=experts)
         est = plan.estimates[str(n)]
-        if experts is not None:
-            assert tokens is not None  # checked above
-            est = replace(est, exchange=experts.exchange_bytes(tokens))
+        if experts is not None:  # counted by the plan, as memory_budget= counts them (capacity.scheduled_estimate)
             exchanged[k] = est.exchange
         context = ""
         if opts.cp_size:  # one attention's exchange buffers and mask, held beside a block's backward
@@ -674,12 +672,6 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
     return "\n".join(lines)
 
 
-def _tokens(inputs: Call | None) -> int | None:
-    """One rank's tokens per step: the first integer input's (the token ids') batch x sequence; None without."""
-    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-    return ids[0].numel() if ids else None
-
-
 def _expert_section(model: nn.Module, opts: argparse.Namespace, sizes: list[int],
                     tp: TensorParallelPlan | None = None) -> ExpertPlan | None:
     """``--ep-size E``'s experts section (None without it), or the error the wrapper would raise: EP borrows E
@@ -701,7 +693,7 @@ def _ep_report(section: ExpertPlan, sizes: list[int], plans: list[WrapPlan], inp
     the experts under EP beside ZeRO-3 without it. Under TP the owners of one EP rank's experts are its
     TP peers too (``MeshLayout.expert_shard_group``), so each rank still holds 1/N of the experts, and each
     TP rank routes the tokens of its data-parallel slice."""
-    tokens = _tokens(inputs)
+    tokens = token_count(inputs)
     cols = [section.traffic(n, tokens, {g.name for g in p.blocks() if g.checkpoint})
             for n, p in zip(sizes, plans, strict=True)]
     rows = [("", *(f"N={n}" for n in sizes)),
@@ -738,7 +730,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
     # As the wrapper does: a product head cannot read a weight TP splits (passes/fused_loss.py).
     captured = with_fused_loss(captured, fused_loss_section(measured, captured, enabled=opts.fused_loss,
                                                             tensor_parallel=tp))
-    tokens = _tokens(inputs)
+    tokens = token_count(inputs)
     activations = captured.activations
     plans, columns = [], []
     for n in sizes:
@@ -750,6 +742,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
                               capture=captured, tensor_parallel=tp, experts=experts)
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
+            est.exchange = plan.estimates[str(shard)].exchange  # EP's all-to-all buffers, as the plan counted them
             plan.estimates = {str(shard): with_peak(plan, est)}
             plans.append(plan)
             columns.append(n)

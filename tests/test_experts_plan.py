@@ -5,6 +5,7 @@ dense and why, the plan section, ``bmt-wrap plan --ep-size`` and the pass's erro
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -214,3 +215,31 @@ def test_plan_memory_counts_each_ranks_experts_and_the_all_to_all_buffers(capsys
     assert main(["plan", "tests/models.py:mixtral", "--world-size", "2", "--memory", "1GiB", "--baseline", "0",
                  "--ep-size", "2", "--input", f"inputs_embeds=float32[2,16,{models.DIM}]"]) != 0
     assert "give the token ids in --input" in capsys.readouterr().err
+
+
+def test_memory_budget_counts_the_all_to_all_buffers_under_ep() -> None:
+    import torch
+
+    from bmt_wrap.errors import MemoryBudgetError
+    from bmt_wrap.passes import build_plan, capture, discover_blocks
+    from bmt_wrap.passes.capacity import training_peak
+
+    model = models.mixtral()
+    experts, blocks = plan_experts(model, ep_size=2), discover_blocks(model)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    cap = capture(model, blocks, {"input_ids": ids, "labels": ids})
+    plan = build_plan(model, blocks, world_size=2, capture=cap, experts=experts)
+    est = plan.estimates["2"]
+    # one MoE layer's (token, expert) rows of 32 tokens x top-2 x 32 wide x fp32: sent and received, twice
+    assert est.exchange == experts.exchange_bytes(32) == 4 * 32 * 2 * models.DIM * 4
+    assert training_peak(plan, replace(est, exchange=0)) < est.peak  # they are held at the step's peak
+    # memory_budget= fits the same count: a budget one byte below the least schedule's peak is refused
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {est.peak} B"):
+        build_plan(model, blocks, world_size=2, capture=cap, experts=experts, memory_budget=est.peak - 1)
+    fitted = build_plan(model, blocks, world_size=2, capture=cap, experts=experts, memory_budget=est.peak)
+    assert fitted.estimates["2"].exchange == est.exchange and fitted.estimates["2"].peak <= est.peak
+    # without token ids the buffers are not counted, and the plan says so
+    embeds = capture(model, blocks, {"inputs_embeds": torch.zeros(2, 16, models.DIM)})
+    blind = build_plan(model, blocks, world_size=2, capture=embeds, experts=experts)
+    assert blind.estimates["2"].exchange == 0
+    assert any("all-to-all buffers are not counted: the inputs hold no token ids" in n for n in blind.notes)

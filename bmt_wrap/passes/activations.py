@@ -40,6 +40,10 @@ class ActivationProfile:
     # arguments, the cache among them, for its recompute, so the cache lives through the blocks' backward
     # even though the caller drops the output; a non-checkpointed call's saved tensors already count them.
     object_bytes: int = 0
+    # Tokens of the measured batch (its token ids' elements: ``capture.token_count``; None without them): what
+    # scales with tokens outside the graph's tensors, expert parallelism's all-to-all buffers
+    # (``ExpertPlan.exchange_bytes``), is counted from them.
+    tokens: int | None = None
 
     def total(self, checkpointed: set[str]) -> int:
         """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""
