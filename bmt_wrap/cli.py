@@ -10,7 +10,7 @@
                   [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N --pp-size P [--virtual-stages V] [--microbatches M] --memory 8GiB
                   --input SPEC ... [--grow KW]
-    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--input SPEC ...]
+    bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --ep-size E [--tp-size T] [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --cp-size C [--cp-method auto|ulysses|ring] --input SPEC ...
     bmt-wrap plan MODULE:FACTORY --world-size N --cp-size C --memory 8GiB --input SPEC ... [--grow-seq STEP]
 
@@ -36,7 +36,9 @@ with ``--sequence-parallel``, ``sequence_parallel=True``'s section and traffic.
 ``--ep-size E`` adds expert parallelism's view of the mixture-of-experts layers (found by structure, each
 one's experts placed over E ranks, what stays dense and why) and, per world size, each rank's expert bytes,
 the all-to-all bytes per step for --input's tokens (uniform routing) and the owners' ZeRO bytes, beside
-ZeRO-3's gather and reduce-scatter bytes for the same experts.
+ZeRO-3's gather and reduce-scatter bytes for the same experts; the per-rank table counts each rank's experts
+over the ranks owning them. With ``--tp-size T`` the attention is split by TP and the experts by EP over E of
+the N/T data-parallel ranks, whose owners' TP peers share their shards (each rank holds 1/N of the experts).
 ``--cp-size C [--cp-method M]`` plans ``BMTrainModelWrapper(model, cp_size=C, cp_method=M)`` for a
 transformers model: --input is one rank's whole batch (CP peers take the same one), each rank's activations
 are counted on its ``seq / C`` tokens, and the CP section gives the method "auto" picks, the attentions'
@@ -87,7 +89,7 @@ from torch import nn
 from . import process_baseline
 from .base._compat import pytree
 from .base.dtypes import to_dtype
-from .base.expert_plan import experts_text
+from .base.expert_plan import ExpertPlan, experts_text
 from .base.host_allocator import EXACT_SETTING
 from .base.mixed_precision import MixedPrecision
 from .base.pipeline_plan import pipeline_text
@@ -101,6 +103,7 @@ from .base.plan import (
     shown_notes,
     summary_line,
 )
+from .base.tp_plan import TensorParallelPlan
 from .errors import BMTError, CLIError, MemoryBudgetError, PipelineError, PlanError
 from .passes.capacity import (
     MARGIN,
@@ -113,11 +116,11 @@ from .passes.capacity import (
     training_phases,
     with_peak,
 )
-from .passes.capture import Call, Capture, capture
+from .passes.capture import Call, Capture, capture, token_count
 from .passes.context_parallel import local_call, plan_context_parallel, with_sequence
 from .passes.discover import discover_blocks
 from .passes.estimate import estimate_mesh, estimate_tp
-from .passes.experts import plan_experts
+from .passes.experts import check_tp_split, plan_experts
 from .passes.fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .passes.pipeline import estimate_pipeline, pipeline_report, plan_pipeline, rank_estimates
 from .passes.planner import build_plan
@@ -406,7 +409,7 @@ def _capacity(opts: argparse.Namespace) -> str:
     if opts.ep_size is not None and opts.pp_size is not None:
         raise CLIError("--memory counts --ep-size or --pp-size, not both (the wrapper refuses ep_size= beside "
                        "pp_size=): drop one")
-    tokens = _tokens(inputs)
+    tokens = token_count(inputs)
     if opts.ep_size is not None and tokens is None:
         raise CLIError("--memory with --ep-size counts the all-to-all buffers for the tokens a rank routes: give "
                        "the token ids in --input, e.g. --input input_ids=int64[4,512]")
@@ -443,9 +446,7 @@ def _capacity(opts: argparse.Namespace) -> str:
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload,
                           experts=experts)
         est = plan.estimates[str(n)]
-        if experts is not None:
-            assert tokens is not None  # checked above
-            est = replace(est, exchange=experts.exchange_bytes(tokens))
+        if experts is not None:  # counted by the plan, as memory_budget= counts them (capacity.scheduled_estimate)
             exchanged[k] = est.exchange
         context = ""
         if opts.cp_size:  # one attention's exchange buffers and mask, held beside a block's backward
@@ -593,9 +594,10 @@ def _run(opts: argparse.Namespace) -> str:
         raise CLIError("--memory with --pp-size counts every stage's shards and optimizer state in memory: drop "
                        "--optimizer-state disk and --offload (or plan without --pp-size)")
     if opts.command == "plan" and opts.ep_size is not None and (
-            opts.tp_size is not None or opts.shard_size is not None or opts.pp_size is not None):
-        raise CLIError("--ep-size plans expert parallelism beside ZeRO-3 over every rank: drop --tp-size, "
-                       "--shard-size and --pp-size (their answers do not count experts yet)")
+            opts.shard_size is not None or opts.pp_size is not None or opts.sequence_parallel):
+        raise CLIError("--ep-size plans expert parallelism beside ZeRO-3 (and --tp-size TP): drop --shard-size, "
+                       "--pp-size and --sequence-parallel (their answers do not count experts yet; the wrapper "
+                       "refuses ep_size= beside pp_size= and sequence_parallel=True)")
     if opts.microbatches is not None and opts.pp_size is None:
         raise CLIError("--microbatches cuts a pipeline's batch: give --pp-size too")
     if opts.virtual_stages is not None and opts.pp_size is None:
@@ -603,8 +605,9 @@ def _run(opts: argparse.Namespace) -> str:
     if opts.command == "plan" and opts.memory is not None:
         if opts.tp_size is not None or opts.shard_size is not None:
             # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
-            raise CLIError("--memory answers for ZeRO-3 over every rank: drop --tp-size/--shard-size (or run "
-                           "plan without --memory for their per-rank estimates)")
+            raise CLIError("--memory answers for ZeRO-3 over every rank (with --ep-size, each rank's experts over "
+                           "their owners): drop --tp-size/--shard-size (or run plan without --memory for their "
+                           "per-rank estimates, --ep-size included)")
         if opts.mixed_precision is not None:
             # Its answer would be for the model without the policy: fp32 masters and gathers in another dtype
             # uncounted (and the model's own dtype under wrapping, which the count takes as the shards').
@@ -646,20 +649,21 @@ def _run(opts: argparse.Namespace) -> str:
         captured = replace(captured, graph=fuse_loss(captured.graph, measured, enabled=True)[0])
     if opts.pp_size is not None:
         return _pp_report(model, discovery, opts, sizes, captured, budget, mp)
+    experts = _expert_section(model, opts, sizes) if opts.command == "plan" else None
     plans, over = [], []
     for n in sizes:
         try:
             plans.append(build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
                                     memory_budget=budget, mixed_precision=mp, capture=captured,
-                                    offload=opts.offload if opts.command == "plan" else None))
+                                    offload=opts.offload if opts.command == "plan" else None, experts=experts))
         except MemoryBudgetError as exc:
             over.append(exc)
     if over:
         raise budget_error(budget, over, opts.prefetch_depth)
     if opts.command == "plan" and opts.shard_size is not None:
         sizes, plans = _with_hsdp(model, discovery, opts, sizes, plans, budget, mp, captured)
-    if opts.command == "plan" and opts.ep_size is not None:
-        return "\n".join([_plan_report(opts, sizes, plans), *_ep_report(model, opts.ep_size, sizes, plans, inputs)])
+    if experts is not None:
+        return "\n".join([_plan_report(opts, sizes, plans), *_ep_report(experts, sizes, plans, inputs)])
     if opts.command == "plan" and opts.cp_size is not None:
         est = plans[0].estimates[str(sizes[0])]
         section = plan_context_parallel(model, cp, opts.cp_method, call, est.activations,
@@ -678,7 +682,10 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
     psi = sum(g.param_numel() for g in plans[0].groups)
     dtypes = sorted({b.dtype if b.gather_dtype == b.dtype else f"{b.dtype} gathered as {b.gather_dtype}"
                      for g in plans[0].groups for b in g.buffers})
-    per = " per TP rank" if plans[0].tensor_parallel is not None else ""
+    experts = plans[0].experts
+    split = [by for by, on in (("TP", plans[0].tensor_parallel is not None),
+                               ("EP", experts is not None and experts.ep_size > 1)) if on]
+    per = f" per {' and '.join(split)} rank" if split else ""
     lines = [f"{opts.model}: {psi:,} parameters{per} ({', '.join(dtypes) or 'none'}), "
              f"{fmt_bytes(sum(g.param_bytes() for g in plans[0].groups))}",
              *(f"N={n}{''.join(map(layout_label, p.estimates.values()))}: {summary_line(p)}"
@@ -688,21 +695,28 @@ def _plan_report(opts: argparse.Namespace, sizes: list[int], plans: list[WrapPla
     return "\n".join(lines)
 
 
-def _tokens(inputs: Call | None) -> int | None:
-    """One rank's tokens per step: the first integer input's (the token ids') batch x sequence; None without."""
-    ids = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-    return ids[0].numel() if ids else None
-
-
-def _ep_report(model: nn.Module, ep_size: int, sizes: list[int], plans: list[WrapPlan],
-               inputs: Call | None) -> list[str]:
-    """``plan --ep-size E``: the experts section, then per world size what each rank holds and sends for
-    the experts under EP beside ZeRO-3 without it."""
-    bad = [n for n in sizes if ep_size < 1 or n % ep_size]
+def _expert_section(model: nn.Module, opts: argparse.Namespace, sizes: list[int],
+                    tp: TensorParallelPlan | None = None) -> ExpertPlan | None:
+    """``--ep-size E``'s experts section (None without it), or the error the wrapper would raise: EP borrows E
+    of each column's N / T data-parallel ranks (T: ``--tp-size``), and TP splits no expert weight."""
+    e, t = opts.ep_size, getattr(opts, "tp_size", None) or 1
+    if e is None:
+        return None
+    bad = [n for n in sizes if e < 1 or n % (e * t)]
     if bad:
-        raise CLIError(f"--ep-size {ep_size} must divide every --world-size; {bad} do not")
-    section = plan_experts(model, ep_size, math.gcd(*sizes))
-    tokens = _tokens(inputs)
+        each = f"every --world-size's data-parallel ranks (N / --tp-size {t})" if t > 1 else "every --world-size"
+        raise CLIError(f"--ep-size {e} must divide {each}; {bad} do not")
+    section = plan_experts(model, e, math.gcd(*(n // t for n in sizes)))
+    check_tp_split(section, tp)
+    return section
+
+
+def _ep_report(section: ExpertPlan, sizes: list[int], plans: list[WrapPlan], inputs: Call | None) -> list[str]:
+    """``plan --ep-size E``: the experts section, then per world size what each rank holds and sends for
+    the experts under EP beside ZeRO-3 without it. Under TP the owners of one EP rank's experts are its
+    TP peers too (``MeshLayout.expert_shard_group``), so each rank still holds 1/N of the experts, and each
+    TP rank routes the tokens of its data-parallel slice."""
+    tokens = token_count(inputs)
     cols = [section.traffic(n, tokens, {g.name for g in p.blocks() if g.checkpoint})
             for n, p in zip(sizes, plans, strict=True)]
     rows = [("", *(f"N={n}" for n in sizes)),
@@ -731,6 +745,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
         raise CLIError(f"--shard-size {s} x --tp-size {t} must divide every --world-size (replicas x shard size x "
                        f"TP size); {bad} do not")
     tp = plan_tensor_parallel(model, t, discovery)  # type: ignore[arg-type]
+    experts = _expert_section(model, opts, sizes, tp)
     if opts.sequence_parallel:
         tp.sequence = plan_sequence_parallel(model, tp, discovery)  # type: ignore[arg-type]
         if captured.method == "export":
@@ -738,7 +753,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
     # As the wrapper does: a product head cannot read a weight TP splits (passes/fused_loss.py).
     captured = with_fused_loss(captured, fused_loss_section(measured, captured, enabled=opts.fused_loss,
                                                             tensor_parallel=tp))
-    tokens = _tokens(inputs)
+    tokens = token_count(inputs)
     activations = captured.activations
     plans, columns = [], []
     for n in sizes:
@@ -747,9 +762,10 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
         for shard in ([n // t] if s is None else [n // t, s]):
             plan = build_plan(model, discovery, world_size=shard,  # type: ignore[arg-type]
                               prefetch_depth=opts.prefetch_depth, memory_budget=budget, mixed_precision=mp,
-                              capture=captured, tensor_parallel=tp)
+                              capture=captured, tensor_parallel=tp, experts=experts)
             est = estimate_tp(plan, shard, tokens, activations) if s is None else \
                 estimate_mesh(plan, n, shard, s * t, activations, tokens)
+            est.exchange = plan.estimates[str(shard)].exchange  # EP's all-to-all buffers, as the plan counted them
             plan.estimates = {str(shard): with_peak(plan, est)}
             plans.append(plan)
             columns.append(n)
@@ -759,6 +775,7 @@ def _tp_report(model: nn.Module, measured: nn.Module, discovery: object, opts: a
                                                                                 "  sequence parallel", "    sp ",
                                                                                 "    not sequence parallel"))]
     return "\n".join([_plan_report(opts, sizes, plans), *section]
+                     + (_ep_report(experts, sizes, plans, inputs) if experts is not None else [])
                      + ([] if tokens else ["note: TP traffic needs --input (token ids) for its token count"])
                      + (["note: activations are estimated unsplit (an upper bound under TP)"] if activations else []))
 

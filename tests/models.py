@@ -389,11 +389,11 @@ def mixtral(num_hidden_layers: int = 2) -> nn.Module:
     return seeded(lambda: MixtralForCausalLM(MixtralConfig(**{**_moe_small(), "num_hidden_layers": num_hidden_layers})))
 
 
-def qwen3_moe() -> nn.Module:
+def qwen3_moe(num_hidden_layers: int = 2) -> nn.Module:
     """transformers Qwen3MoeForCausalLM, 2 layers, 4 packed experts each, top-2."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = dict(_moe_small(), moe_intermediate_size=32, head_dim=8)
+    cfg = dict(_moe_small(), moe_intermediate_size=32, head_dim=8, num_hidden_layers=num_hidden_layers)
     return seeded(lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)))
 
 
@@ -405,22 +405,22 @@ def qwen2_moe() -> nn.Module:
     return seeded(lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(**cfg)))
 
 
-def deepseek_v3() -> nn.Module:
+def deepseek_v3(num_hidden_layers: int = 2) -> nn.Module:
     """transformers DeepseekV3ForCausalLM, 2 layers: layer 0 dense (``first_k_dense_replace=1``), layer 1
-    4 routed experts (top-2 of 2 groups) beside a shared expert."""
+    4 routed experts (top-2 of 2 groups) beside a shared expert; with one layer, that MoE layer alone."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = dict(_hf_small(), n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
-               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
-               qk_nope_head_dim=4, v_head_dim=8)
+               topk_group=1, first_k_dense_replace=min(1, num_hidden_layers - 1), kv_lora_rank=16, q_lora_rank=24,
+               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_hidden_layers=num_hidden_layers)
     return seeded(lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)))
 
 
-def gpt_oss(top_k: int = 2) -> nn.Module:
+def gpt_oss(top_k: int = 2, num_hidden_layers: int = 2) -> nn.Module:
     """transformers GptOssForCausalLM, 2 layers, 4 packed experts with biases each, top-``top_k``."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = dict(_moe_small(), head_dim=8, num_experts_per_tok=top_k)
+    cfg = dict(_moe_small(), head_dim=8, num_experts_per_tok=top_k, num_hidden_layers=num_hidden_layers)
     return seeded(lambda: GptOssForCausalLM(GptOssConfig(**cfg)))
 
 

@@ -184,3 +184,41 @@ def test_expert_parallel_checkpoints_resume_at_other_ep_sizes_and_in_plain_pytor
         else:
             torch.testing.assert_close(got["losses"], uninterrupted, rtol=LOSS_RTOL, atol=0, msg=where)
         _close(got["final"], plain_final, where)
+
+
+# ---- a full (gathered) optimizer state dict loaded back under expert parallelism ----------------------------
+def _full_optimizer_state_body() -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    model, opt = _wrapped("mixtral", 2)
+    _train("mixtral", model, opt, range(BEFORE))
+    # Copies, as a file would hold: torch's optimizers hand out their own state tensors and a loaded one steps
+    # what it was given in place (plain torch's too)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=full))
+    kept = copy.deepcopy(saved["state"])
+    fresh, fresh_opt = _wrapped("mixtral", 2)
+    fresh.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(fresh, fresh_opt, saved, options=full)  # every tensor whole, experts included
+    again = copy.deepcopy(get_optimizer_state_dict(fresh, fresh_opt, options=full))
+    losses = [_train("mixtral", m, o, range(BEFORE, BEFORE + AFTER)) for m, o in ((model, opt), (fresh, fresh_opt))]
+    return {"saved": kept, "again": again["state"], "losses": losses}
+
+
+def test_a_full_optimizer_state_dict_loads_back_at_ep2_as_plain_pytorch_holds_it() -> None:
+    got = run_distributed(_full_optimizer_state_body, 2)[0]
+    ref = models.mixtral()
+    opt = _optimizer(ref)
+    _train("mixtral", ref, opt, range(BEFORE))
+    plain = {name: opt.state[p] for name, p in ref.named_parameters()}
+    assert got["saved"]["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape[0] == 4  # every expert
+    for key in ("exp_avg", "exp_avg_sq"):  # the gathered state is plain PyTorch's, whole (AdamW's tolerance)
+        _close({n: s[key] for n, s in got["saved"].items()}, {n: s[key] for n, s in plain.items()}, key)
+    # loaded into a fresh wrapped optimizer, each rank keeps its part: read back whole, it is what was saved, and
+    # training continues exactly as the optimizer that saved it
+    _assert_same_tensors(got["again"], got["saved"], "full optimizer state loaded and read again")
+    assert got["losses"][0] == got["losses"][1]

@@ -5,6 +5,7 @@ dense and why, the plan section, ``bmt-wrap plan --ep-size`` and the pass's erro
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -129,6 +130,40 @@ def test_cli_plan_prints_expert_bytes_and_all_to_all(capsys: pytest.CaptureFixtu
     assert "ep rank 1: experts 2-3" in out
 
 
+def test_cli_plan_ep_with_tp_shards_experts_over_their_owners_and_splits_attention(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tests/models.py:mixtral", "--world-size", "4", "8", "--ep-size", "2", "--tp-size", "2",
+                 "--input", "input_ids=int64[2,16]"]) == 0
+    out = capsys.readouterr().out
+    model = models.mixtral()
+    total = plan_experts(model, ep_size=2).expert_bytes()
+    every = sum(p.numel() * 4 for p in model.parameters())
+    kib = lambda n: f"{n / 1024:.2f} KiB"  # noqa: E731
+
+    def row(label: str) -> list[str]:
+        line = next(x for x in out.splitlines() if x.strip().startswith(label))
+        return re.split(r"\s{2,}", line.strip()[len(label):].strip())
+
+    # Attention split over the 2 TP peers, experts over the 2 EP ranks; the N / 2 owners of an EP rank's
+    # experts are its TP peers too (mesh.expert_shard_group), so each rank holds 1/N of every parameter.
+    assert "split model.layers.0.self_attn.q_proj: colwise" in out and "parameters per TP and EP rank" in out
+    for got, n in zip(row("parameters (shard)"), (4, 8), strict=True):
+        assert abs(float(got.split()[0]) * 1024 - every / n) <= 0.03 * every / n, (got, n)
+    assert row("expert bytes per rank (EP)") == [kib(total / 4), kib(total / 8)]
+    # each TP rank routes its data-parallel slice's 32 tokens within its EP group: as without TP
+    assert row("all-to-all / step (EP)") == [kib(32 * 2 * models.DIM * 4 // 2 * 6 * 2)] * 2
+    assert row("experts' ZeRO among owners / step (EP)") == [kib(3 * total / 4), kib(3 * total / 8 * 3)]
+    # what the wrapper refuses, or what --memory cannot count under TP, is refused naming the fix
+    for extra, says in ((["--world-size", "4", "--ep-size", "4"], "--ep-size 4 must divide every --world-size's "
+                         "data-parallel ranks (N / --tp-size 2); [4] do not"),
+                        (["--world-size", "4", "--ep-size", "2", "--sequence-parallel"], "drop --shard-size, "
+                         "--pp-size and --sequence-parallel"),
+                        (["--world-size", "4", "--ep-size", "2", "--memory", "1GiB", "--input",
+                          "input_ids=int64[2,16]"], "--memory answers for ZeRO-3 over every rank (with --ep-size")):
+        assert main(["plan", "tests/models.py:mixtral", "--tp-size", "2", *extra]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -> None:
     from bmt_wrap.passes import build_plan, discover_blocks
 
@@ -180,3 +215,31 @@ def test_plan_memory_counts_each_ranks_experts_and_the_all_to_all_buffers(capsys
     assert main(["plan", "tests/models.py:mixtral", "--world-size", "2", "--memory", "1GiB", "--baseline", "0",
                  "--ep-size", "2", "--input", f"inputs_embeds=float32[2,16,{models.DIM}]"]) != 0
     assert "give the token ids in --input" in capsys.readouterr().err
+
+
+def test_memory_budget_counts_the_all_to_all_buffers_under_ep() -> None:
+    import torch
+
+    from bmt_wrap.errors import MemoryBudgetError
+    from bmt_wrap.passes import build_plan, capture, discover_blocks
+    from bmt_wrap.passes.capacity import training_peak
+
+    model = models.mixtral()
+    experts, blocks = plan_experts(model, ep_size=2), discover_blocks(model)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    cap = capture(model, blocks, {"input_ids": ids, "labels": ids})
+    plan = build_plan(model, blocks, world_size=2, capture=cap, experts=experts)
+    est = plan.estimates["2"]
+    # one MoE layer's (token, expert) rows of 32 tokens x top-2 x 32 wide x fp32: sent and received, twice
+    assert est.exchange == experts.exchange_bytes(32) == 4 * 32 * 2 * models.DIM * 4
+    assert training_peak(plan, replace(est, exchange=0)) < est.peak  # they are held at the step's peak
+    # memory_budget= fits the same count: a budget one byte below the least schedule's peak is refused
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {est.peak} B"):
+        build_plan(model, blocks, world_size=2, capture=cap, experts=experts, memory_budget=est.peak - 1)
+    fitted = build_plan(model, blocks, world_size=2, capture=cap, experts=experts, memory_budget=est.peak)
+    assert fitted.estimates["2"].exchange == est.exchange and fitted.estimates["2"].peak <= est.peak
+    # without token ids the buffers are not counted, and the plan says so
+    embeds = capture(model, blocks, {"inputs_embeds": torch.zeros(2, 16, models.DIM)})
+    blind = build_plan(model, blocks, world_size=2, capture=embeds, experts=experts)
+    assert blind.estimates["2"].exchange == 0
+    assert any("all-to-all buffers are not counted: the inputs hold no token ids" in n for n in blind.notes)

@@ -16,7 +16,7 @@ from .capture import (
 from .context_parallel import local_call, plan_context_parallel, with_sequence
 from .discover import BlockList, DiscoveredBlock, Discovery, discover_blocks
 from .estimate import estimate, estimate_mesh, estimate_tp
-from .experts import plan_experts
+from .experts import check_tp_split, plan_experts
 from .fused_loss import fuse_loss, fused_loss_section, with_fused_loss
 from .pipeline import check_root_order, plan_pipeline
 from .planner import build_plan, place_parameters, schedule
@@ -31,7 +31,7 @@ from .util import self_checkpointing_modules
 __all__ = [
     "CAPTURE_METHODS", "ActivationProfile", "BlockCallActivations", "BlockList", "Capture", "DiscoveredBlock",
     "Discovery", "EagerRecorder", "Step", "as_call", "build_plan", "capture", "chain_from_capture", "chain_graph",
-    "check_captured_reads", "check_root_order", "plan_experts", "plan_pipeline",
+    "check_captured_reads", "check_tp_split", "check_root_order", "plan_experts", "plan_pipeline",
     "discover_blocks", "eager_capture", "local_call", "plan_context_parallel", "with_sequence", "estimate", "estimate_mesh", "estimate_tp", "fuse_loss",
     "fused_loss_section", "meta_skeleton",
     "place_parameters", "plan_sequence_parallel", "plan_tensor_parallel", "refuse_outside_reads", "render_dot",

@@ -42,6 +42,10 @@ class ActivationProfile:
     object_bytes: int = 0
     # Forward FLOPs after the last block call (a head and its loss): a pipeline's last stage runs them alone.
     tail_flops: int = 0
+    # Tokens of the measured batch (its token ids' elements: ``capture.token_count``; None without them): what
+    # scales with tokens outside the graph's tensors, expert parallelism's all-to-all buffers
+    # (``ExpertPlan.exchange_bytes``), is counted from them.
+    tokens: int | None = None
 
     def total(self, checkpointed: set[str]) -> int:
         """Peak activation bytes when the blocks in ``checkpointed`` recompute in backward."""

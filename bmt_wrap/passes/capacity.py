@@ -217,9 +217,12 @@ def with_peak(plan: WrapPlan, est: MemoryEstimate) -> MemoryEstimate:
 
 def scheduled_estimate(plan: WrapPlan, world_size: int, activations: ActivationProfile | None) -> MemoryEstimate:
     """The estimate a schedule shows and a memory budget is fitted to (one count, so the budget's note and the
-    table agree): ``estimate``, or under TP ``estimate_tp`` without a batch (its traffic unknown), with its peak."""
+    table agree): ``estimate``, or under TP ``estimate_tp`` without a batch (its traffic unknown), with its peak;
+    under expert parallelism with one MoE layer's all-to-all buffers for the measured batch's tokens."""
     est = (estimate(plan, world_size, activations) if plan.tensor_parallel is None
            else estimate_tp(plan, world_size, None, activations))
+    if plan.experts is not None and activations is not None and activations.tokens:
+        est.exchange = plan.experts.exchange_bytes(activations.tokens)  # beside a block's backward
     return with_peak(plan, est)
 
 

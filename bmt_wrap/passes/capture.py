@@ -60,6 +60,12 @@ def as_call(example_inputs: object) -> Call | None:
     return (example_inputs,), {}
 
 
+def token_count(call: Call | None) -> int | None:
+    """One rank's tokens per step: the first integer input's (the token ids') batch x sequence; None without."""
+    ids = [x for x in pytree.tree_leaves(call) if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    return ids[0].numel() if ids else None
+
+
 def to_meta(tree: Any) -> Any:
     """Copy every tensor in a pytree to the meta device (shape, dtype and strides only).
 
@@ -198,6 +204,8 @@ def _capture(model: nn.Module, discovery: Discovery, example_inputs: object) -> 
         except Exception as exc:
             notes.append(f"{EXPORT_FAILED_NOTE} ({describe(exc)})")
     activations = exported.activations if exported is not None else None
+    if activations is not None:
+        activations.tokens = token_count(call)
     if call is None:
         notes.append("activation bytes unknown: no example inputs")
     elif exported is None:

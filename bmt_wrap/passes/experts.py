@@ -23,6 +23,7 @@ from torch import nn
 
 from ..base.dtypes import dtype_name
 from ..base.expert_plan import DenseLayer, ExpertPlan, MoELayer
+from ..base.tp_plan import TensorParallelPlan
 from ..errors import ExpertParallelError, listed
 from .capture import meta_skeleton
 from .signature import SignatureCache
@@ -69,6 +70,17 @@ def plan_experts(model: nn.Module, ep_size: int = 1, shard_size: int | None = No
     if ep_size > 1:
         _check_split(model, section, shard_size)
     return section
+
+
+def check_tp_split(section: ExpertPlan, tp: TensorParallelPlan | None) -> None:
+    """Raise ``ExpertParallelError`` when the tensor-parallel section ``tp`` splits an expert weight: expert
+    parallelism places whole experts (the wrapper and ``bmt-wrap plan --ep-size --tp-size`` alike)."""
+    every = {n for la in section.layers for n in la.local_params(la.num_experts)}
+    split = sorted(every & tp.split_names()) if tp is not None else []
+    if split:
+        raise ExpertParallelError(f"ep_size={section.ep_size}: the tensor-parallel plan splits expert weight "
+                                  f"{split[0]}; expert parallelism places whole experts: leave the experts out "
+                                  "of tp_plan=")
 
 
 def _owners(model: nn.Module) -> dict[int, list[str]]:

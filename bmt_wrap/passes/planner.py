@@ -136,6 +136,8 @@ def schedule(plan: WrapPlan, capture: Capture | None = None, *, world_size: int,
         group.checkpoint = checkpoint
     notes = list(capture.notes) if capture is not None else []
     activations = capture.activations if capture is not None else None
+    if new.experts is not None and new.experts.ep_size > 1 and activations is not None and not activations.tokens:
+        notes.append("expert parallelism's all-to-all buffers are not counted: the inputs hold no token ids")
     if memory_budget is not None:
         notes += fit_budget(new, activations, world_size, memory_budget)
     new.memory_budget = memory_budget

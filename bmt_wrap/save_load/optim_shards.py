@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..base._compat import dcp_state_dict_request
 from ..errors import CheckpointError
+from ..job import tp_values
 from ..job.distributed import current_state, parallel_layout
 from ..job.tp_values import expert_split, whole_shape, whole_value
 from ..runtime.param import DistributedParameter
@@ -139,9 +140,13 @@ def param_shard(p: DistributedParameter, local: torch.Tensor) -> LocalShard:
 
 def local_value(p: DistributedParameter, key: str, v: Any) -> Any:
     """One saved state value as ``p``'s optimizer keeps it: element-wise state as a ``ShardedTensor`` of
-    ``p``'s layout (from this rank's range, a ``LocalShard`` of it, or the full tensor); others as saved."""
+    ``p``'s layout (from this rank's range, a ``LocalShard`` of it, the full tensor, or under tensor (expert)
+    parallelism the whole tensor a full state dict holds: every TP slice (EP rank's experts)); others as saved."""
     if not isinstance(v, torch.Tensor):
         return v
+    whole = tuple(whole_shape(p))
+    if whole != tuple(p.full_shape) and tuple(v.shape) == whole and not isinstance(v, (ShardedTensor, LocalShard)):
+        v = tp_values.local_value(p, v)  # this TP rank's slice, this EP rank's experts: then its range below
     if isinstance(v, ShardedTensor):
         v = v.to_local()
     start, end = p.source_range()
@@ -151,7 +156,8 @@ def local_value(p: DistributedParameter, key: str, v: Any) -> Any:
             raise CheckpointError(f"optimizer state {key!r} of {p.fqn!r}: {why}")
         return ShardedTensor.wrap(v.local(), p.shard_layout)
     full = p.full_shape.numel()
-    if v.numel() == full and tuple(v.shape) in (tuple(p.full_shape), (full,)) and v.numel() != end - start:
+    # The full tensor, or flattened (also this rank's range when it holds all of ``p``: the same elements).
+    if v.numel() == full and tuple(v.shape) in (tuple(p.full_shape), (full,)):
         return ShardedTensor.wrap(v.reshape(-1)[start:end], p.shard_layout)
     if v.dim() == 1 and v.numel() == end - start:
         return ShardedTensor.wrap(v, p.shard_layout)

@@ -52,12 +52,7 @@ def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: Wrap
         raise PlanError("plan= has no experts section: use model.plan of a model wrapped with ep_size=")
     else:
         section = passes.plan_experts(model, layout.ep_size, layout.mesh.shard)
-    every = {n for la in section.layers for n in la.local_params(la.num_experts)}
-    split = sorted(every & tp.split_names()) if tp is not None else []
-    if split:
-        raise ExpertParallelError(f"ep_size={layout.ep_size}: the tensor-parallel plan splits expert weight "
-                                  f"{split[0]}; expert parallelism places whole experts: leave the experts out "
-                                  "of tp_plan=")
+    passes.check_tp_split(section, tp)
     named = [la.experts for la in section.layers
              if la.layout == "list" and not isinstance(model.get_submodule(la.experts), nn.ModuleList)]
     if named:
