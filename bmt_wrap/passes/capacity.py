@@ -313,10 +313,11 @@ def staging_bytes(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> int
 def largest_fitting(peak_of: Callable[[int], int], limit: int, start: int = 1) -> tuple[int, int]:
     """The largest ``k >= 1`` with ``peak_of(k) <= limit`` (peaks grow with ``k``), and its peak.
     ``PlanError`` when even ``k = 1`` does not fit."""
-    # Each probe builds and captures a model of k layers (seconds at 60 layers), and peaks grow nearly
-    # affinely in k: a probe where the line through two known peaks meets the limit, then its neighbour,
-    # usually settles it in four probes where doubling and bisection took ten. A line that misses is
-    # followed by one doubling or bisection step, so the bracket still halves at least every three probes.
+    # Each probe builds and captures a model (seconds for a deep one), and peaks are nearly affine in layers and
+    # nearly quadratic in a sequence's length (attention's scores): a probe where the curve through the three
+    # nearest known peaks meets the limit, then its neighbour, usually settles it in five or six probes where
+    # doubling and bisection took ten to twelve. A round of the curve that does not halve the bracket is
+    # followed by one doubling or bisection step, so the bracket halves at least every three probes.
     peaks: dict[int, int] = {}
 
     def fits(k: int) -> bool:
@@ -339,28 +340,45 @@ def largest_fitting(peak_of: Callable[[int], int], limit: int, start: int = 1) -
     def settled() -> bool:
         return hi is not None and hi - lo <= 1
 
+    def halved(before: tuple[int, int | None]) -> bool:
+        """Whether the bracket shrank to half since ``before`` (or, unbounded, its fit doubled)."""
+        lo0, hi0 = before
+        if hi0 is None:
+            return hi is not None or lo >= 2 * lo0
+        return hi is not None and 2 * (hi - lo) <= hi0 - lo0
+
     probe(max(start, 2))
     while not settled():
-        guess = _on_the_line(peaks, lo, hi, limit)
-        # Above every known k the line may run far off (a nearly flat slope): at most 8x the largest fit.
+        guess = _on_the_curve(peaks, lo, hi, limit)
+        # Above every known k the curve may run far off (a nearly flat slope): at most 8x the largest fit.
         top = hi - 1 if hi is not None else 8 * lo
-        if guess is None or lo >= top:
-            probe(2 * lo if hi is None else (lo + hi) // 2)
-            continue
-        k = max(lo + 1, min(guess, top))
-        probe(k)
-        if guess > top or settled():  # a capped probe went as far as three doublings
-            continue
-        probe(k + 1 if lo == k else k - 1)  # the answer is usually the guess or its neighbour
-        if not settled():
+        before = (lo, hi)
+        if guess is not None and lo < top:
+            k = max(lo + 1, min(guess, top))
+            probe(k)
+            if guess <= top and not settled():  # the answer is usually the guess or its neighbour
+                probe(k + 1 if lo == k else k - 1)
+        if not settled() and not halved(before):
             probe(2 * lo if hi is None else (lo + hi) // 2)
     return lo, peaks[lo]
 
 
-def _on_the_line(peaks: dict[int, int], lo: int, hi: int | None, limit: int) -> int | None:
-    """The k where the line through ``lo``'s peak and its nearest measured neighbour reaches ``limit``
-    (None without a slope)."""
-    other = hi if hi is not None else max((k for k in peaks if k < lo), default=None)
-    if other is None or peaks[other] == peaks[lo]:
+def _on_the_curve(peaks: dict[int, int], lo: int, hi: int | None, limit: int) -> int | None:
+    """The largest k above ``lo`` whose peak, on the parabola (or, with two points, the line) through the
+    known peaks nearest ``lo`` and ``hi``, is within ``limit``; None without a rising curve."""
+    near = sorted(sorted(peaks, key=lambda k: (abs(k - lo) if hi is None else min(abs(k - lo), abs(k - hi)), k))[:3])
+    if len(near) < 2:
         return None
-    return lo + int((limit - peaks[lo]) * (other - lo) // (peaks[other] - peaks[lo]))
+    if len(near) == 3:
+        (x0, x1, x2), (y0, y1, y2) = near, (peaks[k] for k in near)
+        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        a = (d12 - d01) / (x2 - x0)
+        b = d01 - a * (x0 + x1)
+        c = y0 - a * x0 * x0 - b * x0
+        if a > 0 and b * b - 4 * a * (c - limit) >= 0:  # the rising branch's root
+            return int((-b + (b * b - 4 * a * (c - limit)) ** 0.5) / (2 * a))
+        near = near[1:] if abs(near[0] - lo) > abs(near[2] - lo) else near[:2]
+    (x0, x1), (y0, y1) = near, (peaks[k] for k in near)
+    if y1 <= y0:
+        return None
+    return x0 + int((limit - y0) * (x1 - x0) // (y1 - y0))
