@@ -106,6 +106,34 @@ def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64
     return errors
 
 
+def _largest_tensor(comm: Communicator, mask: str, seq: int = 64) -> int:
+    """The most elements any op makes in this rank's Ulysses attention, forward and backward, at ``seq`` tokens
+    (2 heads of 4 dims: q, k and v hold ``8 x seq`` elements, a whole-sequence mask ``seq x seq``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = [0]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (split_sequence(torch.randn(1, 2, seq, 4, generator=g), cp, rank, dim=2).requires_grad_()
+               for _ in range(3))
+    keys = torch.ones(1, seq, dtype=torch.bool)
+    keys[0, -3:] = mask != "right"
+    with Sizes():
+        out = context_parallel_attention(q, k, v, comm, token_index=local_indices(seq, cp, rank),
+                                         key_mask=split_sequence(keys, cp, rank), method="ulysses")
+        out.sum().backward()
+    return largest[0]
+
+
 def _within(errors: dict[str, float], tol: float) -> bool:
     return all(v <= tol for name, v in errors.items() if name != "scale")
 
@@ -175,6 +203,7 @@ def _attention_body(cp_size: int) -> dict:
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
     found["loss"] = _loss_case(comm)
     found["too_few_heads"] = raised(lambda: _case(comm, "ulysses", heads=1, kv_heads=1))
+    found["largest"] = {mask: _largest_tensor(comm, mask) for mask in ("none", "right")}
     return found
 
 
@@ -198,6 +227,9 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert max(got["loss"]) <= F64_TOL, got["loss"]
         kind, message = got["too_few_heads"]
         assert kind == "ContextParallelError" and "cp_method='ring'" in message, got["too_few_heads"]
+        # Ulysses without padding: SDPA's is_causal, no [batch, 1, S, S] mask (CPU SDPA makes it a float bias
+        # too); with padding the mask is built (the f64/f32 cases above compare both with torch's SDPA)
+        assert got["largest"]["none"] < 64 * 64 <= got["largest"]["right"], got["largest"]
 
 
 def test_attention_over_two_cp_ranks_is_the_whole_sequences() -> None:
