@@ -11,7 +11,8 @@ load-balanced one included. Two methods:
 - **Ulysses** (DeepSpeed): one all-to-all turns the sequence split into a head split, each rank attends its
   heads over every token (torch's SDPA), and one all-to-all turns it back. Heads need not divide by C (rank p
   takes ``H // C + (p < H % C)``); under GQA whole groups move together, and with fewer KV heads than ranks
-  K/V are repeated to the query heads first. It needs at least C query heads.
+  K/V are repeated to the query heads first. It needs at least C query heads. Without padding or a window no
+  mask is built (SDPA's ``is_causal`` on the tokens in sequence order), so its memory is linear in S.
 - **Ring**: K/V travel around the CP ranks (C-1 neighbour transfers, the next one in flight while this one's
   block is computed); each rank merges the blocks' softmaxes by their log-sum-exps (online softmax). The
   backward is the same ring again, carrying each block's dK/dV along until it is back with its owner.
