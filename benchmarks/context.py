@@ -1,7 +1,7 @@
 """Context parallelism (#52) at 2 ranks: each rank's step peak at cp2 against cp1, the longest sequence that
 trains under a memory limit, and the plan's answer for it.
 
-    python benchmarks/context.py [--size full|smoke] [--memory 3GiB] [--seq 4096] [--step 512] [--max-seq 65536]
+    python benchmarks/context.py [--size full|smoke] [--memory 1.5GiB] [--seq 4096] [--step 512] [--max-seq 65536]
 
 The model is a transformers Llama from its default config with sizes shrunk (``full``: width 512, 8 heads,
 2 layers, vocabulary 1024; ``smoke``: width 64, for tests), called as users call it
@@ -143,7 +143,8 @@ def main() -> None:
     """Measure both goals at cp1 and cp2, ask the plan, print and write the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="full")
-    p.add_argument("--memory", default="3GiB", help="the limit, summed over the 2 ranks")
+    p.add_argument("--memory", default="1.5GiB",
+                   help="the limit, summed over the 2 ranks (1.5GiB keeps each job to minutes on 2 cores)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence for the step peak")
     p.add_argument("--step", type=int, default=512, help="the search's and the plan's sequence step")
     p.add_argument("--max-seq", type=int, default=65536, help="the search's cap")

@@ -106,6 +106,34 @@ def _case(comm: Communicator, method: str, *, dtype: torch.dtype = torch.float64
     return errors
 
 
+def _largest_tensor(comm: Communicator, mask: str, seq: int = 64) -> int:
+    """The most elements any op makes in this rank's Ulysses attention, forward and backward, at ``seq`` tokens
+    (4 heads of 2 dims: q, k and v hold ``8 x seq`` elements, a whole-sequence mask ``seq x seq``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = [0]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    cp, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (split_sequence(torch.randn(1, 4, seq, 2, generator=g), cp, rank, dim=2).requires_grad_()
+               for _ in range(3))
+    keys = torch.ones(1, seq, dtype=torch.bool)
+    keys[0, -3:] = mask != "right"
+    with Sizes():
+        out = context_parallel_attention(q, k, v, comm, token_index=local_indices(seq, cp, rank),
+                                         key_mask=split_sequence(keys, cp, rank), method="ulysses")
+        out.sum().backward()
+    return largest[0]
+
+
 def _within(errors: dict[str, float], tol: float) -> bool:
     return all(v <= tol for name, v in errors.items() if name != "scale")
 
@@ -175,6 +203,7 @@ def _attention_body(cp_size: int) -> dict:
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
     found["loss"] = _loss_case(comm)
     found["too_few_heads"] = raised(lambda: _case(comm, "ulysses", heads=1, kv_heads=1))
+    found["largest"] = {mask: _largest_tensor(comm, mask) for mask in ("none", "right")}
     return found
 
 
@@ -198,6 +227,9 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert max(got["loss"]) <= F64_TOL, got["loss"]
         kind, message = got["too_few_heads"]
         assert kind == "ContextParallelError" and "cp_method='ring'" in message, got["too_few_heads"]
+        # Ulysses without padding: SDPA's is_causal, no [batch, 1, S, S] mask (CPU SDPA makes it a float bias
+        # too); with padding the mask is built (the f64/f32 cases above compare both with torch's SDPA)
+        assert got["largest"]["none"] < 64 * 64 <= got["largest"]["right"], got["largest"]
 
 
 def test_attention_over_two_cp_ranks_is_the_whole_sequences() -> None:
@@ -211,11 +243,11 @@ def test_attention_over_four_cp_ranks_and_cp2_beside_dp2() -> None:
 
 # ---- the one-liner -------------------------------------------------------------------------------------------
 def _long(kind: str = "llama") -> torch.nn.Module:
-    """A transformers causal LM from its default config shrunk, for sequences up to 256: Llama, Qwen2 (GQA,
+    """A transformers causal LM from its default config shrunk, for sequences up to 1024: Llama, Qwen2 (GQA,
     q/k/v biases) or Mistral with a 48-token sliding window."""
     import transformers
 
-    config = {**models._hf_small(), "max_position_embeddings": 256}
+    config = {**models._hf_small(), "max_position_embeddings": 1024}
     if kind == "mistral":
         config["sliding_window"] = 48
     name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
@@ -256,9 +288,10 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
 
 def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False, replicas: bool = False) -> dict:
     """A model wrapped with cp_size=2 (and ``tp_size=tp``; ``replicas``: HSDP, a (replicate, cp) mesh) beside
-    the unwrapped one on the whole sequence, 3 AdamW steps with labels and right padding; every check's
-    failures, the losses and the plan's text. With more data-parallel slices than 1, each slice's loss is its
-    own and the reference's gradient is the slices' average (DDP's)."""
+    the unwrapped one on the whole sequence, 3 AdamW steps with labels (the first without padding, so Ulysses
+    runs SDPA's is_causal; then right padding); every check's failures, the losses, the first step's gradients
+    and the final parameters read whole, and the plan's text. With more data-parallel slices than 1, each
+    slice's loss is its own and the reference's gradient is the slices' average (DDP's)."""
     import bmt_wrap as bmt
 
     ref = _long(kind)
@@ -279,7 +312,7 @@ def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False,
     for step in range(3):
         ids = torch.randint(0, models.VOCAB, (2 * slices, seq), generator=g)
         mask = torch.ones(2 * slices, seq, dtype=torch.long)
-        mask[1::2, seq - 37:] = 0
+        mask[1::2, seq - 37:] = int(step == 0)
         labels = ids.masked_fill(mask == 0, -100)
         batches = [{"input_ids": i, "attention_mask": m, "labels": la}
                    for i, m, la in zip(ids.chunk(slices), mask.chunk(slices), labels.chunk(slices), strict=True)]
@@ -292,42 +325,65 @@ def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False,
         losses.append((pair[0].item(), pair[1].item()))
         if step == 0:  # the same parameters: elementwise
             compare_grads(ref, model, f"step {step}", failures)
+            named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+            grads = dict(zip([n for n, _ in named], wholes([(p.grad, p) for _, p in named]), strict=True))
         else:  # AdamW turned rounding noise on near-zero gradients into lr-sized steps: relative norms
             failures += _grad_norm_differences(ref, model, f"step {step}")
         for opt in opts:
             opt.step()
             opt.zero_grad()
     compare_params(ref, model, "adamw", "after 3 steps", failures=failures)
+    named = list(model.named_parameters())
+    params = dict(zip([n for n, _ in named], wholes([(p, p) for _, p in named]), strict=True))
     cp_ops = {op: n["calls"] for op, n in bmt.comm_stats(by_group=True).get("cp", {}).items()}
     ids = ids[:1, :6]
     tp_section = model.plan.tensor_parallel
     split = sorted({e.module.rsplit(".", 1)[-1] for e in tp_section.entries}) if tp_section else []
     return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
-            "tp_split": split,
+            "tp_split": split, "grads": grads, "params": params,
             "odd": raised(lambda: model(input_ids=ids, labels=ids)),
             "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
 
-# Each method at 2 ranks once per model kind; the ring trains Llama in the cp2 x dp2 test below (suite time).
-# fused_loss=True: the chunked loss on each rank's local tokens, with the labels shifted on the whole sequence.
-@pytest.mark.parametrize("kind, method, seq, fused", [("llama", "ulysses", 256, False), ("qwen2", "ulysses", 128, False),
-                                                      ("mistral", "ring", 128, False), ("llama", "ring", 128, True)])
+def _check_cp2(got: dict, method: str, fused: bool = False) -> None:
+    assert not got["failures"], got["failures"][:5]
+    for ref, mine in got["losses"]:
+        assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
+    assert f"context parallelism over 2 ranks ({method})" in got["plan"], got["plan"]
+    assert fused or got["no_grad"] <= 1e-5, got["no_grad"]
+    # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
+    assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
+    assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
+    assert got["differ"][0] == "ContextParallelError" and "DistributedSampler" in got["differ"][1], got["differ"]
+
+
+# Each model kind at 2 ranks; Llama by both methods in the next test. fused_loss=True: the chunked loss on
+# each rank's local tokens, with the labels shifted on the whole sequence.
+@pytest.mark.parametrize("kind, method, seq, fused", [("qwen2", "ulysses", 512, False), ("mistral", "ring", 512, False),
+                                                      ("llama", "ring", 256, True)])
 def test_cp2_trains_as_on_the_whole_sequence(kind: str, method: str, seq: int, fused: bool) -> None:
     for got in run_distributed(_cp_body, 2, kind, method, seq, fused=fused):
-        assert not got["failures"], got["failures"][:5]
-        for ref, mine in got["losses"]:
-            assert abs(ref - mine) <= LOSS_RTOL * abs(ref), got["losses"]
-        assert f"context parallelism over 2 ranks ({method})" in got["plan"], got["plan"]
-        assert fused or got["no_grad"] <= 1e-5, got["no_grad"]
-        # attention met across the ranks: 2 layers x 3 steps x (forward + recompute + backward) at least
-        assert got["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3 and got["cp_ops"].get("all_reduce", 0) >= 3, got
-        assert got["odd"][0] == "ContextParallelError" and "2 x cp_size = 4" in got["odd"][1], got["odd"]
-        assert got["differ"][0] == "ContextParallelError" and "DistributedSampler" in got["differ"][1], got["differ"]
+        _check_cp2(got, method, fused)
+
+
+def test_ring_and_ulysses_train_llama_alike_at_1024_tokens() -> None:
+    """Both methods against the whole sequence and against each other: the first step's gradients elementwise,
+    the losses and the parameters after 3 AdamW steps within the design's tolerances."""
+    for ulysses, ring in run_distributed(_runs_body, 2, [("llama", "ulysses", {}), ("llama", "ring", {})], 1024):
+        _check_cp2(ulysses, "ulysses")
+        _check_cp2(ring, "ring")
+        for (_, a), (_, b) in zip(ulysses["losses"], ring["losses"], strict=True):
+            assert abs(a - b) <= LOSS_RTOL * abs(a), (ulysses["losses"], ring["losses"])
+        for name, grad in ulysses["grads"].items():
+            torch.testing.assert_close(ring["grads"][name], grad, **SGD_TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+        for name, value in ulysses["params"].items():
+            rel = float((ring["params"][name] - value).norm() / value.norm().clamp_min(1e-12))
+            assert rel <= ADAMW_REL, f"{name}: ring and Ulysses differ by {rel:.2e} > {ADAMW_REL}"
 
 
 def test_cp2_beside_dp2_trains_as_ddp_on_whole_sequences() -> None:
     """4 ranks: ZeRO-3 over the two data-parallel slices and the two CP ranks of each."""
-    results = run_distributed(_cp_body, 4, "llama", "ring", 128)
+    results = run_distributed(_cp_body, 4, "llama", "ring", 512)
     for got in results:
         assert not got["failures"], got["failures"][:5]
         for ref, mine in got["losses"]:
@@ -353,7 +409,7 @@ def test_cp2_beside_tp2_and_beside_replicas_trains_as_on_the_whole_sequence() ->
     (each replica its own data slice, gradients averaged across the replicas)."""
     runs = [("llama", "ulysses", {"tp": 2}), ("qwen2", "ring", {"tp": 2, "fused": True}),
             ("llama", "ring", {"replicas": True})]
-    results = run_distributed(_runs_body, 4, runs, 128)
+    results = run_distributed(_runs_body, 4, runs, 256)
     assert results[0][2]["losses"] != results[2][2]["losses"]  # HSDP: the replicas take different slices
     for got in results:
         for (kind, method, kwargs), one in zip(runs, got, strict=True):

@@ -51,6 +51,19 @@ def test_ulysses_bytes_per_step(cp: int) -> None:
                      "recompute": LAYERS * (per_call + index), "step": LAYERS * (3 * per_call + 2 * index)}
 
 
+def test_ulysses_holds_the_whole_sequences_mask_only_with_padding() -> None:
+    import torch
+
+    b, s, cp = 1, 256, 2
+    copy = 2 * b * HEADS * (s // cp) * DIM * F32 + 2 * b * KV * (s // cp) * DIM * F32  # q, k, v and the output
+    padded = as_call({"input_ids": torch.zeros(b, s, dtype=torch.int64),
+                      "attention_mask": torch.ones(b, s, dtype=torch.int64)})
+    # padding: the exchanged copies, the [b, 1, S, S] bool mask and CPU SDPA's float bias of it; none: SDPA's
+    # is_causal on one copy of q, k, v and the output in sequence order
+    assert plan_context_parallel(llama(), cp, "ulysses", padded).attention_bytes() == 2 * copy + b * s * s * 5
+    assert _section("ulysses", cp, b, s).attention_bytes() == copy
+
+
 def test_ring_bytes_per_step_and_auto_picks_the_ring_with_too_few_heads() -> None:
     b, s, cp = 1, 128, 8
     local = s // cp

@@ -101,6 +101,7 @@ class ContextParallelPlan:
     batch: int | None = None
     seq_len: int | None = None
     activations: int | None = None
+    padded: bool = True  # the call passes an attention_mask (Ulysses then builds the whole sequence's mask)
 
     def local_tokens(self) -> int | None:
         """Tokens one rank holds of each sequence."""
@@ -137,15 +138,21 @@ class ContextParallelPlan:
 
     def attention_bytes(self) -> int:
         """Bytes one attention call holds on a rank beyond its saved q, k, v and output while it runs (at a
-        block's backward): Ulysses the received and sent copies of q, k, v and the output and the whole
-        sequence's boolean mask [batch, 1, S, S]; the ring the K/V block in hand and in flight, and one
-        block's scores and probabilities [batch, heads, local, local] in fp32."""
+        block's backward): Ulysses with padding the received and sent copies of q, k, v and the output, the
+        whole sequence's boolean mask [batch, 1, S, S] and the float bias CPU SDPA makes of it; without
+        padding one copy, the tokens in sequence order for SDPA's ``is_causal`` (the head-split copies SDPA
+        saves replace, byte for byte, the local q, k, v and output the capture of the local call counts;
+        benchmarks/context.py measured a third of one beside half cp1's step peak); the ring the K/V block in
+        hand and in flight, and one block's scores and probabilities [batch, heads, local, local] in fp32."""
         if self.seq_len is None or self.batch is None:
             return 0
         local = self.local_tokens() or 0
         if self.method == "ulysses":
             kv = self.heads if self.kv_heads < self.cp_size else self.kv_heads
-            return 2 * (2 * self._row(self.heads) + 2 * self._row(kv)) + self.batch * self.seq_len ** 2
+            copy = 2 * self._row(self.heads) + 2 * self._row(kv)
+            if not self.padded:
+                return copy
+            return 2 * copy + self.batch * self.seq_len ** 2 * (1 + itemsize(self.dtype))
         return 4 * self._row(self.kv_heads) + 3 * self.batch * self.heads * local * local * 4
 
     @classmethod

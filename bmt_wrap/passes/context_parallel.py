@@ -62,10 +62,11 @@ def plan_context_parallel(model: nn.Module, cp_size: int, method: str = "auto", 
     layers = config.num_hidden_layers
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     batch, seq = _sequence(call) if call is not None else (None, None)
+    padded = call is None or call[1].get("attention_mask") is not None
     return ContextParallelPlan(cp_size=cp_size, method=resolve_method(method, heads, cp_size), layers=layers,
                                heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype_name(dtype),
                                recomputed=min(recomputed, layers), batch=batch, seq_len=seq,
-                               activations=activations)
+                               activations=activations, padded=padded)
 
 
 def with_sequence(call: Call, seq_len: int) -> Call:

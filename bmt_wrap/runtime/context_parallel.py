@@ -11,7 +11,8 @@ load-balanced one included. Two methods:
 - **Ulysses** (DeepSpeed): one all-to-all turns the sequence split into a head split, each rank attends its
   heads over every token (torch's SDPA), and one all-to-all turns it back. Heads need not divide by C (rank p
   takes ``H // C + (p < H % C)``); under GQA whole groups move together, and with fewer KV heads than ranks
-  K/V are repeated to the query heads first. It needs at least C query heads.
+  K/V are repeated to the query heads first. It needs at least C query heads. Without padding or a window no
+  mask is built (SDPA's ``is_causal`` on the tokens in sequence order), so its memory is linear in S.
 - **Ring**: K/V travel around the CP ranks (C-1 neighbour transfers, the next one in flight while this one's
   block is computed); each rank merges the blocks' softmaxes by their log-sum-exps (online softmax). The
   backward is the same ring again, carrying each block's dK/dV along until it is back with its owner.
@@ -160,10 +161,27 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     vh = _SeqToHeads.apply(v, comm, kv_split, f"{label} v")
     every_index, every_mask = _gather_tokens(comm, token_index, key_mask, q.shape[0], label)
     index, mask = every_index.reshape(-1), every_mask.transpose(0, 1).reshape(q.shape[0], -1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(index, index, mask, causal, window),
-                                         scale=scale,
-                                         enable_gqa=qh.shape[1] != kh.shape[1])
+    gqa = qh.shape[1] != kh.shape[1]
+    if window is None and bool(mask.all()):  # no padding: SDPA's own causal mask, none materialised
+        out = _unmasked(qh, kh, vh, index, causal, scale, gqa)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_allowed(index, index, mask, causal, window),
+                                             scale=scale, enable_gqa=gqa)
     return _HeadsToSeq.apply(out, comm, q_split, f"{label} out")
+
+
+def _unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, causal: bool,
+              scale: float | None, gqa: bool) -> torch.Tensor:
+    """SDPA over the whole sequence without an ``attn_mask``: a [batch, 1, S, S] mask costs S^2 bytes, and
+    CPU SDPA turns it into a float bias of 4 x S^2 more, where ``is_causal`` keeps it linear in S. The tokens
+    arrive in the load-balanced order (chunks 0, 2C-1, 1, 2C-2, ...), so under a causal mask they are put in
+    sequence order first and back after."""
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    order = torch.argsort(index)
+    q, k, v = (t.index_select(2, order) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return out.index_select(2, torch.argsort(order))
 
 
 # ---- ring ------------------------------------------------------------------------------------------------------
