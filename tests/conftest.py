@@ -42,6 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.process)
 
 
+# The world sizes most files use. An idle worker still costs CPU (gloo wakes a thread per process group it
+# built, and a worker keeps every layout's groups: an idle 8-rank group took 22% of a core), so a group of
+# another size (8 ranks for test_mesh3d, 3 for test_whole_matrix_optim) stops when its file ends.
+KEPT_WORLD_SIZES = (1, 2, 4)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """At a test file's end, stop the worker groups of sizes few files use."""
+    if nextitem is None or nextitem.path != item.path:
+        shutdown_all(keep=KEPT_WORLD_SIZES)
+
+
 # Seconds (set-up, call and tear-down) and tests per test file: every run, CI's included, says where its
 # time went (docs/design.md "Testing: where the time goes").
 FILE_SECONDS: Counter[str] = Counter()

@@ -67,10 +67,26 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
             conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", state.comm.broken))
         finally:
             _reset_engine()
+            _drop_subgroups()
             # A body that asked for tensor parallelism (init_distributed(tp_size=T)) leaves the next one
             # the plain layout; the TP sub-groups stay built for the next body that asks.
             bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, tp_size=1)
     distributed.shutdown()
+
+
+def _drop_subgroups() -> None:
+    """Destroy the process groups a body built (its layouts', a DeviceMesh's) and forget its layouts."""
+    # gloo wakes a thread per process group, idle or not: a worker keeping every body's groups held 29 of them
+    # on 8 ranks and dozens on 4, and the idle groups' wake-ups cost the session as much system time as
+    # whole test files. The next body that wants a layout builds its groups again, in milliseconds.
+    import torch.distributed as dist
+
+    from bmt_wrap.job import distributed
+
+    distributed.get_state().layouts.clear()
+    for group in list(dist.distributed_c10d._world.pg_map):  # torch has no public list of the groups
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _reset_engine() -> None:
@@ -187,11 +203,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return results
 
 
-def shutdown_all() -> None:
-    """Stop every worker group (end of the pytest session)."""
-    for group in _GROUPS.values():
-        group.close()
-    _GROUPS.clear()
+def shutdown_all(keep: tuple[int, ...] = ()) -> None:
+    """Stop every worker group but those of the world sizes in ``keep`` (all of them: the session's end)."""
+    for size in [s for s in _GROUPS if s not in keep]:
+        _GROUPS.pop(size).close()
 
 
 def raised(fn: Callable[[], Any]) -> tuple[str, str]:
