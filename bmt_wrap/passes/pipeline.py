@@ -340,9 +340,7 @@ def pipeline_report(section: PipelinePlan, stages: list[StageEstimate]) -> list[
              f"  {'stage':<6}{'blocks':>7}{'shards':>12}{'held/step':>12}{'activations':>13}"
              f"{'GPipe holds':>13}{'1F1B holds':>12}{'p2p/step':>11}{'ZeRO/step':>11}{'total':>11}"]
     for e in stages:
-        z = e.zero
-        lines.append(f"  {e.stage:<6}{e.blocks:>7}{b(z.params + z.grads + z.optimizer):>12}{b(e.gathered_step):>12}"
-                     f"{b(z.activations):>13}{b(e.held_gpipe):>13}{b(e.held_1f1b):>12}{b(e.p2p):>11}"
+        lines.append(f"  {e.stage:<6}{e.blocks:>7}{_held_cells(e, b)}{b(e.held_1f1b):>12}{b(e.p2p):>11}"
                      f"{b(e.zero_traffic):>11}{b(e.total):>11}")
     lines.append("  shards: parameters, gradients and Adam state per rank; held/step: the stage's blocks gathered "
                  "for the step (and as much again for their summed gradients in backward); p2p: activations "
@@ -350,6 +348,12 @@ def pipeline_report(section: PipelinePlan, stages: list[StageEstimate]) -> list[
     if any(e.p2p is None for e in stages):
         lines.append("  note: activation and point-to-point bytes need an input shape (--input)")
     return lines
+
+
+def _held_cells(e: StageEstimate, b: Callable[[int | None], str]) -> str:
+    """A stage row's shards, held/step, activations and GPipe-holds cells, as both stage tables print them."""
+    z = e.zero
+    return f"{b(z.params + z.grads + z.optimizer):>12}{b(e.gathered_step):>12}{b(z.activations):>13}{b(e.held_gpipe):>13}"
 
 
 def _interleaved_report(section: PipelinePlan, stages: list[StageEstimate], b: Callable[[int | None], str]
@@ -363,9 +367,7 @@ def _interleaved_report(section: PipelinePlan, stages: list[StageEstimate], b: C
              f"  {'stage':<6}{'rank':>5}{'blocks':>7}{'shards':>12}{'held/step':>12}{'activations':>13}"
              f"{'GPipe holds':>13}{'p2p/step':>11}{'ZeRO/step':>11}"]
     for e in stages:
-        z = e.zero
-        lines.append(f"  {e.stage:<6}{section.rank_of(e.stage):>5}{e.blocks:>7}{b(z.params + z.grads + z.optimizer):>12}"
-                     f"{b(e.gathered_step):>12}{b(z.activations):>13}{b(e.held_gpipe):>13}{b(e.p2p):>11}"
+        lines.append(f"  {e.stage:<6}{section.rank_of(e.stage):>5}{e.blocks:>7}{_held_cells(e, b)}{b(e.p2p):>11}"
                      f"{b(e.zero_traffic):>11}")
     known = all(e.p2p is not None for e in stages)
     lines.append(f"  {'rank':<6}{'stages':>9}{'shards':>12}{'held/step':>12}{'GPipe':>11}{'Interleaved':>13}"
