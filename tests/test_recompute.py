@@ -521,6 +521,29 @@ def test_the_first_forward_leaves_no_cyclic_garbage(family):
     assert found < 60, f"{found} objects in cycles after the first forward"
 
 
+def _frozen_after_first_forwards() -> list[int]:
+    """Objects the collector still ignores (``gc.get_freeze_count``) after a first forward that ran, and after
+    one whose real call raised (a token id past the vocabulary: the meta capture cannot see it)."""
+    import gc
+
+    frozen = []
+    for ids in (torch.zeros(2, 8, dtype=torch.long), torch.full((2, 8), models.VOCAB)):
+        model = bmt.BMTrainModelWrapper(_default_cache_lm("llama", 2, True))
+        try:
+            model(input_ids=ids, labels=ids)
+        except IndexError:
+            pass
+        frozen.append(gc.get_freeze_count())
+    return frozen
+
+
+def test_the_first_forward_gives_back_the_objects_it_froze():
+    """The first forward hides every older object from the collector while it captures, so that collecting
+    the capture's cycles scans only what it made; left frozen, the process's later cycles among those
+    objects would never be collected, whether the call returned or raised."""
+    assert run_distributed(_frozen_after_first_forwards, 1)[0] == [0, 0]
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
 def test_a_step_keeps_no_traced_graph(family):
     """Plain PyTorch keeps no graph between steps. torch.export keeps the last trace's nodes (each with its

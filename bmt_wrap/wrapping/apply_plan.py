@@ -6,7 +6,6 @@ module tree but nothing of how the plan was made.
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
@@ -337,11 +336,7 @@ def _root_post_hook(model: WrappedModule, args: tuple, output: Any) -> Any:
     first = getattr(model, "_bmt_first_forward", None)
     if first is not None:
         model._bmt_first_forward = None
-        first.after(model)
-        # The first call's capture (export, tracing, planning) leaves thousands of objects in reference
-        # cycles. Left to the collector's own schedule they live into the steady state (a full collection
-        # is rare) and with them memory that grows with depth: 37 MiB of a 14-layer Llama's 2-rank job.
-        gc.collect()
+        first.after(model)  # which also collects the capture's reference cycles
     mp = model._bmt_mp
     cast = mp is not None and mp.output_dtype is not None
     result = pytree.tree_map(mp.cast_output, output) if cast else output

@@ -4,6 +4,7 @@ first forward when the model could not be captured without inputs."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import warnings
 from typing import Any
@@ -48,7 +49,15 @@ class _FirstForward:
 
     def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         """Export a meta copy on these inputs; if that fails, record the real call about to run."""
-        cap = passes.capture(self.skeleton, self.discovery, (args, kwargs))
+        # Every object alive now leaves the collector's view until ``collect``: its full collection then
+        # scans only what the capture and the first forward made (a few thousand objects, not the
+        # process's hundreds of thousands: 0.2 s of every wrap in a process that imported transformers).
+        gc.freeze()
+        try:
+            cap = passes.capture(self.skeleton, self.discovery, (args, kwargs))
+        except BaseException:
+            gc.unfreeze()
+            raise
         if cap.method != "none":
             self._adopt(model, cap)
         else:
@@ -57,9 +66,21 @@ class _FirstForward:
 
     def after(self, model: nn.Module) -> None:
         """The recorded real call ended: its block order is the schedule."""
-        if self.recorder is not None:
-            self.recorder.__exit__(None, None, None)
-            self._adopt(model, passes.eager_capture(self.recorder, self.notes))
+        try:
+            if self.recorder is not None:
+                self.recorder.__exit__(None, None, None)
+                self._adopt(model, passes.eager_capture(self.recorder, self.notes))
+        finally:
+            self.collect()
+
+    @staticmethod
+    def collect() -> None:
+        """Free the capture's reference cycles now, then give the objects frozen by ``before`` back."""
+        # The capture (export, tracing, planning) leaves thousands of objects in reference cycles. Left to
+        # the collector's own schedule they live into the steady state (a full collection is rare) and
+        # with them memory that grows with depth: 37 MiB of a 14-layer Llama's 2-rank job.
+        gc.collect()
+        gc.unfreeze()
 
     def _adopt(self, model: nn.Module, cap: passes.Capture) -> None:
         state = get_state()
