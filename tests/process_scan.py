@@ -222,6 +222,8 @@ class ProcessScan:
         # id -> object; the objects are held so that their ids are never reused.
         self._clean: dict[int, Any] = {}
         self._starting: dict[int, Any] = {}
+        # id -> (object, its children): a function reached by many tests is disassembled once, not per test.
+        self._children: dict[int, tuple[Any, list[Any]]] = {}
 
     def starts_process(self, *roots: Any) -> bool:
         """Whether any of ``roots`` (test functions, fixture functions, parameter values) reaches a starter."""
@@ -240,7 +242,9 @@ class ProcessScan:
             if _is_starter(obj):
                 self._remember_path(key, seen, parent)
                 return True
-            stack.extend((child, key) for child in _children(obj))
+            if key not in self._children:
+                self._children[key] = (obj, list(_children(obj)))
+            stack.extend((child, key) for child in self._children[key][1])
         # A search that ended without a starter read all that it reached, so each of those is clean.
         self._clean.update(seen)
         return False
