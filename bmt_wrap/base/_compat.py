@@ -87,6 +87,21 @@ def forget_export_trace() -> None:
     getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
 
 
+@contextmanager
+def no_stack_traces() -> Iterator[None]:
+    """Trace without recording each node's Python stack (torch.fx's ``do_not_emit_stack_traces``)."""
+    # Extracting and symbolizing a traceback per node was a quarter of a capture's CPU time; no pass reads
+    # ``node.meta["stack_trace"]``.
+    from torch.fx import config
+
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def register_foreach_type(cls: type) -> None:
     """Let torch's optimizers and ``clip_grad_norm_`` take their multi-tensor paths for tensors of ``cls``
     (the lists they check by exact type; DTensor registers itself the same way)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from ..base._compat import forget_export_trace, pytree, reorder_kwargs
+from ..base._compat import forget_export_trace, no_stack_traces, pytree, reorder_kwargs
 from ..errors import PlanError
 from .activations import ActivationProfile, BlockKey, profile_activations
 from .discover import Discovery
@@ -161,7 +161,8 @@ def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs
     """Export ``skeleton`` (meta parameters) on meta inputs; block order, graph and activation bytes."""
     object_bytes: list[int] = []
     try:
-        ep = torch.export.export(_TensorOutputs(skeleton, object_bytes.append), args, kwargs, strict=False)
+        with no_stack_traces():
+            ep = torch.export.export(_TensorOutputs(skeleton, object_bytes.append), args, kwargs, strict=False)
     finally:
         forget_export_trace()
     gm = ep.module(check_guards=False)
