@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from collections.abc import Callable
 
 import models
 import pytest
@@ -53,9 +54,10 @@ def _llama_labels(ids):
 
 
 def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1,
-           layers: int = 4) -> list[float]:
+           layers: int = 4, after_step: Callable[[], None] | None = None) -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
-    checked inside); ``virtual``: stages per rank; ``layers``: the toy GPT's blocks."""
+    checked inside); ``virtual``: stages per rank; ``layers``: the toy GPT's blocks; ``after_step``: called
+    when each of the toy's steps has returned."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -73,8 +75,12 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtu
             if schedule == "loop":  # the loop users write: model(...), loss.backward()
                 loss = m(ids, targets)
                 loss.backward()
-                return loss.detach()
-            return m.pipeline_step(ids, targets, schedule=schedule)
+                loss = loss.detach()
+            else:
+                loss = m.pipeline_step(ids, targets, schedule=schedule)
+            if after_step is not None:
+                after_step()
+            return loss
     def wrap(m):
         return bmt.BMTrainModelWrapper(m, pp_microbatches=micro, pp_virtual_stages=virtual)
     result = train_side_by_side(build, wrap, batches,
@@ -117,26 +123,24 @@ def _virtual_readers(tmp: str) -> dict:
     return out
 
 
-def _recomputed_freed() -> dict:
-    """One InterleavedZeroBubble step: how many tensors the blocks' recomputes made for B and W, and how many of
-    them are still alive when the step has returned (none: each W ended its calls)."""
-    kept: list[weakref.ref] = []
-    recompute = BlockCall._recompute
+class _Recomputes:
+    """While entered, a weak reference to every tensor a block call's recompute makes."""
 
-    def watched(call: BlockCall) -> None:
-        recompute(call)
-        kept.extend(weakref.ref(t) for t in call.recomputed.values())
-    model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4, tie=True), pp_microbatches=4, pp_virtual_stages=2)
-    ids, targets = lm_batches(1, 8, seq=8, vocab=models.VOCAB)[0]
-    BlockCall._recompute = watched
-    try:
-        model.pipeline_step(ids, targets, schedule="InterleavedZeroBubble")
-    finally:
-        BlockCall._recompute = recompute
-    out = {"recomputed": len(kept), "alive": sum(ref() is not None for ref in kept)}  # before any gc.collect()
-    del model
-    gc.collect()
-    return out
+    def __enter__(self) -> _Recomputes:
+        self.refs: list[weakref.ref] = []
+        self.recompute = BlockCall._recompute
+
+        def watched(call: BlockCall) -> None:
+            self.recompute(call)
+            self.refs.extend(weakref.ref(t) for t in call.recomputed.values())
+        BlockCall._recompute = watched
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        BlockCall._recompute = self.recompute
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.refs)
 
 
 def _pp2_body(tmp: str) -> dict:
@@ -148,9 +152,14 @@ def _pp2_body(tmp: str) -> dict:
     # two stages per rank (4 stages of one block): torch's interleaved schedules (its zero-bubble one splits
     # each backward into the inputs' part and, later, the weights'), and the GPipe loop, which runs both of a
     # rank's stages in each micro-batch's forward
-    for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "loop"):
+    for name in ("Interleaved1F1B", "LoopedBFS", "loop"):
         out[f"v2 {name}"] = _train("tied", name, 4, virtual=2)
-    out["zb freed"] = _recomputed_freed()
+    # what B kept of the recompute for W: alive, before any gc.collect(), once each step has returned
+    alive: list[int] = []
+    with _Recomputes() as recomputes:
+        out["v2 InterleavedZeroBubble"] = _train("tied", "InterleavedZeroBubble", 4, virtual=2,
+                                                 after_step=lambda: alive.append(recomputes.alive()))
+    out["zb freed"] = {"recomputed": len(recomputes.refs), "alive": alive}
     out["readers"] = _virtual_readers(tmp)
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
@@ -187,7 +196,7 @@ def test_schedules_train_like_plain_pytorch_at_pp2(tmp_path) -> None:
         for name in ("GPipe", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 InterleavedZeroBubble", "v2 loop"):
             assert r["1F1B"] == pytest.approx(r[name], rel=LOSS_RTOL), (name, r)
         # the recompute's tensors that B kept for W are gone once the step returns
-        assert r["zb freed"]["recomputed"] > 0 and r["zb freed"]["alive"] == 0, r["zb freed"]
+        assert r["zb freed"]["recomputed"] > 0 and r["zb freed"]["alive"] == [0, 0, 0], r["zb freed"]
         readers = r["readers"]
         assert readers["stages"] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], readers
         assert readers["state_dict"] and readers["save"] and readers["resumed"], readers
