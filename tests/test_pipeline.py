@@ -318,7 +318,7 @@ def _errors_body() -> dict:
 def _virtual_failures(local: tuple[torch.Tensor, ...]) -> dict:
     """Two stages per rank (rank 0 of the pipe: layers 0 and 2, rank 1: layers 1 and 3): a stage in the
     middle of the pipeline whose forward raises, in the GPipe loop and under Interleaved1F1B, and one whose
-    backward raises; every rank names it."""
+    backward raises, under Interleaved1F1B and InterleavedZeroBubble (in its inputs' pass); every rank names it."""
     torch.manual_seed(0)
     model = bmt.BMTrainModelWrapper(_exploding(), pp_virtual_stages=2)
     pipe_rank = bmt.config["pipe_rank"]
@@ -330,6 +330,7 @@ def _virtual_failures(local: tuple[torch.Tensor, ...]) -> dict:
         model.layers[2].explode = False
         model.layers[1].explode_backward = pipe_rank == 1  # stage 1: rank 1's first stage
         out["v2 bwd"] = _raises(lambda m=model: m.pipeline_step(*local))
+        out["v2 zb bwd"] = _raises(lambda m=model: m.pipeline_step(*local, schedule="InterleavedZeroBubble"))
         model.layers[1].explode_backward = False
     del model
     gc.collect()
@@ -348,7 +349,7 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
         else:  # every other rank stops and names it
             assert name == PipelineError.__name__ and "rank 2" in message and "boom" in message, r["stage"]
         for key, failing in (("step_last", 2), ("step_first", 0), ("bwd_last", 2), ("bwd_first", 0),
-                             ("v2 loop", 0), ("v2 step", 0), ("v2 bwd", 2)):
+                             ("v2 loop", 0), ("v2 step", 0), ("v2 bwd", 2), ("v2 zb bwd", 2)):
             name, message, seconds = r[key]
             if rank == failing:
                 assert name == "ValueError" and f"boom on rank {failing}" in message, r[key]
@@ -357,7 +358,7 @@ def test_bad_input_fails_every_rank_with_a_named_error_at_once() -> None:
         assert r["clean_after"], "a step after a failed pipeline_step got other gradients than a step alone"
         assert r["models"][0] == ModelMismatchError.__name__, r["models"]
         assert all(r[k][2] < 30 for k in ("world", "blocks", "batch", "stage", "step_last", "step_first", "models")), r
-        assert all(r[k][2] < 15 for k in ("bwd_last", "bwd_first", "v2 loop", "v2 step", "v2 bwd")), r
+        assert all(r[k][2] < 15 for k in ("bwd_last", "bwd_first", "v2 loop", "v2 step", "v2 bwd", "v2 zb bwd")), r
 
 
 # ---- the plan's pipeline section (pure) ----------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
+from collections.abc import Callable
 
 import models
 import pytest
@@ -19,6 +21,7 @@ import bmt_wrap as bmt
 from bmt_wrap import passes
 from bmt_wrap.errors import PipelineError, PipelineScheduleError
 from bmt_wrap.passes.pipeline import plan_pipeline
+from bmt_wrap.runtime.block_executor import BlockCall
 
 
 def test_virtual_stages_are_placed_round_the_ranks() -> None:
@@ -51,9 +54,10 @@ def _llama_labels(ids):
 
 
 def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtual: int = 1,
-           layers: int = 4) -> list[float]:
+           layers: int = 4, after_step: Callable[[], None] | None = None) -> list[float]:
     """3 steps of ``pipeline_step`` side by side with plain PyTorch (grads each step, parameters at the end:
-    checked inside); ``virtual``: stages per rank; ``layers``: the toy GPT's blocks."""
+    checked inside); ``virtual``: stages per rank; ``layers``: the toy GPT's blocks; ``after_step``: called
+    when each of the toy's steps has returned."""
     if kind == "llama":
         build = models.llama
         batches = [(b[0],) for b in lm_batches(3, 8, seq=8, vocab=models.VOCAB)]
@@ -71,8 +75,12 @@ def _train(kind: str, schedule: str, micro: int, optimizer: str = "adamw", virtu
             if schedule == "loop":  # the loop users write: model(...), loss.backward()
                 loss = m(ids, targets)
                 loss.backward()
-                return loss.detach()
-            return m.pipeline_step(ids, targets, schedule=schedule)
+                loss = loss.detach()
+            else:
+                loss = m.pipeline_step(ids, targets, schedule=schedule)
+            if after_step is not None:
+                after_step()
+            return loss
     def wrap(m):
         return bmt.BMTrainModelWrapper(m, pp_microbatches=micro, pp_virtual_stages=virtual)
     result = train_side_by_side(build, wrap, batches,
@@ -115,21 +123,48 @@ def _virtual_readers(tmp: str) -> dict:
     return out
 
 
+class _Recomputes:
+    """While entered, a weak reference to every tensor a block call's recompute makes."""
+
+    def __enter__(self) -> _Recomputes:
+        self.refs: list[weakref.ref] = []
+        self.recompute = BlockCall._recompute
+
+        def watched(call: BlockCall) -> None:
+            self.recompute(call)
+            self.refs.extend(weakref.ref(t) for t in call.recomputed.values())
+        BlockCall._recompute = watched
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        BlockCall._recompute = self.recompute
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.refs)
+
+
 def _pp2_body(tmp: str) -> dict:
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=2)
     # the tied embedding and head: a weight on both stages, its gradients summed between them after the
     # schedule; torch's GPipe runs every forward before any backward, so several micro-batches' graphs read
     # the root's gathered parameters at once
     out = {"1F1B": _train("tied", "1F1B", 4), "GPipe": _train("tied", "GPipe", 4), "llama": _train("llama", "1F1B", 2)}
-    # two stages per rank (4 stages of one block): torch's interleaved schedules, and the GPipe loop, which
-    # runs both of a rank's stages in each micro-batch's forward
+    # two stages per rank (4 stages of one block): torch's interleaved schedules (its zero-bubble one splits
+    # each backward into the inputs' part and, later, the weights'), and the GPipe loop, which runs both of a
+    # rank's stages in each micro-batch's forward
     for name in ("Interleaved1F1B", "LoopedBFS", "loop"):
         out[f"v2 {name}"] = _train("tied", name, 4, virtual=2)
+    # what B kept of the recompute for W: alive, before any gc.collect(), once each step has returned
+    alive: list[int] = []
+    with _Recomputes() as recomputes:
+        out["v2 InterleavedZeroBubble"] = _train("tied", "InterleavedZeroBubble", 4, virtual=2,
+                                                 after_step=lambda: alive.append(recomputes.alive()))
+    out["zb freed"] = {"recomputed": len(recomputes.refs), "alive": alive}
     out["readers"] = _virtual_readers(tmp)
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
     out["unknown"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="2F2B"))
-    out["zero_bubble"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="ZBVZeroBubble"))
+    out["zbv"] = _raises(lambda m=model: m.pipeline_step(ids, targets, schedule="ZBVZeroBubble"))
     out["no_loss"] = _raises(lambda m=model: m.pipeline_step(ids))
     del model
     gc.collect()
@@ -158,14 +193,17 @@ def test_schedules_train_like_plain_pytorch_at_pp2(tmp_path) -> None:
         # 1F1B, torch's GPipe, its interleaved schedules and the GPipe loop at two stages per rank give the
         # same losses (each checked against plain PyTorch inside: losses, whole gradients every step,
         # parameters after 3 AdamW steps)
-        for name in ("GPipe", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 loop"):
+        for name in ("GPipe", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 InterleavedZeroBubble", "v2 loop"):
             assert r["1F1B"] == pytest.approx(r[name], rel=LOSS_RTOL), (name, r)
+        # the recompute's tensors that B kept for W are gone once the step returns
+        assert r["zb freed"]["recomputed"] > 0 and r["zb freed"]["alive"] == [0, 0, 0], r["zb freed"]
         readers = r["readers"]
         assert readers["stages"] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], readers
         assert readers["state_dict"] and readers["save"] and readers["resumed"], readers
         assert r["unknown"][0] == PipelineScheduleError.__name__ and "'1F1B'" in r["unknown"][1], r["unknown"]
-        zb = r["zero_bubble"]
-        assert zb[0] == PipelineScheduleError.__name__ and "not offered" in zb[1] and "'GPipe'" in zb[1], zb
+        zbv = r["zbv"]  # its V-shaped placement is not the plan's
+        assert zbv[0] == PipelineScheduleError.__name__ and "not offered" in zbv[1] and "2P-1-s" in zbv[1], zbv
+        assert "'InterleavedZeroBubble'" in zbv[1], zbv
         assert r["no_loss"][0] == PipelineError.__name__ and "loss" in r["no_loss"][1], r["no_loss"]
         assert r["no_stages"][0] == PipelineError.__name__ and "pp_size=P" in r["no_stages"][1], r["no_stages"]
         # bad V, named on every rank
@@ -178,7 +216,7 @@ def test_schedules_train_like_plain_pytorch_at_pp2(tmp_path) -> None:
         assert r["v2 rounds"][0] == "PipelineError" and "pp_microbatches=5" in r["v2 rounds"][1], r["v2 rounds"]
         assert r["v2 no stages"][0] == "PipelineError" and "pp_size=" in r["v2 no stages"][1], r["v2 no stages"]
     assert [r["readers"]["mine"] for r in results] == [[0, 2], [1, 3]]
-    trained = ("1F1B", "GPipe", "llama", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 loop")
+    trained = ("1F1B", "GPipe", "llama", "v2 Interleaved1F1B", "v2 LoopedBFS", "v2 InterleavedZeroBubble", "v2 loop")
     assert [results[0][k] for k in trained] == [results[1][k] for k in trained]  # every stage: the batch's loss
 
 
@@ -205,6 +243,7 @@ def _pp2_dp2_body() -> dict:
     # reduced once, after that stage's last backward
     out["per_block"] = _reduced_once(1, None)
     out["per_block v2"] = _reduced_once(2, "Interleaved1F1B")
+    out["per_block zb"] = _reduced_once(2, "InterleavedZeroBubble")  # reduced after each stage's last W
     bmt.init_distributed(seed=0, backend="gloo", timeout=COMM_TIMEOUT, pipe_size=4)
     out["pp4"] = _train("toy", "1F1B", 4)
     # four ranks of two stages each (8 stages of one block, width 32): rank r runs blocks r and r + 4
@@ -224,7 +263,7 @@ def _pp2_dp2_body() -> dict:
 def test_1f1b_and_interleaved_train_like_plain_pytorch_at_pp2_dp2_pp4_pp4v2_and_pp2_tp2_and_reduce_once() -> None:
     results = run_distributed(_pp2_dp2_body, 4, timeout=600)
     for r in results:
-        for key, blocks in (("per_block", 2), ("per_block v2", 2)):
+        for key, blocks in (("per_block", 2), ("per_block v2", 2), ("per_block zb", 2)):
             assert len(r[key]) == blocks and all(ops == ["all_gather", "reduce_scatter"]
                                                  for ops in r[key].values()), r[key]
         # interleaved 1F1B at two stages per rank gives the 1F1B results (both checked against plain PyTorch)

@@ -169,6 +169,10 @@ class BlockCall:
     # A pipeline's micro-batch whose backward runs before another call of the same block in the same
     # backward: its gradients accumulate, that later call reduces the sum (one reduce-scatter per step).
     defer_reduce: bool = False
+    # Under a zero-bubble schedule autograd runs through the call twice: the inputs' gradients (B), then,
+    # later, the weights' from the nodes B retained (W). The recompute's tensors serve both passes, and the
+    # call ends when the schedule's W for it ran (``finish_split``), not at the end of B's backward.
+    split: bool = False
     param_refs: int = 0  # saved tensors viewing the gathered storage that autograd has not asked for yet
     _storage: set[int] = dataclasses.field(default_factory=set)  # data pointers of the gathered buffers
 
@@ -236,8 +240,9 @@ class BlockCall:
                 if self.stage is CallStage.RELEASED:
                     raise _second_backward(self.group.name)
                 self._ensure_gathered()
-                self.param_refs -= 1
-                self.try_release()
+                if not self.split:
+                    self.param_refs -= 1
+                    self.try_release()
             return t
         if self.recomputed is None:
             self._ensure_gathered()
@@ -245,6 +250,8 @@ class BlockCall:
         assert self.recomputed is not None
         if handle not in self.recomputed:
             raise _second_backward(self.group.name)
+        if self.split:
+            return self.recomputed[handle]  # W may unpack it again; finish_split drops them all
         t = self.recomputed.pop(handle)
         if self._aliases_params(t):
             self.param_refs -= 1
@@ -322,8 +329,16 @@ class BlockCall:
         self.try_release()
         self.engine.reduce_group_grads(self.group, grads, defer=self.defer_reduce)
 
+    def finish_split(self) -> None:
+        """A zero-bubble schedule's W for this call ran (or never will): drop the recompute's tensors, give
+        the storage back."""
+        self.split = False
+        self.try_release(end_of_backward=True)
+
     def try_release(self, end_of_backward: bool = False) -> bool:
         """Give the storage back once nothing autograd may still read views it; True when released."""
+        if self.split:
+            return False  # W still reads it: finish_split ends the call
         if self.stage is not CallStage.GATHERED or (not end_of_backward and (self.param_refs > 0 or not self.params_done)):
             # A saved tensor still views the gathered storage, or the parameters' gradients are not all in.
             return False

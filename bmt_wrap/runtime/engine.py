@@ -88,6 +88,9 @@ class Engine:
         # Set by a pipeline's forward for micro-batches whose backward another one's follows: their block
         # calls accumulate gradients, the last one's reduce them (BlockCall.defer_reduce).
         self.defer_reduce = False
+        # Set by a zero-bubble schedule's forward: its block calls are differentiated in two passes
+        # (BlockCall.split) and collected here, for the schedule to end each after its weights' pass.
+        self.split_calls: list[BlockCall] | None = None
         self.nested: list[Phase] = []  # BLOCK or RECOMPUTE per block whose own code is running
         self._acquired_calls: list[BlockCall] = []  # gathered for backward, released when done
         self._standalone_cache: dict[int, torch.Tensor] = {}
@@ -419,6 +422,9 @@ class Engine:
                 self.release_after_use(group, backward_follows=False)
         call = BlockCall(self, group, module, forward_fn, inputs, ext_locations)
         call.defer_reduce = self.defer_reduce
+        if self.split_calls is not None:
+            call.split = True
+            self.split_calls.append(call)
         call.call_index = self._runtime(group).prefetcher.record_call(group)
         self.acquire_for_forward(group)
         try:

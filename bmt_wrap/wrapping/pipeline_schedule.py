@@ -10,8 +10,8 @@ forwards and backwards and moves activations and gradients over the pipe group's
 metadata is given up front (static mode) from a meta run of the skeleton, so torch runs no extra forward.
 
 With V stages per rank (``pp_virtual_stages``), the rank hands torch's multi-stage schedule (Interleaved1F1B,
-LoopedBFS) one ``PipelineStage`` per stage it runs, each the same model's forward with only that stage's
-blocks real (``_Run.active``); torch maps stage ``s`` to rank ``s % P``, as the plan placed it.
+LoopedBFS, InterleavedZeroBubble) one ``PipelineStage`` per stage it runs, each the same model's forward with
+only that stage's blocks real (``_Run.active``); torch maps stage ``s`` to rank ``s % P``, as the plan placed it.
 
 ZeRO-3 under a schedule: the rank's blocks are gathered once for the step; every backward but a stage's
 last accumulates unreduced (``no_sync``'s accumulators, over every group of the rank but that stage's on its
@@ -19,28 +19,39 @@ last backward), and a stage's last backward reduce-scatters the step's sum of it
 ``last_backward``); the root's groups go with the first and last stage. The stages' agreement (a tied
 weight's summed gradient, which parameters got one) runs once after the schedule: a pipe-group collective
 inside one stage's backward would wait for a stage that waits for this one's gradients.
+
+InterleavedZeroBubble splits each backward in two: the inputs' gradients (B, torch's ``stage_backward_input``
+given the stage's shards, whose nodes lie behind each block's ``BlockParams`` node), and later the weights'
+(W, ``_weights_backward``), which reaches ``BlockParams`` and so the reducer. A block call keeps its
+recompute's tensors from B to W (``BlockCall.split``) and ends after W; a stage's last W reduces.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining._backward import stage_backward_input
 
 from ..base._compat import pytree
 from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
 from ..job.distributed import agree
 from ..passes.capture import to_meta
 from ..runtime.active_engine import get_engine
+from ..runtime.block_executor import BlockCall
 from ..runtime.group import StorageMode
 from ..runtime.module_params import installed
 from ..runtime.pipeline import broadcast_tensors, count_transfer_time
@@ -63,19 +74,15 @@ from .pipeline import (
 #: The schedules ``pipeline_step`` offers with one stage per rank (``pp_virtual_stages=1``): torch's.
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 #: Those it offers with any number of stages per rank (the plan's stage ``s`` on rank ``s % P``).
-MULTI: dict[str, type] = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}
+MULTI: dict[str, type] = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS,
+                          "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+#: Those whose stages split each backward into the inputs' gradients (B) and, later, the weights' (W).
+SPLIT = (ScheduleInterleavedZeroBubble,)
 
-_SPLIT = ("it splits each backward into the inputs' gradients and, later, the weights' (torch's weight pass "
-          "runs from the stage module's parameters): here a block's parameters enter the graph through one node "
-          "per block call that hands their gradients to ZeRO-3's reduce-scatter, not to .grad, so torch's "
-          "split would lose the blocks' gradients (docs/design.md, 'Pipeline schedules')")
-_V_SHAPE = "; and it places stage s on rank s or 2P-1-s (a V), while the plan places it on rank s % P"
+_V_SHAPE = ("it places stage s on rank s or 2P-1-s (a V), while the plan places stage s on rank s % P, and the "
+            "last stage (the loss and the head) on the last rank (docs/design.md, 'Pipeline schedules')")
 #: Torch's other schedules, and why they are not offered here.
-NOT_OFFERED = {
-    "InterleavedZeroBubble": _SPLIT,
-    "ZBVZeroBubble": _SPLIT + _V_SHAPE,
-    "DualPipeV": _SPLIT + _V_SHAPE,
-}
+NOT_OFFERED = {"ZBVZeroBubble": _V_SHAPE, "DualPipeV": _V_SHAPE}
 
 
 def schedule_class(schedule: str, virtual: int = 1) -> type:
@@ -97,7 +104,8 @@ class _StageModule(nn.Module):
     """Stage ``stage`` of the model (one of this rank's) for one micro-batch: the model's own forward, fed the
     activations the schedule received; returns the stage's last block's output tensors (sent on), or on the
     last stage the micro-batch's share of the batch's loss. The model is not a submodule: torch's stage
-    reads no parameters of it (``scale_grads=False``, no split backward)."""
+    reads no parameters of it (``scale_grads=False``; a split backward is given the rank's shards,
+    ``_Stage.weights``)."""
 
     def __init__(self, runtime: PipelineRuntime, model: nn.Module, stage: int) -> None:
         super().__init__()
@@ -134,9 +142,11 @@ class _StageModule(nn.Module):
 
 
 class _Stage(PipelineStage):
-    """Torch's stage, told which micro-batch each forward is for and where ZeRO-3 reduces."""
+    """Torch's stage, told which micro-batch each forward is for, where ZeRO-3 reduces, and (``split``: a
+    zero-bubble schedule) which weights its backward's second pass reaches."""
 
-    def __init__(self, module: _StageModule, model: nn.Module, group: Any, inputs: tuple, outputs: tuple) -> None:
+    def __init__(self, module: _StageModule, model: nn.Module, group: Any, inputs: tuple, outputs: tuple,
+                 split: bool) -> None:
         runtime = module.runtime
         super().__init__(module, module.stage, runtime.count, get_engine().device, input_args=inputs,
                          output_args=outputs, group=group)
@@ -152,15 +162,26 @@ class _Stage(PipelineStage):
         reduced = [g for g in every if id(g) in mine or (ends and id(g) not in blocks)]
         self.others = [g for g in every if g not in reduced]
         self.every = every
+        # A zero-bubble schedule's weights (W) pass runs to these: the shards behind this stage's block and
+        # root nodes, which hand the gradients to the reducer (torch's default, the stage module's own
+        # parameters, is none here). Each micro-batch's block calls end after its W (``end_calls``).
+        self.split = split
+        self.weights = [p for g in reduced if not g.ghost for b in g.buffers if b.spec.requires_grad for p in b.params]
+        self.split_calls: dict[int, list[BlockCall]] = {}
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
                           save_forward_output: bool = True) -> Any:
         """Torch's forward of micro-batch ``fwd_chunk_id``, timed."""
         self.submod.micro = fwd_chunk_id
+        engine = get_engine()
+        engine.split_calls = [] if self.split else None
         start = time.perf_counter()
         try:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         finally:
+            if engine.split_calls is not None:
+                self.split_calls[fwd_chunk_id] = engine.split_calls
+            engine.split_calls = None
             self.compute += time.perf_counter() - start
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
@@ -171,21 +192,78 @@ class _Stage(PipelineStage):
         module = self.submod
         if module.failure is None:
             try:
+                if backward_type == "input":  # B: torch's, to this stage's shards' nodes (see __init__)
+                    return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                                bwd_kwargs["input_values"], iter(self.weights))
+                if backward_type == "weight":
+                    _weights_backward(bwd_kwargs["param_groups"])
+                    return (), None
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             except Exception as exc:
                 # torch wraps what the backward raised in a RuntimeError naming the stage's tensors
                 module.failure = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-        return tuple(None for _ in bwd_kwargs["input_values"]), None
+        return tuple(None for _ in bwd_kwargs.get("input_values", ())), None
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                           last_backward: bool = False) -> None:
-        """Torch's backward of micro-batch ``bwd_chunk_id``: the stage's last one reduces the step's sum."""
+    @contextmanager
+    def _backward(self, last_backward: bool) -> Iterator[None]:
+        """One backward of this stage, timed: the stage's last one reduces the step's sum."""
         start = time.perf_counter()
         try:
             with no_sync_groups(self.others if last_backward else self.every):
-                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+                yield
         finally:
             self.compute += time.perf_counter() - start
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        """Torch's backward of micro-batch ``bwd_chunk_id`` (or its inputs' part, B)."""
+        with self._backward(last_backward):
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """Torch's weights' part (W) of micro-batch ``bwd_chunk_id``'s backward (the first stage's whole
+        backward); then the micro-batch's block calls end, with the recomputed tensors B kept for W."""
+        try:
+            with self._backward(last_backward):
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        finally:
+            self.end_calls(bwd_chunk_id)
+
+    def end_calls(self, micro: int | None = None) -> None:
+        """End micro-batch ``micro``'s block calls (None: every one left, as after a step that failed)."""
+        for m in list(self.split_calls) if micro is None else [micro]:
+            for call in self.split_calls.pop(m, []):
+                call.finish_split()
+
+
+def _weights_backward(param_groups: list[dict[str, Any]] | None) -> None:
+    """Torch's weights' pass (``stage_backward_weight``) in one autograd call: from the nodes where the weights'
+    paths leave the inputs' (recorded by B in ``param_groups``, with the gradients they got there) to the
+    weights. Torch makes one call per group; here each call is a backward to ZeRO-3, whose end settles the
+    reductions, so one per micro-batch. In one call a later block's node also reaches an earlier one's along
+    the inputs' path, so every recorded node is held to B's gradients (torch does so within a group). The
+    weights get nothing from autograd (their block's node hands the gradients to the reducer): allow_unused."""
+    edges: list[GradientEdge] = []
+    grads: list[torch.Tensor] = []
+    weights: dict[Any, None] = {}
+    hooks = []
+    try:
+        for group in param_groups or ():
+            nodes, got = group.pop("intermediates"), group.pop("grads", None) or []
+            weights.update(dict.fromkeys(group["params"]))
+            for i, node in enumerate(nodes):
+                saved = got[i] if i < len(got) else None
+                hooks.append(node.register_prehook(
+                    lambda outs, saved=saved: saved if saved is not None else tuple(None for _ in outs)))
+                for k, g in enumerate(saved or ()):
+                    if g is not None:
+                        edges.append(GradientEdge(node, k))
+                        grads.append(g)
+        if edges:
+            torch.autograd.grad(edges, [GradientEdge(w, 0) for w in weights], grads, allow_unused=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | None) -> torch.Tensor:
@@ -208,8 +286,8 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | N
         raise PipelineError(f"model.pipeline_step(schedule='1F1B') needs at least as many micro-batches as stages: "
                             f"pp_microbatches={micros} < pp_size={size}; wrap with pp_microbatches >= {size}")
     rounds = max(1, micros // size)  # torch's interleaved 1F1B runs the micro-batches in rounds of P
-    if cls is ScheduleInterleaved1F1B and micros % rounds:
-        raise PipelineError(f"model.pipeline_step(schedule='Interleaved1F1B') runs the micro-batches in "
+    if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) and micros % rounds:
+        raise PipelineError(f"model.pipeline_step(schedule={schedule!r}) runs the micro-batches in "
                             f"max(1, M // P) = {rounds} equal rounds: pp_microbatches={micros} is not a multiple of "
                             f"{rounds} (pp_size={size}); wrap with pp_microbatches a multiple of {size}")
     batch = _batch_size(args, kwargs)
@@ -254,6 +332,8 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | N
             agree(failure, what="pipeline_step", error_type=PipelineError)
     finally:
         runtime.run = None
+        for stage in stages:
+            stage.end_calls()  # calls whose W never ran (a failed step): their recomputed tensors go
         _release(runtime)
     # what the rank waited for its peers
     count_transfer_time(time.perf_counter() - start - sum(stage.compute for stage in stages))
@@ -308,7 +388,7 @@ def _scheduled(runtime: PipelineRuntime, model: nn.Module, cls: type, name: str,
         inputs, outputs = tensors[s]
         module = _StageModule(runtime, model, s)
         module.sends = outputs
-        stages.append(_Stage(module, model, group, inputs, outputs))
+        stages.append(_Stage(module, model, group, inputs, outputs, split=cls in SPLIT))
     sched = cls(stages if cls in MULTI.values() else stages[0], runtime.section.microbatches,
                 loss_fn=lambda out, target: out, scale_grads=False)
     runtime.scheduled = (key, stages, sched)
