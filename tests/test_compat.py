@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "bmt_wrap"
 _PRIVATE = re.compile(
     r"\btorch\._[A-Za-z]|\butils\._pytree\b|\bexport\._|\._version\b|_execution_engine|_make_subclass"
     r"|_register_state_dict_hook|_register_load_state_dict|\bsys\._getframe|_get_default_store|_python_dispatch"
-    r"|\bdistributed_c10d\b|\._initialize_weights\b|_maybe_opt_step|_unsafe_")
+    r"|\bdistributed_c10d\b|\._initialize_weights\b|_maybe_opt_step|_unsafe_"
+    r"|\b(?:torch|transformers)(?:\.\w+)*\._[A-Za-z]\w*")  # any private module or name of theirs
 
 
 def _code(path: Path) -> str:
@@ -30,7 +31,7 @@ def _code(path: Path) -> str:
         out.append(" " if tok.type in (tokenize.STRING, tokenize.COMMENT) else tok.string)
         if tok.type in (tokenize.NEWLINE, tokenize.NL):
             out.append("\n")
-    return " ".join(out)
+    return re.sub(r"\s*\.\s*", ".", " ".join(out))  # "torch . _C" as code spells it: torch._C
 
 
 def test_no_module_outside_compat_uses_a_private_torch_name() -> None:
@@ -47,6 +48,13 @@ def test_no_module_outside_compat_uses_a_private_torch_name() -> None:
 def test_the_check_sees_a_private_name() -> None:
     assert _PRIVATE.search("x = t._version + torch._foreach_mul_(a, 2)")
     assert not _PRIVATE.search("x = tensor_version(t)")
+    assert _PRIVATE.search("from torch.distributed.pipelining._backward import stage_backward_input")
+
+
+def test_the_check_reads_code_as_the_tokenizer_spells_it(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("import torch\nx = torch . _C  # torch._C in a comment\ny = 'torch._C'\n")
+    assert _PRIVATE.findall(_code(source)) == ["torch._C"]
 
 
 def test_version_counters() -> None:
@@ -334,3 +342,21 @@ def test_watch_writes_sees_every_written_tensor() -> None:
     with _compat.watch_writes(lambda t: written.append(t.untyped_storage().data_ptr())):
         bn(torch.randn(4, 3))  # evaluation reads the statistics only
     assert written == []
+
+
+def test_is_fake_tells_fake_tensors_from_real_and_meta_ones() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.empty(2)
+    assert _compat.is_fake(fake) and mode is not None
+    assert not _compat.is_fake(torch.empty(2)) and not _compat.is_fake(torch.empty(2, device="meta"))
+
+
+def test_stage_backward_input_gives_the_inputs_gradients() -> None:
+    x = torch.randn(3, requires_grad=True)
+    w = nn.Parameter(torch.randn(3))
+    out = x * w
+    grads, param_groups = _compat.stage_backward_input([out], [torch.ones(3)], [x], iter([w]))
+    assert torch.equal(grads[0], w.detach()) and w.grad is None  # the weights' gradient is left for W
+    assert param_groups  # the nodes W starts from

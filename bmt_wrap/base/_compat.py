@@ -102,6 +102,20 @@ def no_stack_traces() -> Iterator[None]:
         config.do_not_emit_stack_traces = before
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (torch.export's and torch.compile's tracing values)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
+def stage_backward_input(stage_outputs: Any, output_grads: Any, input_values: Any, weights: Iterator[Any]) -> Any:
+    """torch.distributed.pipelining's inputs-only backward (a zero-bubble schedule's B), as its stage runs it."""
+    from torch.distributed.pipelining._backward import stage_backward_input as backward_input
+
+    return backward_input(stage_outputs, output_grads, input_values, weights)
+
+
 def register_foreach_type(cls: type) -> None:
     """Let torch's optimizers and ``clip_grad_norm_`` take their multi-tensor paths for tensors of ``cls``
     (the lists they check by exact type; DTensor registers itself the same way)."""

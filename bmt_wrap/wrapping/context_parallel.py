@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base._compat import is_fake
 from ..base.cp_plan import check_padding_mask, count_items, local_indices, shift_labels, split_sequence
 from ..base.mesh import MeshLayout
 from ..errors import ContextParallelError, UnsupportedError
@@ -39,8 +40,6 @@ _INDEX, _KEYS = "bmt_cp_index", "bmt_cp_keys"
 
 def _capturing(t: torch.Tensor) -> bool:
     """True while the first call is captured on meta or fake tensors (no communication then)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.is_meta or is_fake(t) or torch.compiler.is_exporting()
 
 

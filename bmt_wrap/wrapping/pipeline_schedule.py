@@ -44,9 +44,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
-from torch.distributed.pipelining._backward import stage_backward_input
 
-from ..base._compat import pytree
+from ..base._compat import pytree, stage_backward_input
 from ..errors import PipelineError, PipelineScheduleError, UnsupportedError
 from ..job.distributed import agree
 from ..passes.capture import to_meta
