@@ -59,6 +59,13 @@ def test_plan_section_prints_and_round_trips() -> None:
     assert "dense beside them: model.layers.0.mlp.shared_expert, model.layers.0.mlp.shared_expert_gate" in text
     again = WrapPlan.from_json(plan.to_json())
     assert again.experts == section and str(again) == text
+    # ep_capacity_factor= is the section's: printed with its rule, kept by the JSON; capacity per rank's call
+    capped = replace(section, capacity_factor=1.25)
+    assert "capacity factor 1.25 (each expert takes at most ceil(1.25 x tokens x k / experts)" in str(
+        WrapPlan(groups=[], experts=capped))
+    assert WrapPlan.from_json(WrapPlan(groups=[], experts=capped).to_json()).experts == capped
+    layer = section.layers[0]  # top-2 of 4: 10 tokens' 20 pairs, 5 an expert on average
+    assert capped.capacity(layer, 10) == 7 and section.capacity(layer, 10) is None
 
 
 def test_a_router_that_hands_a_dispatch_mask_stays_dense() -> None:
