@@ -108,12 +108,12 @@ def measure(family: str, layers: int, limit: int, world: int, steps: int, optimi
             "peak_rank": max(peaks) if peaks else None}
 
 
-def table(rows: list[dict], world: int, steps: int, setting: str) -> list[str]:
-    """One row per family, limit and optimizer."""
+def table(rows: list[dict], world: int, steps: int, setting: str, layout: str = "") -> list[str]:
+    """One row per family, limit and optimizer; ``layout``: the parallel sizes beside ZeRO-3 (``tp2 x ep2``)."""
     head = ["model", "B (sum)", "optimizer", "answered k", "k fits", "peak sum at k", "k+1 fits",
             "peak sum at k+1", "peak/count at k (per rank)"]
     margin = {f"{r['margin_fraction']:.0%}" for r in rows}
-    lines = [f"{world} ranks, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
+    lines = [f"{world} ranks{f' ({layout})' if layout else ''}, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
              f"use_cache; {steps} steps from the first; {setting}; the answer keeps a margin of "
              f"{', '.join(sorted(margin))} of the count beside it; MiB", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -171,7 +171,9 @@ def main() -> None:
                              "count_rank": plan["counted_per_rank"], "margin_fraction": plan["margin_fraction"],
                              "at_k": at[0], "at_k1": at[1],
                              "batch": BATCH, "seq": SEQ, "setting": plan["assumes"]})
-    publish(table(rows, args.world_size, args.steps, rows[0]["setting"]), args.out)
+    layout = " x ".join(f"{name}{size}" for name, size in (("pp", args.pp_size), ("tp", args.tp_size),
+                                                           ("ep", args.ep_size)) if size > 1)
+    publish(table(rows, args.world_size, args.steps, rows[0]["setting"], layout), args.out)
 
 
 if __name__ == "__main__":
