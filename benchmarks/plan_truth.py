@@ -1,7 +1,8 @@
 """The plan against measurement on models it was not tuned on (docs/design.md "Capacity").
 
     python benchmarks/plan_truth.py [--families llama,gpt2,qwen2,t5,llama_gqa,llama_32k=2GiB,mixtral]
-        [--memory 1.5GiB] [--world-size 2] [--optimizers adamw,adam,disk] [--steps 3] [--pp-size P] [--out table.md]
+        [--memory 1.5GiB] [--world-size 2] [--optimizers adamw,adam,disk] [--steps 3] [--pp-size P]
+        [--tp-size T] [--ep-size E] [--out table.md]
 
 For each family (``benchmarks/families.py``: transformers models from their default configs, sizes shrunk,
 called as users call them: ``model(input_ids=x, labels=x)`` with the default ``use_cache``), limit B and
@@ -15,7 +16,8 @@ The table gives the answered k, whether k and k+1 fit, the measured summed peak 
 ``ru_maxrss``; a killed job's is the watchdog's last sample), and the largest rank's peak against the plan's
 per-rank count (the answer fits the count and the margin the plan keeps beside it for the count's known
 error). ``--pp-size P`` asks ``plan --memory --pp-size P`` and trains the jobs under ``init_distributed(pipe_size=P)``
-(the GPipe loop; a pipeline's stages take one batch).
+(the GPipe loop; a pipeline's stages take one batch). ``--tp-size T`` and ``--ep-size E`` ask ``plan --memory
+--tp-size T --ep-size E`` and wrap with ``tp_size=T, ep_size=E`` (TP peers take one batch).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ OPTIMIZERS = {"adamw": ("torch AdamW", "memory"), "adam": ("AdamOptimizer", "mem
               "disk": ("AdamDiskOptimizer", "disk")}
 
 
-def worker(family: str, layers: int, steps: int, optimizer: str, out: Path, pp: int = 1) -> None:
-    """One rank: build, wrap and train the family's model at ``layers`` (over ``pp`` pipeline stages); write
-    its peak RSS."""
+def worker(family: str, layers: int, steps: int, optimizer: str, out: Path, pp: int = 1, tp: int = 1,
+           ep: int = 1) -> None:
+    """One rank: build, wrap and train the family's model at ``layers`` (over ``pp`` pipeline stages, with
+    ``tp_size=tp`` and ``ep_size=ep``); write its peak RSS."""
     sys.path.insert(0, str(HERE))
     import torch
     from families import BATCH, FAMILIES, SEQ
@@ -49,7 +52,8 @@ def worker(family: str, layers: int, steps: int, optimizer: str, out: Path, pp: 
     bmt.init_distributed(seed=0, pipe_size=pp)
     built = FAMILIES[family](layers)
     vocab = built.config.vocab_size
-    model = bmt.BMTrainModelWrapper(built)
+    model = bmt.BMTrainModelWrapper(built, **({"tp_size": tp} if tp > 1 else {}),
+                                    **({"ep_size": ep} if ep > 1 else {}))
     del built
     if optimizer == "disk":
         opt = bmt.optim.AdamDiskOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01,
@@ -58,7 +62,7 @@ def worker(family: str, layers: int, steps: int, optimizer: str, out: Path, pp: 
         opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    gen = torch.Generator().manual_seed(bmt.data_parallel_rank())  # a pipeline's stages take one batch
+    gen = torch.Generator().manual_seed(bmt.data_parallel_rank())  # pipeline stages and TP peers take one batch
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
@@ -71,7 +75,7 @@ def worker(family: str, layers: int, steps: int, optimizer: str, out: Path, pp: 
                                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def predict(family: str, limit: int, world: int, optimizer: str, pp: int = 1) -> dict:
+def predict(family: str, limit: int, world: int, optimizer: str, pp: int = 1, tp: int = 1, ep: int = 1) -> dict:
     """``bmt-wrap plan --memory`` in a fresh process, as a user runs it."""
     sys.path.insert(0, str(HERE))
     from families import BATCH, SEQ
@@ -80,8 +84,8 @@ def predict(family: str, limit: int, world: int, optimizer: str, pp: int = 1) ->
            f"{HERE / 'families.py'}:{family}", "--world-size", str(world), "--memory", str(limit),
            "--grow", "n_layers", "--input", f"input_ids=int64[{BATCH},{SEQ}]",
            "--input", f"labels=int64[{BATCH},{SEQ}]", "--json", "--optimizer-state", OPTIMIZERS[optimizer][1]]
-    if pp > 1:
-        cmd += ["--pp-size", str(pp)]
+    for flag, size in (("--pp-size", pp), ("--tp-size", tp), ("--ep-size", ep)):
+        cmd += [flag, str(size)] if size > 1 else []
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"bmt-wrap plan failed for {family}: {out.stderr[-2000:]}")
@@ -89,12 +93,13 @@ def predict(family: str, limit: int, world: int, optimizer: str, pp: int = 1) ->
 
 
 def measure(family: str, layers: int, limit: int, world: int, steps: int, optimizer: str, setting: str,
-            pp: int = 1) -> dict:
+            pp: int = 1, tp: int = 1, ep: int = 1) -> dict:
     """One job at ``layers`` under the limit; its summed and largest per-rank peak."""
     from capacity import run_ranks
 
     def argv(rank: int, out: Path) -> list[str]:
-        return [sys.executable, __file__, "--worker", family, str(layers), str(steps), optimizer, str(out), str(pp)]
+        return [sys.executable, __file__, "--worker", family, str(layers), str(steps), optimizer, str(out), str(pp),
+                str(tp), str(ep)]
 
     var, _, value = setting.partition("=")
     r = run_ranks(argv, world, limit, timeout=1800, env={var: value})
@@ -103,12 +108,12 @@ def measure(family: str, layers: int, limit: int, world: int, steps: int, optimi
             "peak_rank": max(peaks) if peaks else None}
 
 
-def table(rows: list[dict], world: int, steps: int, setting: str) -> list[str]:
-    """One row per family, limit and optimizer."""
+def table(rows: list[dict], world: int, steps: int, setting: str, layout: str = "") -> list[str]:
+    """One row per family, limit and optimizer; ``layout``: the parallel sizes beside ZeRO-3 (``tp2 x ep2``)."""
     head = ["model", "B (sum)", "optimizer", "answered k", "k fits", "peak sum at k", "k+1 fits",
             "peak sum at k+1", "peak/count at k (per rank)"]
     margin = {f"{r['margin_fraction']:.0%}" for r in rows}
-    lines = [f"{world} ranks, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
+    lines = [f"{world} ranks{f' ({layout})' if layout else ''}, batch {rows[0]['batch']} x {rows[0]['seq']} per rank, labels given, default "
              f"use_cache; {steps} steps from the first; {setting}; the answer keeps a margin of "
              f"{', '.join(sorted(margin))} of the count beside it; MiB", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -132,12 +137,14 @@ def main() -> None:
     p.add_argument("--optimizers", default="adamw,adam,disk", help=f"comma-separated, of {', '.join(OPTIMIZERS)}")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (init_distributed(pipe_size=P))")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism (tp_size=T)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert parallelism (ep_size=E)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "plan_truth.md")
-    p.add_argument("--worker", nargs=6, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=8, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        family, layers, steps, optimizer, out, pp = args.worker
-        worker(family, int(layers), int(steps), optimizer, Path(out), int(pp))
+        family, layers, steps, optimizer, out, pp, tp, ep = args.worker
+        worker(family, int(layers), int(steps), optimizer, Path(out), int(pp), int(tp), int(ep))
         return
     sys.path.insert(0, str(HERE))
     from capacity import parse_size
@@ -149,21 +156,24 @@ def main() -> None:
         for optimizer in args.optimizers.split(","):
             for family, _, own in (f.partition("=") for f in args.families.split(",")):
                 limit = parse_size(own) if own else memory
-                plan = predict(family, limit, args.world_size, optimizer, args.pp_size)
+                sizes = (args.pp_size, args.tp_size, args.ep_size)
+                plan = predict(family, limit, args.world_size, optimizer, *sizes)
                 k = plan["value"]
                 print(f"{family} {optimizer} under {limit / GIB:.2f} GiB: the plan answers {k}: {json.dumps(plan)}",
                       file=sys.stderr, flush=True)
-                at = [measure(family, n, limit, args.world_size, args.steps, optimizer, plan["assumes"], args.pp_size)
+                at = [measure(family, n, limit, args.world_size, args.steps, optimizer, plan["assumes"], *sizes)
                       for n in (k, k + 1)]
                 if at[0]["peak_rank"] is None:  # killed at the limit: its peak per rank, unlimited
                     at[0]["peak_rank"] = measure(family, k, 0, args.world_size, args.steps, optimizer,
-                                                 plan["assumes"], args.pp_size)["peak_rank"]
+                                                 plan["assumes"], *sizes)["peak_rank"]
                 print(f"  measured: {at}", file=sys.stderr, flush=True)
                 rows.append({"family": family, "limit": limit, "optimizer": optimizer, "k": k,
                              "count_rank": plan["counted_per_rank"], "margin_fraction": plan["margin_fraction"],
                              "at_k": at[0], "at_k1": at[1],
                              "batch": BATCH, "seq": SEQ, "setting": plan["assumes"]})
-    publish(table(rows, args.world_size, args.steps, rows[0]["setting"]), args.out)
+    layout = " x ".join(f"{name}{size}" for name, size in (("pp", args.pp_size), ("tp", args.tp_size),
+                                                           ("ep", args.ep_size)) if size > 1)
+    publish(table(rows, args.world_size, args.steps, rows[0]["setting"], layout), args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] [--dtype bf16 | --mixed-precision bf16]
                   [--memory-budget 40GiB] [--shard-size S | --tp-size T [--sequence-parallel]] [--input SPEC ...] [-v]
     bmt-wrap plan MODULE:FACTORY --world-size N --memory 8GiB --input SPEC ... [--grow n_layers] [--streaming] [--json]
-                  [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk]
+                  [--optimizer-state memory|disk [--optimizer-chunk 32MiB]] [--offload disk] [--tp-size T] [--ep-size E]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --offload host [--input SPEC ...]
     bmt-wrap plan MODULE:FACTORY --world-size N [N ...] --pp-size P [--virtual-stages V] [--microbatches M] [--tp-size T]
                   [--input SPEC ...]
@@ -52,7 +52,9 @@ plus the larger of wrapping's peak (the full copy built before wrapping and the 
 originals go; none with ``--streaming``, the model built on the meta device and loaded) and training's
 (the largest of its phases, with the activations of ``--input``'s batch, which it needs), and a margin of
 that count for its known error. With ``--grow KW`` the factory takes ``KW=k`` and the answer is the largest
-``k`` that fits.
+``k`` that fits. With ``--tp-size T`` (and ``--ep-size E``) it answers for that layout: ZeRO-3 over the N / T
+data-parallel ranks with the split parameters' local shapes, activations unsplit (an upper bound), the model
+built whole before TP and EP cut it.
 ``--optimizer-state disk`` answers for ``bmt.optim.AdamDiskOptimizer``: the Adam moments and fp32 masters
 leave memory for a file, a ``--optimizer-chunk`` staging buffer stays, and the answer adds the bytes each
 rank reads and writes per step. ``--offload disk`` plans ``BMTrainModelWrapper(model, offload="disk")``: the
@@ -404,8 +406,13 @@ def _capacity(opts: argparse.Namespace) -> str:
     baseline = (ProcessBaseline(parse_bytes(opts.baseline, "--baseline")) if opts.baseline
                 else warm_baseline(opts, inputs))
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget else None
-    if opts.ep_size is not None and (opts.ep_size < 1 or n % opts.ep_size):
-        raise CLIError(f"--ep-size {opts.ep_size} must divide --world-size {n}")
+    t = opts.tp_size or 1
+    if t < 1 or n % t:
+        raise CLIError(f"--tp-size {t} must divide --world-size {n} (data-parallel size x TP size)")
+    if opts.ep_size is not None and (opts.ep_size < 1 or (n // t) % opts.ep_size):
+        each = f"the {n // t} data-parallel ranks of --world-size {n} / --tp-size {t}" if t > 1 else \
+            f"--world-size {n}"
+        raise CLIError(f"--ep-size {opts.ep_size} must divide {each}")
     if opts.ep_size is not None and opts.pp_size is not None:
         raise CLIError("--memory counts --ep-size or --pp-size, not both (the wrapper refuses ep_size= beside "
                        "pp_size=): drop one")
@@ -437,15 +444,18 @@ def _capacity(opts: argparse.Namespace) -> str:
         discovery = discover_blocks(model)
         call = with_sequence(inputs, k * opts.grow_seq) if opts.grow_seq and k is not None else inputs
         captured = capture(model, discovery, local_call(call, cp) if opts.cp_size else call)
-        section = fused_loss_section(model, captured, enabled=opts.fused_loss)
         if opts.pp_size is not None:
+            section = fused_loss_section(model, captured, enabled=opts.fused_loss)
             return _stages_peak(model, discovery, opts, n, with_fused_loss(captured, section), budget, baseline, k)
-        # EP: each rank's experts in their local shapes, sharded over their owners, and the exchange's buffers
-        experts = plan_experts(model, opts.ep_size) if opts.ep_size is not None else None
-        plan = build_plan(model, discovery, world_size=n, prefetch_depth=opts.prefetch_depth,
+        # TP: split parameters in their local shapes, ZeRO-3 over the n / t data-parallel ranks (estimate_tp).
+        # EP: each rank's experts in their local shapes, sharded over their owners, and the exchange's buffers.
+        tp = plan_tensor_parallel(model, t, discovery) if t > 1 else None
+        experts = _expert_section(model, opts, [n], tp)
+        section = fused_loss_section(model, captured, enabled=opts.fused_loss, tensor_parallel=tp)
+        plan = build_plan(model, discovery, world_size=n // t, prefetch_depth=opts.prefetch_depth,
                           memory_budget=budget, capture=with_fused_loss(captured, section), offload=opts.offload,
-                          experts=experts)
-        est = plan.estimates[str(n)]
+                          tensor_parallel=tp, experts=experts)
+        est = plan.estimates[str(n // t)]
         if experts is not None:  # counted by the plan, as memory_budget= counts them (capacity.scheduled_estimate)
             exchanged[k] = est.exchange
         context = ""
@@ -461,11 +471,14 @@ def _capacity(opts: argparse.Namespace) -> str:
                          beside=baseline.per_layer * (k - 1) if k is not None else 0,
                          wrapping_baseline=baseline.before_training, margin_fraction=MARGIN)
         params = sum(g.param_numel() for g in plan.groups)
+        tp_line = (f"\n  tensor parallelism over {t} ranks: {params:,} parameters per TP rank, ZeRO-3 over the "
+                   f"{n // t} data-parallel ranks; activations counted unsplit (an upper bound under TP)"
+                   if tp is not None else "")
         ep = (f"\n  expert parallelism over {opts.ep_size} ranks: each rank's experts sharded over the "
               f"{n // opts.ep_size} ranks owning them; all-to-all buffers {fmt_bytes(est.exchange)} (one MoE "
               "layer's rows sent and received by dispatch and combine) with a block's backward"
               if experts is not None else "")
-        disk = ep + context + (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
+        disk = tp_line + ep + context + (f"\n  optimizer state on disk: {fmt_bytes(io[k])} per rank, read and written every step "
                 f"through a {fmt_bytes(est.optimizer)} buffer" if on_disk else "")
         if est.disk_read is not None:
             shards_io[k] = (est.disk_read, est.disk_written)
@@ -511,7 +524,7 @@ def _capacity(opts: argparse.Namespace) -> str:
               "shards_written_per_step": shards_io[k][1] if k in shards_io else None, "assumes": EXACT_SETTING,
               "pp_size": opts.pp_size, "microbatches": (opts.microbatches or opts.pp_size) if opts.pp_size else None,
               "virtual_stages": (opts.virtual_stages or 1) if opts.pp_size else None,
-              "ep_size": opts.ep_size, "all_to_all_buffers": exchanged.get(k)}
+              "tp_size": opts.tp_size, "ep_size": opts.ep_size, "all_to_all_buffers": exchanged.get(k)}
     if opts.json:
         return json.dumps(answer)
     head = (f"largest {grown}={value} fits {opts.memory} over {n} ranks ({fmt_bytes(limit // n)} per rank)"
@@ -603,11 +616,14 @@ def _run(opts: argparse.Namespace) -> str:
     if opts.virtual_stages is not None and opts.pp_size is None:
         raise CLIError("--virtual-stages gives each pipeline rank several stages: give --pp-size too")
     if opts.command == "plan" and opts.memory is not None:
-        if opts.tp_size is not None or opts.shard_size is not None:
-            # Its peak is ZeRO-3 over every rank's; a TP or HSDP answer needs their layouts in process_peak.
-            raise CLIError("--memory answers for ZeRO-3 over every rank (with --ep-size, each rank's experts over "
-                           "their owners): drop --tp-size/--shard-size (or run plan without --memory for their "
-                           "per-rank estimates, --ep-size included)")
+        if opts.shard_size is not None or (opts.tp_size is not None and (opts.pp_size is not None
+                                                                         or opts.sequence_parallel)):
+            # Its peak is ZeRO-3's over the data-parallel ranks (with --tp-size, the split layout's); HSDP, and
+            # TP inside pipeline stages or with sequence parallelism, need their layouts in process_peak.
+            raise CLIError("--memory answers for ZeRO-3 over every data-parallel rank (with --tp-size, the "
+                           "split layout; with --ep-size, each rank's experts over their owners): drop "
+                           "--shard-size, and --pp-size or --sequence-parallel beside --tp-size (or run plan "
+                           "without --memory for their per-rank estimates)")
         if opts.mixed_precision is not None:
             # Its answer would be for the model without the policy: fp32 masters and gathers in another dtype
             # uncounted (and the model's own dtype under wrapping, which the count takes as the shards').

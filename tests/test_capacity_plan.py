@@ -310,8 +310,12 @@ def test_streaming_never_predicts_more(capsys: pytest.CaptureFixture[str]) -> No
     (["--world-size", "2", "--memory", "2GiB", "--grow", "n_layers", "--baseline", "0"],
      "--memory answers for a training step, whose activations depend on its input: give one rank's batch"),
     (["--world-size", "2", "--memory", "2GiB", "--baseline", "0"], "e.g. --input input_ids=int64[4,512]"),
-    (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2"], "--memory answers for ZeRO-3 over every rank"),
-    (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "drop --tp-size/--shard-size"),
+    (["--world-size", "4", "--memory", "4GiB", "--shard-size", "2"], "--memory answers for ZeRO-3 over every "
+                                                                      "data-parallel rank"),
+    (["--world-size", "4", "--memory", "4GiB", "--tp-size", "2", "--pp-size", "2", *INPUT],
+     "drop --shard-size, and --pp-size or --sequence-parallel beside --tp-size"),
+    (["--world-size", "6", "--memory", "4GiB", "--tp-size", "4", "--baseline", "0", *INPUT],
+     "--tp-size 4 must divide --world-size 6"),
     (["--world-size", "4", "--memory", "4GiB", "--pp-size", "2", "--optimizer-state", "disk", *INPUT],
      "--memory with --pp-size counts every stage's shards and optimizer state in memory"),
     # It answered as if the flag were absent: fp32 masters and bf16 gathers went uncounted.

@@ -2,7 +2,8 @@
 labels, ``output_router_logits=True``) and an LM whose experts are a ModuleList of MLPs (4 a layer, each EP rank
 holding its own under their names) saved with ``bmt.save_checkpoint`` and with DCP at ep2 (2 ranks) and at
 ep4 (4 ranks); both resumed at ep2 x dp2 (4 ranks), the ep2 one also at one rank (no EP) and at its saved
-layout; both read whole into plain PyTorch.
+layout; both read whole into plain PyTorch. The ModuleList LM is also saved at ep2 with tp2 (TP splits its
+embedding and head; 4 ranks) and resumed at ep2 x dp2, and its ep4 save is resumed at ep2 with tp2.
 
 As in tests/test_checkpoint_tp.py, "resumes exactly" means: after the load every whole parameter and every
 AdamW state tensor equals the saved one bit for bit at every layout (through ``state_dict()`` and by saving
@@ -30,6 +31,8 @@ BEFORE, AFTER = 2, 2  # steps before the save, and after it
 FORMATS = ("bmt", "dcp")
 LOSSES = {"mixtral": lambda m, ids: m(input_ids=ids, labels=ids, output_router_logits=True).loss,
           "list_moe": lambda m, ids: m(ids, ids)}  # packed experts, and a ModuleList of expert MLPs
+# The attention-free ModuleList LM has no TP plan of its own: TP splits its embedding's rows and head's columns.
+TP_PLAN = {"embed": "embedding_rowwise", "head": "colwise_gather_output"}
 
 
 def _batches() -> list[torch.Tensor]:
@@ -52,9 +55,15 @@ def _train(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, steps:
     return losses
 
 
-def _wrapped(kind: str, ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = bmt.BMTrainModelWrapper(getattr(models, kind)(), ep_size=ep)
+def _wrapped(kind: str, ep: int, tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = bmt.BMTrainModelWrapper(getattr(models, kind)(), ep_size=ep,
+                                    **({"tp_size": tp, "tp_plan": TP_PLAN} if tp > 1 else {}))
     return model, _optimizer(model)
+
+
+def _label(ep: int, tp: int) -> str:
+    """A saved layout's directory name: ``ep2``, ``ep2tp2``."""
+    return f"ep{ep}" + (f"tp{tp}" if tp > 1 else "")
 
 
 def _save(fmt: str, path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -71,12 +80,13 @@ def _load(fmt: str, path: str, model: torch.nn.Module, opt: torch.optim.Optimize
         bmt_dcp.load_sharded(path, model, opt)
 
 
-def _resume(kind: str, fmt: str, path: str, ep: int) -> dict:
-    """Load ``path`` at ``ep_size=ep`` on this group, save it again beside it, train on."""
-    model, opt = _wrapped(kind, ep)
+def _resume(kind: str, fmt: str, path: str, ep: int, tp: int = 1) -> dict:
+    """Load ``path`` at ``ep_size=ep`` (and ``tp_size=tp``) on this group, save it again beside it, train on."""
+    gc.collect()  # the models before go first: one of another layout may not be wrapped beside them
+    model, opt = _wrapped(kind, ep, tp)
     _load(fmt, path, model, opt)
     params = {k: v.clone() for k, v in model.state_dict().items()}  # whole experts: a collective
-    again = f"{path}-again-ep{ep}-w{bmt.world_size()}"
+    again = f"{path}-again-{_label(ep, tp)}-w{bmt.world_size()}"
     _save(fmt, again, model, opt)
     losses = _train(kind, model, opt, range(BEFORE, BEFORE + AFTER))
     final = model.state_dict()
@@ -88,32 +98,40 @@ def _resume_body(kind: str, fmt: str, path: str, ep: int) -> dict:
     return _resume(kind, fmt, path, ep)
 
 
-def _save_body(kind: str, tmp: str, ep: int, resumes: list[tuple[str, int]]) -> dict:
-    """Train at ``ep_size=ep``, save in both formats (``{tmp}/{kind}/ep{ep}-{fmt}``), train on; then each of
-    ``resumes`` ((saved directory under the kind's, without its format, ep_size)) in both formats."""
-    model, opt = _wrapped(kind, ep)
-    losses = _train(kind, model, opt, range(BEFORE))
-    for fmt in FORMATS:
-        _save(fmt, f"{tmp}/{kind}/ep{ep}-{fmt}", model, opt)
-    losses += _train(kind, model, opt, range(BEFORE, BEFORE + AFTER))
-    final = model.state_dict()
-    del model, opt
-    gc.collect()  # the saved layout's model goes before one of another layout is wrapped
-    resumed = {(path, fmt, at, bmt.world_size()): _resume(kind, fmt, f"{tmp}/{kind}/{path}-{fmt}", at)
-               for path, at in resumes for fmt in FORMATS}
-    return {"losses": losses, "final": final if bmt.rank() == 0 else None, "resumed": resumed}
+def _save_body(kind: str, tmp: str, saves: list[tuple[int, int]], resumes: list[tuple[str, int, int]]) -> dict:
+    """For each of ``saves`` ((ep_size, tp_size)): train, save in both formats (``{tmp}/{kind}/{label}-{fmt}``),
+    train on; then each of ``resumes`` ((saved label, ep_size, tp_size)) in both formats."""
+    runs = {}
+    for ep, tp in saves:
+        model, opt = _wrapped(kind, ep, tp)
+        losses = _train(kind, model, opt, range(BEFORE))
+        for fmt in FORMATS:
+            _save(fmt, f"{tmp}/{kind}/{_label(ep, tp)}-{fmt}", model, opt)
+        losses += _train(kind, model, opt, range(BEFORE, BEFORE + AFTER))
+        final = model.state_dict()
+        runs[_label(ep, tp)] = {"losses": losses, "final": final if bmt.rank() == 0 else None,
+                                "world": bmt.world_size()}
+        del model, opt
+        gc.collect()  # the saved layout's model goes before one of another layout is wrapped
+    resumed = {(path, fmt, ep, tp, bmt.world_size()): _resume(kind, fmt, f"{tmp}/{kind}/{path}-{fmt}", ep, tp)
+               for path, ep, tp in resumes for fmt in FORMATS}
+    return {"runs": runs, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict]:
     """(directory, the ep2 run's rank-0 results by model kind, the ep4 run's): ep2 on 2 ranks, resumed there at
-    ep2; ep4 on 4 ranks, then both saves resumed there at ep2 x dp2."""
+    ep2; ep4 on 4 ranks, then both saves resumed there at ep2 x dp2; the ModuleList LM also saved at ep2 with
+    tp2 on 4 ranks, resumed at ep2 x dp2, and its ep4 save resumed at ep2 with tp2."""
     tmp = str(tmp_path_factory.mktemp("ep-ckpt"))
+    with_tp = {"list_moe": ([(2, 2)], [("ep2tp2", 2, 1), ("ep4", 2, 2)])}
     # one call per model kind on each worker group (no extra start-up), each inside the harness's time-out
-    ep2 = {kind: run_distributed(_save_body, 2, kind, tmp, 2, [("ep2", 2)]) for kind in LOSSES}
-    ep4 = {kind: run_distributed(_save_body, 4, kind, tmp, 4, [("ep2", 2), ("ep4", 2)]) for kind in LOSSES}
+    ep2 = {kind: run_distributed(_save_body, 2, kind, tmp, [(2, 1)], [("ep2", 2, 1)]) for kind in LOSSES}
+    ep4 = {kind: run_distributed(_save_body, 4, kind, tmp, [(4, 1), *with_tp.get(kind, ([], []))[0]],
+                                 [("ep2", 2, 1), ("ep4", 2, 1), *with_tp.get(kind, ([], []))[1]]) for kind in LOSSES}
     for results in [*ep2.values(), *ep4.values()]:
-        assert all(r["losses"] == results[0]["losses"] for r in results)
+        for label, run in results[0]["runs"].items():
+            assert all(r["runs"][label]["losses"] == run["losses"] for r in results), label
     return tmp, {k: r[0] for k, r in ep2.items()}, {k: r[0] for k, r in ep4.items()}
 
 
@@ -145,41 +163,44 @@ def test_expert_parallel_checkpoints_resume_at_other_ep_sizes_and_in_plain_pytor
     tmp, ep2, ep4 = saved
     tmp, ep2, ep4 = f"{tmp}/{kind}", ep2[kind], ep4[kind]
     plain_losses, plain_final = _plain(kind, None)
-    for run in (ep2, ep4):  # every layout trains the plain model
+    runs = {**ep2["runs"], **ep4["runs"]}
+    assert set(runs) == {"ep2", "ep4"} | ({"ep2tp2"} if kind == "list_moe" else set())
+    for run in runs.values():  # every layout trains the plain model
         torch.testing.assert_close(run["losses"], plain_losses, rtol=LOSS_RTOL, atol=0)
         _close(run["final"], plain_final, "uninterrupted")
-    states = {ep: _plain_state("bmt", f"{tmp}/ep{ep}-bmt") for ep in (2, 4)}
-    for ep, (params, optim) in states.items():
-        # whole expert tensors under their names (a list's: each expert, whichever rank held it); DCP holds the
-        # same whole tensors
+    states = {label: _plain_state("bmt", f"{tmp}/{label}-bmt") for label in runs}
+    for label, (params, optim) in states.items():
+        # whole expert tensors under their names (a list's: each expert, whichever rank held it; under TP the
+        # embedding and head joined too); DCP holds the same whole tensors
         if kind == "mixtral":
             assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
             assert optim["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape[0] == 4
         else:
-            assert set(params) == set(models.list_moe().state_dict())
+            assert {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in
+                                                               models.list_moe().state_dict().items()}
             assert optim["layers.1.moe.experts.3.2.weight"]["exp_avg"].shape == (16, 32)
-        dcp_params, dcp_optim = _plain_state("dcp", f"{tmp}/ep{ep}-dcp")
-        _assert_same_tensors(dcp_params, params, f"ep{ep}: DCP's model state")
-        _assert_same_tensors(dcp_optim, optim, f"ep{ep}: DCP's optimizer state")
+            assert optim["head.weight"]["exp_avg"].shape == (models.VOCAB, 16)
+        dcp_params, dcp_optim = _plain_state("dcp", f"{tmp}/{label}-dcp")
+        _assert_same_tensors(dcp_params, params, f"{label}: DCP's model state")
+        _assert_same_tensors(dcp_optim, optim, f"{label}: DCP's optimizer state")
         # into plain PyTorch: it continues like the plain run that never stopped
         losses, final = _plain(kind, (params, optim))
         torch.testing.assert_close(losses, plain_losses[BEFORE:], rtol=LOSS_RTOL, atol=0)
-        _close(final, plain_final, f"plain PyTorch resumed from the ep{ep} save")
+        _close(final, plain_final, f"plain PyTorch resumed from the {label} save")
 
-    one_rank = {("ep2", fmt, 1, 1): run_distributed(_resume_body, 1, kind, fmt, f"{tmp}/ep2-{fmt}", 1)[0]
+    one_rank = {("ep2", fmt, 1, 1, 1): run_distributed(_resume_body, 1, kind, fmt, f"{tmp}/ep2-{fmt}", 1)[0]
                 for fmt in FORMATS}
     resumed = {**ep2["resumed"], **ep4["resumed"], **one_rank}
-    assert len(resumed) == 2 * 4
-    for (path, fmt, at, world), got in resumed.items():
-        saved_ep = int(path.rsplit("ep", 1)[1])
-        params, optim = states[saved_ep]
-        uninterrupted = (ep2 if saved_ep == 2 else ep4)["losses"][BEFORE:]
-        where = f"{fmt} saved at ep{saved_ep}, resumed at ep{at} on {world} rank(s)"
+    assert len(resumed) == 2 * (4 if kind == "mixtral" else 6)
+    for (path, fmt, ep, tp, world), got in resumed.items():
+        params, optim = states[path]
+        uninterrupted = runs[path]["losses"][BEFORE:]
+        where = f"{fmt} saved at {path}, resumed at {_label(ep, tp)} on {world} rank(s)"
         _assert_same_tensors(got["params"], params, f"{where}: loaded parameters")
         again_params, again_optim = _plain_state(fmt, got["again"])
         _assert_same_tensors(again_params, params, f"{where}: parameters saved again")
         _assert_same_tensors(again_optim, optim, f"{where}: optimizer state saved again")
-        if at == saved_ep == world:
+        if path == _label(ep, tp) and world == runs[path]["world"]:
             assert got["losses"] == uninterrupted, where  # the saved layout: bit-equal
         else:
             torch.testing.assert_close(got["losses"], uninterrupted, rtol=LOSS_RTOL, atol=0, msg=where)

@@ -29,6 +29,11 @@ from parity import ADAMW_REL, LOSS_RTOL, NOISE_GRAD, compare_params
 from parity import whole as joined_over_tp
 from test_tp_plan import TOY_PLAN
 from test_tp_wrap import llama_mha
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 import bmt_wrap as bmt
 from bmt_wrap.errors import CheckpointCorruptError, CheckpointError
@@ -267,7 +272,17 @@ def _gpt2_save_body(tmp: str) -> dict:
     # tests/parity.py joins the TP slices block by block, independently of bmt_wrap's own join
     joined = {n: joined_over_tp(p) for n, p in (("weight", qkv.weight), ("bias", qkv.bias))}
     state = model.state_dict()  # a collective: every rank joins
-    return {"losses": losses, "joined": joined, "state": state, "local": list(qkv.weight.shape)}
+    # A full optimizer state dict (every tensor whole, the strided c_attn's too) loaded into a fresh optimizer
+    # of TP-split parameters: each rank keeps its slice (at dp1, its range is all of it); copies, as a file holds
+    full = StateDictOptions(full_state_dict=True)
+    whole_state = copy.deepcopy(get_optimizer_state_dict(model, opt, options=full))
+    fresh, fresh_opt, _, _ = _wrapped("gpt2", 2)
+    fresh.load_state_dict(state)
+    set_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(whole_state), options=full)
+    again = copy.deepcopy(get_optimizer_state_dict(fresh, fresh_opt, options=full)["state"])
+    after = [_train(m, o, loss_fn, batches, range(BEFORE, BEFORE + AFTER)) for m, o in ((model, opt), (fresh, fresh_opt))]
+    return {"losses": losses, "joined": joined, "state": state, "local": list(qkv.weight.shape),
+            "full_optim": whole_state["state"], "full_again": again, "after": after}
 
 
 def test_gpt2_strided_qkv_checkpoint_is_whole_and_loads_at_one_rank(tmp_path: Path) -> None:
@@ -283,6 +298,11 @@ def test_gpt2_strided_qkv_checkpoint_is_whole_and_loads_at_one_rank(tmp_path: Pa
     for part, joined in saved[0]["joined"].items():
         assert torch.equal(joined, params[f"{name}.{part}"]), part
     assert params[f"{name}.weight"].shape == (32, 96) and optim[f"{name}.weight"]["exp_avg"].shape == (32, 96)
+    # DCP's full optimizer state dict holds the same whole state; loaded into TP-split parameters it reads back
+    # whole as it was, and training goes on bit-equal to the optimizer that gave it
+    _assert_same_tensors(saved[0]["full_optim"], optim, "get_optimizer_state_dict(full_state_dict=True)")
+    _assert_same_tensors(saved[0]["full_again"], optim, "a full optimizer state loaded at tp2, read again")
+    assert saved[0]["after"][0] == saved[0]["after"][1]
 
     # Plain PyTorch trained the same steps holds the same whole c_attn (a wrong join would differ by O(1)).
     plain = _plain_run("gpt2", None)

@@ -83,16 +83,43 @@ def _muon(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-3)]
 
 
+def _drop_beyond_capacity(ref: torch.nn.Module, factor: float) -> list[int]:
+    """Make ``ref`` (plain PyTorch) apply ``ep_capacity_factor=factor``'s rule: in each call of a layer's
+    experts, expert e takes the first ceil(factor x tokens x k / experts) (token, expert) pairs routed to it,
+    in token order, and a dropped pair's combine weight is zero. Returns a counter of the pairs dropped."""
+    dropped = [0]
+    for layer in ref.model.layers:
+        experts, num = layer.mlp.experts, ref.config.num_local_experts
+
+        def capped(hidden, idx, weights, forward=experts.forward, num=num):
+            tokens, k = idx.shape
+            cap, taken, keep = math.ceil(factor * tokens * k / num), [0] * num, torch.ones_like(weights)
+            for t in range(tokens):
+                for j in range(k):
+                    e = int(idx[t, j])
+                    if taken[e] == cap:
+                        keep[t, j] = 0
+                        dropped[0] += 1
+                    else:
+                        taken[e] += 1
+            return forward(hidden, idx, weights * keep)
+
+        experts.forward = capped
+    return dropped
+
+
 def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: object = None, tp: int | None = None,
-           loss=_loss, optims=_adamw) -> dict:
-    """Train a wrapped copy (``ep_size=ep``, ``tp_size=tp``) and the sliced reference side by side with
-    ``optims``; assert parity every step."""
+           loss=_loss, optims=_adamw, capacity: float | None = None) -> dict:
+    """Train a wrapped copy (``ep_size=ep``, ``tp_size=tp``, ``ep_capacity_factor=capacity``) and the sliced
+    reference (dropping as that factor says) side by side with ``optims``; assert parity every step."""
     ref = build()
     if skew:  # every token's top-k are experts 0 .. k-1 (top-2: EP rank 0's at ep2; top-1: expert 0 alone)
         with torch.no_grad():
             for layer in ref.model.layers:
                 layer.mlp.router.bias[:ref.config.num_experts_per_tok] = 100.0
-    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep, mesh=mesh, tp_size=tp)
+    model = bmt.BMTrainModelWrapper(copy.deepcopy(ref), ep_size=ep, mesh=mesh, tp_size=tp,
+                                    ep_capacity_factor=capacity)
+    dropped = _drop_beyond_capacity(ref, capacity) if capacity is not None else [0]  # after the copy: ref's own
     rank, n = bmt.data_parallel_rank(), bmt.data_parallel_size()  # TP peers take the same slice
     experts = tuple(f"{layer.experts}." for layer in model.plan.experts.layers)
     ref_opts, opts = optims(ref), optims(model)
@@ -127,6 +154,7 @@ def _train(build, skew: bool = False, ep: int = 2, readers: str = "", mesh: obje
     q = dict(model.named_parameters()).get("model.layers.0.self_attn.q_proj.weight")
     total = sum(p.numel() * p.element_size() for name, p in ref.named_parameters() if name.startswith(experts))
     return {"losses": losses, "expert_shapes": {n: list(p.shape) for n, p in mine}, "plan": str(model.plan), "ep": ep,
+            "dropped": dropped[0],
             "a2a_calls": routed, "total": total, "q_shape": list(q.shape) if q is not None else None,
             "expert_bytes": sum(p.to_local().numel() * p.element_size() for _, p in mine)}
 
@@ -157,7 +185,10 @@ def _parity_body(tmp: str) -> dict:
     # experts in a ModuleList (each rank keeps its slice), trained with torch's Muon on their matrices
     listed = _train(models.list_moe, loss=lambda m, ids: m(ids, ids), optims=_muon, readers=tmp)
     listed["refused"] = raised(lambda: bmt.init_parameters(bmt.BMTrainModelWrapper(models.list_moe(), ep_size=2)))
+    # a capacity factor: each expert takes at most ceil(0.75 x 16 tokens x 2 / 4) = 6 of a rank's 32 pairs
+    capped = _train(models.mixtral, capacity=0.75)
     return {"mixtral": _train(models.mixtral, readers=tmp), "skewed": _train(models.gpt_oss, skew=True), "list": listed,
+            "capped": capped,
             **{name: _train(getattr(models, name)) for name in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}}
 
 
@@ -177,6 +208,9 @@ def test_ep2_matches_plain_pytorch_on_transformers_moe_models_a_skewed_gpt_oss_a
         # Each rank holds 2 of each layer's 4 experts; the plan says which.
         assert all(s[0] == 2 for s in mixtral["expert_shapes"].values()) and mixtral["expert_shapes"]
         assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in mixtral["plan"]
+        # ep_capacity_factor=0.75 dropped pairs (the reference dropped the same ones: the losses and gradients
+        # matched it at every step) and the plan says so
+        assert got["capped"]["dropped"] > 0 and "capacity factor 0.75" in got["capped"]["plan"]
         for name in ("skewed", "qwen3_moe", "qwen2_moe", "deepseek_v3"):
             assert got[name]["expert_shapes"] and all(s[0] == 2 for s in got[name]["expert_shapes"].values())
     # The two ranks trained on different slices, and the skewed run's rank 1 received no token yet ran every
@@ -275,6 +309,8 @@ def _errors_body() -> dict:
         "experts": raised(lambda: bmt.BMTrainModelWrapper(_three_experts(), ep_size=2)),
         "dense": raised(lambda: bmt.BMTrainModelWrapper(models.llama(), ep_size=2)),
         "dict": raised(lambda: bmt.BMTrainModelWrapper(_dict_experts(), ep_size=2)),
+        "capacity_alone": raised(lambda: bmt.BMTrainModelWrapper(models.mixtral(), ep_capacity_factor=1.0)),
+        "capacity_zero": raised(lambda: bmt.BMTrainModelWrapper(models.mixtral(), ep_size=2, ep_capacity_factor=0)),
     }
 
 
@@ -322,6 +358,11 @@ def test_ep_errors_are_named_on_every_rank_and_no_rank_materialises_another_rank
         assert kind == "ExpertParallelError" and "1.experts holds its experts in a ModuleDict" in text
         kind, text = got["dense"]
         assert kind == "ExpertParallelError" and "no mixture-of-experts layer was found in LlamaForCausalLM" in text
+        kind, text = got["capacity_alone"]
+        assert kind == "ExpertParallelError" and "ep_capacity_factor=1.0 caps what each expert takes under " \
+                                                 "expert parallelism: give ep_size=" in text
+        kind, text = got["capacity_zero"]
+        assert kind == "ExpertParallelError" and "ep_capacity_factor must be a positive number" in text
 
 
 def _dp_and_ep4_body() -> dict:

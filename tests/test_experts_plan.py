@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from torch import nn
@@ -58,6 +59,13 @@ def test_plan_section_prints_and_round_trips() -> None:
     assert "dense beside them: model.layers.0.mlp.shared_expert, model.layers.0.mlp.shared_expert_gate" in text
     again = WrapPlan.from_json(plan.to_json())
     assert again.experts == section and str(again) == text
+    # ep_capacity_factor= is the section's: printed with its rule, kept by the JSON; capacity per rank's call
+    capped = replace(section, capacity_factor=1.25)
+    assert "capacity factor 1.25 (each expert takes at most ceil(1.25 x tokens x k / experts)" in str(
+        WrapPlan(groups=[], experts=capped))
+    assert WrapPlan.from_json(WrapPlan(groups=[], experts=capped).to_json()).experts == capped
+    layer = section.layers[0]  # top-2 of 4: 10 tokens' 20 pairs, 5 an expert on average
+    assert capped.capacity(layer, 10) == 7 and section.capacity(layer, 10) is None
 
 
 def test_a_router_that_hands_a_dispatch_mask_stays_dense() -> None:
@@ -153,13 +161,14 @@ def test_cli_plan_ep_with_tp_shards_experts_over_their_owners_and_splits_attenti
     # each TP rank routes its data-parallel slice's 32 tokens within its EP group: as without TP
     assert row("all-to-all / step (EP)") == [kib(32 * 2 * models.DIM * 4 // 2 * 6 * 2)] * 2
     assert row("experts' ZeRO among owners / step (EP)") == [kib(3 * total / 4), kib(3 * total / 8 * 3)]
-    # what the wrapper refuses, or what --memory cannot count under TP, is refused naming the fix
+    # what the wrapper refuses is refused naming the fix
     for extra, says in ((["--world-size", "4", "--ep-size", "4"], "--ep-size 4 must divide every --world-size's "
                          "data-parallel ranks (N / --tp-size 2); [4] do not"),
                         (["--world-size", "4", "--ep-size", "2", "--sequence-parallel"], "drop --shard-size, "
                          "--pp-size and --sequence-parallel"),
-                        (["--world-size", "4", "--ep-size", "2", "--memory", "1GiB", "--input",
-                          "input_ids=int64[2,16]"], "--memory answers for ZeRO-3 over every rank (with --ep-size")):
+                        (["--world-size", "4", "--ep-size", "4", "--memory", "1GiB", "--baseline", "0", "--input",
+                          "input_ids=int64[2,16]"], "--ep-size 4 must divide the 2 data-parallel ranks of "
+                                                    "--world-size 4 / --tp-size 2")):
         assert main(["plan", "tests/models.py:mixtral", "--tp-size", "2", *extra]) == 2
         assert says in capsys.readouterr().err
 
@@ -183,10 +192,11 @@ def test_the_plan_lays_experts_out_in_local_shapes_sharded_over_their_owners() -
         assert plan.experts is experts or plan.experts == experts
 
 
-def _memory_answer(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+def _memory_answer(capsys: pytest.CaptureFixture[str], *extra: str, world: int = 4,
+                   factory: str = "tests/models.py:mixtral") -> dict:
     import json
 
-    assert main(["plan", "tests/models.py:mixtral", "--world-size", "4", "--baseline", "100MiB", "--json",
+    assert main(["plan", factory, "--world-size", str(world), "--baseline", "100MiB", "--json",
                  "--prefetch-depth", "1", "--input", "input_ids=int64[2,16]", "--input", "labels=int64[2,16]",
                  *extra]) == 0
     return json.loads(capsys.readouterr().out)
@@ -215,6 +225,40 @@ def test_plan_memory_counts_each_ranks_experts_and_the_all_to_all_buffers(capsys
     assert main(["plan", "tests/models.py:mixtral", "--world-size", "2", "--memory", "1GiB", "--baseline", "0",
                  "--ep-size", "2", "--input", f"inputs_embeds=float32[2,16,{models.DIM}]"]) != 0
     assert "give the token ids in --input" in capsys.readouterr().err
+
+
+def test_plan_memory_under_tp_counts_the_split_layout_and_the_model_as_built(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = models.mixtral()
+    full = sum(p.numel() * 4 for p in model.parameters())
+    # Mixtral's TP plan: q, k, v columns and o rows of every attention, the embedding's rows, the head's columns
+    attention = sum(p.numel() * 4 for p in model.model.layers[0].self_attn.parameters())
+    head = model.lm_head.weight.numel() * 4
+    root = model.model.embed_tokens.weight.numel() * 4 + head
+    for world, ep in ((2, ()), (4, ("--ep-size", "2"))):  # tp2 alone, then ep2 with tp2
+        plain = _memory_answer(capsys, "--memory", "1GiB", *ep, world=world)
+        split = _memory_answer(capsys, "--memory", "1GiB", "--tp-size", "2", *ep, world=world)
+        assert split["tp_size"] == 2 and split["fits"]
+        # Each TP rank routes its data-parallel slice's tokens: the same all-to-all buffers as without TP.
+        assert split["all_to_all_buffers"] == plain["all_to_all_buffers"] == (4 * 32 * 2 * models.DIM * 4 if ep
+                                                                              else None)
+        # Each rank holds 1/world of every parameter (and of every expert) with or without TP; TP halves what a
+        # rank gathers of each attention (the pool's prefetch depth + 2 block buffers), of the root's embedding
+        # and head, and the head's gradient, the root's first in backward.
+        before, after = plain["training_phases"], split["training_phases"]
+        assert before["backward start"] - after["backward start"] == 3 * attention / 2 + root / 2 + head / 2
+        # The model is built whole on every rank before TP (and EP) cut it: wrapping holds it all at least.
+        assert split["wrapping"] >= full
+    # --grow under ep2 with tp2: the answer fits, and the CLI reports one layer more beyond the limit.
+    grown = _memory_answer(capsys, "--memory", "420MiB", "--grow", "num_hidden_layers", "--tp-size", "2",
+                           "--ep-size", "2")
+    k = grown["layers"]
+    assert k >= 2 and grown["fits"] and grown["peak_per_rank"] <= grown["limit_per_rank"]
+    (tmp_path / "above.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                                       f"from models import mixtral\n\n\ndef build():\n    return mixtral({k + 1})\n")
+    above = _memory_answer(capsys, "--memory", "420MiB", "--tp-size", "2", "--ep-size", "2",
+                           factory=f"{tmp_path / 'above.py'}:build")
+    assert not above["fits"] and above["peak_per_rank"] > grown["limit_per_rank"] >= grown["peak_per_rank"]
 
 
 def test_memory_budget_counts_the_all_to_all_buffers_under_ep() -> None:

@@ -7,6 +7,7 @@ Plain dataclasses with a JSON round-trip, like the rest of the plan: ``passes/ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,16 @@ class ExpertPlan:
     layers: list[MoELayer] = field(default_factory=list)
     dense: list[DenseLayer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # ``ep_capacity_factor=``: each expert takes at most ceil(factor x tokens x k / experts) of a call's
+    # (token, expert) pairs on each rank, the first in token order; None: dropless (``capacity``).
+    capacity_factor: float | None = None
+
+    def capacity(self, layer: MoELayer, tokens: int) -> int | None:
+        """The most (token, expert) pairs one of ``layer``'s experts takes from a rank's call of ``tokens``
+        tokens (GShard's and Megatron's expert capacity); None: no limit."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * layer.top_k / layer.num_experts)
 
     def expert_params(self) -> dict[str, list[int]]:
         """Every expert parameter of every split layer -> its full shape."""
@@ -117,7 +128,7 @@ class ExpertPlan:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExpertPlan:
         """The section as ``dataclasses.asdict`` wrote it (the plan's JSON)."""
-        return cls(ep_size=raw["ep_size"], notes=list(raw.get("notes", [])),
+        return cls(ep_size=raw["ep_size"], notes=list(raw.get("notes", [])), capacity_factor=raw.get("capacity_factor"),
                    layers=[MoELayer(**layer) for layer in raw.get("layers", [])],
                    dense=[DenseLayer(**d) for d in raw.get("dense", [])])
 
@@ -125,8 +136,12 @@ class ExpertPlan:
 def experts_text(section: ExpertPlan) -> list[str]:
     """The section as ``str(plan)`` shows it: each MoE layer and its placement, each dense one and why."""
     e = section.ep_size
+    cap = section.capacity_factor
     lines = [f"experts: {len(section.layers)} mixture-of-experts layer(s), ep_size={e}"
-             + (f", {len(section.dense)} left dense" if section.dense else "")]
+             + (f", {len(section.dense)} left dense" if section.dense else "")
+             + (f", capacity factor {cap:g} (each expert takes at most ceil({cap:g} x tokens x k / experts) "
+                "pairs of a rank's call, the first in token order; the rest are dropped)" if cap is not None
+                else "")]
     for layer in section.layers:
         where = "; ".join(f"ep rank {r}: experts {layer.owned(r, e).start}-{layer.owned(r, e).stop - 1}"
                           for r in range(e)) if e > 1 else "every expert on every rank (ZeRO-3)"

@@ -14,6 +14,7 @@ count is the process's peak when freed tensors leave the process (on CPU, glibc 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -262,11 +263,47 @@ def pipeline_peak(plan: WrapPlan, stages: Sequence[StageEstimate | RankEstimate]
     return i, ProcessPeak(baseline, wrapping, worst.peak(schedule), beside, wrapping_baseline, margin_fraction)
 
 
+def cut_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
+    """What tensor and expert parallelism cut from a model built whole before sharding it (every TP slice
+    but this rank's, every expert but this EP rank's: the plan counts the kept parts only), and the most one
+    cut holds beside the model as built: a parameter's kept part (``split_parameter``'s slice, an EP rank's
+    experts) and, at more than one rank, an expert tensor's copy for rank 0's broadcast (the whole packed
+    tensor, or one listed expert's: ``wrapping/experts._from_rank0``)."""
+    removed = held = 0
+    tp = plan.tensor_parallel
+    if tp is not None:
+        size = {n: itemsize(b.dtype) for g in plan.groups for b in g.buffers for s in b.slots
+                for n in (s.fqn, *s.aliases)}
+        canonical = {n: s.fqn for g in plan.groups for b in g.buffers for s in b.slots for n in (s.fqn, *s.aliases)}
+        seen: set[str] = set()
+        for entry in tp.entries:
+            for name in entry.split_dims:
+                fqn = f"{entry.module}.{name}" if entry.module else name
+                if fqn not in size or canonical[fqn] in seen:  # a tied weight is cut once
+                    continue
+                seen.add(canonical[fqn])
+                full, local = math.prod(entry.full_shapes[name]), math.prod(entry.local_shape(name, tp.tp_size))
+                removed += (full - local) * size[fqn]
+                held = max(held, local * size[fqn])
+    experts = plan.experts
+    if experts is not None and experts.ep_size > 1:
+        for layer in experts.layers:
+            per_elem = layer.expert_bytes // sum(math.prod(s) for s in layer.params.values())
+            for shape in layer.params.values():
+                whole = math.prod(shape) * per_elem
+                removed += whole - whole // experts.ep_size
+                copy = (whole if layer.layout == "packed" else whole // shape[0]) if world_size > 1 else 0
+                held = max(held, copy + (whole // experts.ep_size if layer.layout == "packed" else 0))
+    return removed, held
+
+
 def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:
     """Bytes per rank above the process at wrapping's peak, for a model built whole before it: the model as
     built, and at its peak while one group is sharded (groups go in the plan's order, each letting its
     original parameters go once its shard holds them): the shards made so far, less the originals already
-    gone, and at more than one rank the group's largest buffer packed whole for rank 0's broadcast.
+    gone, and at more than one rank the group's largest buffer packed whole for rank 0's broadcast. Under
+    tensor or expert parallelism the model is built whole and cut to this rank's parts first (``cut_bytes``),
+    so the peak is the larger of the model as built with one cut's bytes and the kept parts' sharding.
 
     Shards kept off the device (``offload``) count only while their group is made. The gathered buffers
     count nothing: the pool's are allocated at wrapping but first written by a forward. Measured, 2 ranks,
@@ -283,7 +320,9 @@ def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:
         peak = max(peak, made + shard - gone + packed)
         made += shard if kept else 0
         gone += g.param_bytes()
-    return sum(g.param_bytes() for g in plan.groups) + peak
+    kept_parts = sum(g.param_bytes() for g in plan.groups)
+    removed, held = cut_bytes(plan, est.world_size)
+    return max(kept_parts + removed + held, kept_parts + peak) if removed else kept_parts + peak
 
 
 def optimizer_on_disk(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:

@@ -8,7 +8,9 @@ with local expert indices and unit weights), sends the outputs back (combine), a
 and sums them per token, as the unsplit layer does. Both all-to-alls run on every EP rank at every call, in
 forward and in backward, whatever the routing: a rank that received no token still takes part (the
 combine is tied to the dispatch's output, so autograd always reaches both), and the order check names a
-rank that skipped one. No token is dropped.
+rank that skipped one. No token is dropped unless the caller gives a capacity (``ep_capacity_factor=``):
+then each expert takes at most that many of the call's pairs, the first in token order, and the others
+are never sent: their output is zero, so the layer's residual carries those tokens on (GShard, Megatron).
 """
 
 from __future__ import annotations
@@ -66,16 +68,22 @@ class _Combine(torch.autograd.Function):
 
 
 def expert_parallel_call(local: LocalExperts, hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                         comm: Communicator, num_experts: int, label: str) -> torch.Tensor:
+                         comm: Communicator, num_experts: int, label: str, capacity: int | None = None) -> torch.Tensor:
     """The unsplit experts' output for ``hidden`` ([tokens, width]) routed by ``indices``/``weights``
     ([tokens, k]), computed by the EP ranks of ``comm`` that own the experts (``num_experts / comm.world_size``
-    each, in rank order); ``label`` names the layer in the collectives (the same on every rank)."""
+    each, in rank order); ``label`` names the layer in the collectives (the same on every rank). ``capacity``:
+    the most pairs each expert takes, the first in token order (the others add nothing); None: every pair."""
     ep, per = comm.world_size, num_experts // comm.world_size
     k = indices.shape[-1]
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by owner; tokens in order within an expert
-    token = torch.div(order, k, rounding_mode="floor")
     counts = torch.bincount(flat, minlength=num_experts)
+    if capacity is not None:  # each pair's place among its expert's, in token order: the first ``capacity`` stay
+        first = torch.cumsum(counts, 0) - counts
+        place = torch.arange(order.numel(), device=flat.device) - first.repeat_interleave(counts)
+        order = order[place < capacity]
+        counts = counts.clamp(max=capacity)
+    token = torch.div(order, k, rounding_mode="floor")
     got = counts.new_empty(num_experts)  # got[s * per + j]: rows rank s sends for my j-th expert
     comm.all_to_all(got, counts, [per] * ep, [per] * ep, label=f"{label} counts")
     in_rows = counts.view(ep, per).sum(1).tolist()

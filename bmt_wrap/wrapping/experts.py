@@ -26,12 +26,22 @@ from ..runtime.experts import expert_parallel_call
 
 
 def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: WrapPlan | None,
-                            tp: TensorParallelPlan | None = None) -> ExpertPlan | None:
+                            tp: TensorParallelPlan | None = None,
+                            capacity_factor: float | None = None) -> ExpertPlan | None:
     """The plan's experts section for this job: ``plan=``'s own or the pass's (every rank runs it, so its
     errors come alike on every rank, before the model changes); None without expert parallelism. ``tp``
-    (the TP section) may split the dense parts, never an expert weight."""
+    (the TP section) may split the dense parts, never an expert weight; ``capacity_factor``
+    (``ep_capacity_factor=``) is the section's, None dropless."""
     given = plan.experts if isinstance(plan, WrapPlan) else None
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+                                        or not 0 < capacity_factor < float("inf")):
+        raise ExpertParallelError(f"ep_capacity_factor must be a positive number (each expert takes at most "
+                                  f"ceil(factor x tokens x k / experts) pairs) or None (dropless), got "
+                                  f"{capacity_factor!r}")
     if layout.ep_size == 1:
+        if capacity_factor is not None:
+            raise ExpertParallelError(f"ep_capacity_factor={capacity_factor!r} caps what each expert takes under "
+                                      "expert parallelism: give ep_size= (or a mesh dim 'ep'), or drop it")
         if given is not None and given.ep_size > 1:
             raise PlanError(f"plan= was made for ep_size={given.ep_size}; this job wraps without expert "
                             "parallelism: pass the same ep_size=, or make the plan again")
@@ -53,6 +63,7 @@ def expert_parallel_section(model: nn.Module, layout: ParallelLayout, plan: Wrap
     else:
         section = passes.plan_experts(model, layout.ep_size, layout.mesh.shard)
     passes.check_tp_split(section, tp)
+    section.capacity_factor = None if capacity_factor is None else float(capacity_factor)
     named = [la.experts for la in section.layers
              if la.layout == "list" and not isinstance(model.get_submodule(la.experts), nn.ModuleList)]
     if named:
@@ -127,7 +138,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertPlan, layout: Paralle
             setattr(experts, name, nn.Parameter(full[owned.start:owned.stop].clone(), requires_grad=p.requires_grad))
         for attr in layer.counts:  # its forward sizes its work by them: this rank's share
             setattr(experts, attr, len(owned))
-        _route(experts, layer, layout.ep)
+        _route(experts, layer, layout.ep, section)
 
 
 def _from_rank0(p: torch.Tensor, name: str) -> torch.Tensor:
@@ -141,8 +152,9 @@ def _from_rank0(p: torch.Tensor, name: str) -> torch.Tensor:
     return flat.view(p.shape)
 
 
-def _route(experts: nn.Module, layer: MoELayer, comm: Communicator) -> None:
-    """Make ``experts``' forward the EP call, running its own forward on the tokens each rank receives."""
+def _route(experts: nn.Module, layer: MoELayer, comm: Communicator, section: ExpertPlan) -> None:
+    """Make ``experts``' forward the EP call, running its own forward on the tokens each rank receives (each
+    expert at most the section's capacity of them)."""
     local = experts.forward
 
     def forward(self: nn.Module, hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
@@ -150,6 +162,7 @@ def _route(experts: nn.Module, layer: MoELayer, comm: Communicator) -> None:
         if args or kwargs:
             raise ExpertParallelError(f"{layer.experts} was called with more than (tokens, indices, weights) "
                                       "under ep_size=: the plan's probe saw only those")
-        return expert_parallel_call(local, hidden, indices, weights, comm, layer.num_experts, layer.experts)
+        return expert_parallel_call(local, hidden, indices, weights, comm, layer.num_experts, layer.experts,
+                                    section.capacity(layer, hidden.shape[0]))
 
     experts.forward = types.MethodType(forward, experts)

@@ -120,8 +120,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
                         sequence_parallel: bool = False, fused_loss: bool = False, offload: str | None = None,
                         offload_dir: str | os.PathLike[str] | None = None, pp_size: int | None = None,
                         pp_microbatches: int | None = None, pp_virtual_stages: int | None = None,
-                        ep_size: int | None = None, cp_size: int | None = None,
-                        cp_method: str = "auto") -> nn.Module:
+                        ep_size: int | None = None, ep_capacity_factor: float | None = None,
+                        cp_size: int | None = None, cp_method: str = "auto") -> nn.Module:
     """Shard ``model`` in place (ZeRO-3), checkpoint and prefetch its repeated blocks; returns ``model``.
 
     Blocks are found from the module tree (no hints needed); the block order comes from ``torch.fx``,
@@ -162,6 +162,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     among packed 3-D expert weights or a ModuleList of expert MLPs); each EP rank keeps ``num_experts / E`` of each layer's experts,
     ZeRO-3 sharded over the ranks owning the same ones, and tokens reach them and come back through
     all-to-all; the rest stays ZeRO-3 over every rank. ``model.plan.experts`` lists the layers and placement.
+    No token is dropped unless ``ep_capacity_factor=F``: each expert then takes at most ceil(F x tokens x k /
+    experts) of a rank's call's (token, expert) pairs, the first in token order; the rest add nothing (the
+    residual carries those tokens), which changes results against the unwrapped model.
     ``cp_size=C`` (or a mesh dim "cp" between the shard and tp dims): context parallelism over C adjacent ranks,
     which take the same batch (``bmt.data_parallel_rank()`` says which) and split each training call's
     sequences between them (load-balanced: rank i holds chunks i and 2C-1-i of 2C); attention runs over the
@@ -196,7 +199,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         discovery = passes.discover_blocks(model)
         # Every rank plans TP itself (pure, deterministic): its errors come before any change, on every rank.
         tp = tensor_parallel_section(model, discovery, tp_layout, plan, tp_plan, sequence_parallel)
-        experts = expert_parallel_section(model, parallel, plan, tp)  # every rank, like TP's: errors alike
+        # every rank, like TP's: errors alike
+        experts = expert_parallel_section(model, parallel, plan, tp, ep_capacity_factor)
         if experts is not None:
             keep_own_list_experts(model, experts, parallel)  # rank 0 plans what every rank holds
         built = plan is None
