@@ -155,7 +155,7 @@ def test_mesh3d_benchmark_writes_its_table_with_counted_bytes_equal_to_the_plan(
 
 
 def test_context_benchmark_writes_its_table(tmp_path: Path) -> None:
-    # smoke sizes: one 64-token step per probe, the search capped at its first step
+    # smoke sizes: two 64-token steps per job, the search capped at its first step
     out = tmp_path / "context.md"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "context.py"), "--size", "smoke", "--seq", "64",
                            "--step", "64", "--max-seq", "64", "--memory", "8GiB", "--out", str(out)],

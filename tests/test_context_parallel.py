@@ -196,8 +196,6 @@ def _attention_body(cp_size: int) -> dict:
              "bad_size": raised(lambda: job_layout(cp_size=3)),
              "wrap": raised(lambda: bmt.BMTrainModelWrapper(torch.nn.Linear(2, 2), cp_size=cp_size)),
              "method": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=cp_size, cp_method="zigzag")),
-             "with_sp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, tp_size=2, sequence_parallel=True))
-             if world == 4 else None,
              "with_pp": raised(lambda: bmt.BMTrainModelWrapper(_long(), cp_size=2, pp_size=2)) if world == 4 else None}
     found["f64"] = [(m, kw, _case(comm, m, **kw)) for m, kw in CASES]
     found["f32"] = [(m, kw, _case(comm, m, dtype=torch.float32, **kw)) for m, kw in CASES[:1] + CASES[len(CASES) // 2:len(CASES) // 2 + 1]]
@@ -217,7 +215,6 @@ def _check_attention(results: list[dict], cp_size: int, world: int) -> None:
         assert got["wrap"][0] == "UnsupportedError" and "transformers models" in got["wrap"][1], got["wrap"]
         assert got["method"][0] == "ContextParallelError" and "'zigzag'" in got["method"][1], got["method"]
         if world == 4:
-            assert got["with_sp"][0] == "UnsupportedError" and "sequence_parallel" in got["with_sp"][1], got["with_sp"]
             assert got["with_pp"][0] == "UnsupportedError" and "beside pp 2" in got["with_pp"][1], got["with_pp"]
         for method, kwargs, errors in got["f64"]:
             assert _within(errors, F64_TOL), (rank, method, kwargs, errors)
@@ -286,8 +283,10 @@ def test_the_split_call_at_one_rank_is_the_models_own() -> None:
         torch.testing.assert_close(p.grad, q.grad, **SGD_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False, replicas: bool = False) -> dict:
-    """A model wrapped with cp_size=2 (and ``tp_size=tp``; ``replicas``: HSDP, a (replicate, cp) mesh) beside
+def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False, replicas: bool = False,
+             sp: bool = False) -> dict:
+    """A model wrapped with cp_size=2 (and ``tp_size=tp``, ``sequence_parallel=sp``; ``replicas``: HSDP, a
+    (replicate, cp) mesh) beside
     the unwrapped one on the whole sequence, 3 AdamW steps with labels (the first without padding, so Ulysses
     runs SDPA's is_causal; then right padding); every check's failures, the losses, the first step's gradients
     and the final parameters read whole, and the plan's text. With more data-parallel slices than 1, each
@@ -298,8 +297,11 @@ def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False,
     mesh = init_device_mesh("cpu", (bmt.world_size() // 2, 2), mesh_dim_names=("replicate", "cp")) if replicas \
         else None
     model = bmt.BMTrainModelWrapper(_long(kind), cp_size=2, cp_method=method, tp_size=tp, fused_loss=fused,
-                                    mesh=mesh)
+                                    mesh=mesh, **({"sequence_parallel": True} if sp else {}))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    norm_tokens: set[int] = set()  # the tokens a block's first norm runs on in training calls
+    model.get_submodule("model.layers.0.input_layernorm").register_forward_pre_hook(
+        lambda m, args: norm_tokens.add(args[0].shape[1]) if torch.is_grad_enabled() else None)
     g = torch.Generator().manual_seed(3)
     failures: list[str] = []
     whole = None  # a fused loss's first call must carry labels: it is the capture that finds the loss
@@ -340,7 +342,7 @@ def _cp_body(kind: str, method: str, seq: int, tp: int = 1, fused: bool = False,
     tp_section = model.plan.tensor_parallel
     split = sorted({e.module.rsplit(".", 1)[-1] for e in tp_section.entries}) if tp_section else []
     return {"failures": failures, "losses": losses, "plan": str(model.plan), "no_grad": whole, "cp_ops": cp_ops,
-            "tp_split": split, "grads": grads, "params": params,
+            "tp_split": split, "grads": grads, "params": params, "norm_tokens": norm_tokens,
             "odd": raised(lambda: model(input_ids=ids, labels=ids)),
             "differ": raised(lambda: model(input_ids=ids[:, :4] + bmt.rank(), labels=ids[:, :4]))}
 
@@ -406,9 +408,11 @@ def test_cp2_beside_tp2_and_beside_replicas_trains_as_on_the_whole_sequence() ->
     """4 ranks: TP splits each layer's heads over 2 ranks, and CP's attention runs on each TP rank's heads (2
     query heads, 1 KV head: Ulysses over 2 CP ranks repeats K/V to the query heads); Qwen2's fused loss is
     vocabulary-parallel (its head split by TP) on each CP rank's tokens. Then HSDP: 2 replicas of a cp2 pair
-    (each replica its own data slice, gradients averaged across the replicas)."""
+    (each replica its own data slice, gradients averaged across the replicas). Last, Llama with TP's
+    sequence_parallel=True: between the blocks' TP regions each CP rank's 128 tokens are split again, 64 to
+    a TP rank, gathered whole for the attention's heads."""
     runs = [("llama", "ulysses", {"tp": 2}), ("qwen2", "ring", {"tp": 2, "fused": True}),
-            ("llama", "ring", {"replicas": True})]
+            ("llama", "ring", {"replicas": True}), ("llama", "ulysses", {"tp": 2, "sp": True})]
     results = run_distributed(_runs_body, 4, runs, 256)
     assert results[0][2]["losses"] != results[2][2]["losses"]  # HSDP: the replicas take different slices
     for got in results:
@@ -418,6 +422,7 @@ def test_cp2_beside_tp2_and_beside_replicas_trains_as_on_the_whole_sequence() ->
                 assert abs(ref - mine) <= LOSS_RTOL * abs(ref), (kind, one["losses"])
             assert f"context parallelism over 2 ranks ({method})" in one["plan"], one["plan"]
             assert one["cp_ops"].get("all_to_all", 0) >= 2 * 3 * 3, one["cp_ops"]
+            assert one["norm_tokens"] == {256 // (4 if kwargs.get("sp") else 2)}, (kwargs, one["norm_tokens"])
             assert one["differ"][0] == "ContextParallelError", one["differ"]
             if kwargs.get("tp"):
                 assert {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"} <= set(one["tp_split"]), one["tp_split"]

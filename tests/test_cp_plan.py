@@ -59,9 +59,11 @@ def test_ulysses_holds_the_whole_sequences_mask_only_with_padding() -> None:
     padded = as_call({"input_ids": torch.zeros(b, s, dtype=torch.int64),
                       "attention_mask": torch.ones(b, s, dtype=torch.int64)})
     # padding: the exchanged copies, the [b, 1, S, S] bool mask and CPU SDPA's float bias of it; none: SDPA's
-    # is_causal on one copy of q, k, v and the output in sequence order
+    # is_causal, and beyond the local call's own saved tensors only the output's copy in the local layout
     assert plan_context_parallel(llama(), cp, "ulysses", padded).attention_bytes() == 2 * copy + b * s * s * 5
-    assert _section("ulysses", cp, b, s).attention_bytes() == copy
+    assert _section("ulysses", cp, b, s).attention_bytes() == b * HEADS * (s // cp) * DIM * F32
+    # K/V heads fewer than the ranks: each rank saves its query heads' repeated K/V, not the local KV heads'
+    assert _section("ulysses", 4, b, s).attention_bytes() == b * (3 * HEADS - 2 * KV) * (s // 4) * DIM * F32
 
 
 def test_ring_bytes_per_step_and_auto_picks_the_ring_with_too_few_heads() -> None:

@@ -189,6 +189,72 @@ def test_attention_counted_as_a_fused_kernel_not_as_score_matrices() -> None:
     assert long.calls[0].saved_bytes == 2 * short.calls[0].saved_bytes
 
 
+def _kept_by_an_eager_call(model: nn.Module, kwargs: dict[str, torch.Tensor]) -> tuple[int, list[tuple[int, int]]]:
+    """What a real call of a transformers causal LM keeps, as the profile counts it: the bytes autograd saves
+    outside the layers, and per layer call the tensors entering it (all a checkpointed call keeps) and those
+    autograd saves inside it, each storage counted once among the inputs and once among the saved, for its
+    first holder, parameters and buffers never."""
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    entered: set[int] = set()
+    saved: set[int] = set()
+    calls: list[list[int]] = []
+    current: list[int | None] = [None]
+    root = [0]
+
+    def first(t: torch.Tensor, seen: set[int]) -> int:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in state or ptr in seen:
+            return 0
+        seen.add(ptr)
+        return t.untyped_storage().nbytes()
+
+    def enter(m: nn.Module, args: tuple, kw: dict) -> None:
+        calls.append([sum(first(t, entered) for t in torch.utils._pytree.tree_leaves((args, kw))
+                          if isinstance(t, torch.Tensor)), 0])
+        current[0] = len(calls) - 1
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is None:
+            root[0] += first(t, saved)
+        else:
+            calls[current[0]][1] += first(t, saved)
+        return t
+
+    layers = model.model.layers
+    hooks = [layer.register_forward_pre_hook(enter, with_kwargs=True) for layer in layers]
+    hooks += [layer.register_forward_hook(lambda *a: current.__setitem__(0, None)) for layer in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(**kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    del out
+    return root[0], [(a, b) for a, b in calls]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_llama_activations_are_what_an_eager_call_keeps(padded: bool) -> None:
+    # Export makes transformers build its [B, 1, S, S] causal mask, which an eager call without padding leaves
+    # to SDPA's is_causal (and then runs grouped-query attention without repeating K/V); with padding the
+    # eager call builds it too, and CPU SDPA saves a float copy of it. SDPA's output comes back in the fused
+    # kernels' [B, S, H, D] layout, so the transpose after it copies nothing. At 256 tokens of width 32 the
+    # mask is twice a layer's hidden states: each of these shows.
+    model, seq = M.llama(), 256
+    ids = torch.randint(0, M.VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if padded:
+        kwargs["attention_mask"] = (torch.arange(seq) < seq - 7).long().unsqueeze(0)
+    root, calls = _kept_by_an_eager_call(model, kwargs)
+    profile = capture(model, discover_blocks(model), kwargs).activations
+    assert profile is not None
+    assert profile.root_bytes == root
+    assert [c.saved_bytes for c in profile.calls] == [saved for _, saved in calls]
+    # The layers also receive position_ids (int64, 8 bytes a token), which the exported graph's layers never read.
+    assert [c.input_bytes for c in profile.calls] == [entered - (8 * seq if i == 0 else 0)
+                                                      for i, (entered, _) in enumerate(calls)]
+
+
 def test_capture_of_t5_without_decoder_inputs_does_not_raise() -> None:
     model = M.t5()
     c = capture(model, discover_blocks(model), {"input_ids": torch.zeros(1, 8, dtype=torch.long)})

@@ -137,21 +137,25 @@ class ContextParallelPlan:
                 "step": forward + backward + recompute}
 
     def attention_bytes(self) -> int:
-        """Bytes one attention call holds on a rank beyond its saved q, k, v and output while it runs (at a
-        block's backward): Ulysses with padding the received and sent copies of q, k, v and the output, the
-        whole sequence's boolean mask [batch, 1, S, S] and the float bias CPU SDPA makes of it; without
-        padding one copy, the tokens in sequence order for SDPA's ``is_causal`` (the head-split copies SDPA
-        saves replace, byte for byte, the local q, k, v and output the capture of the local call counts;
-        benchmarks/context.py measured a third of one beside half cp1's step peak); the ring the K/V block in
-        hand and in flight, and one block's scores and probabilities [batch, heads, local, local] in fp32."""
+        """Bytes one attention call holds on a rank beyond what the capture of the local call counts for it
+        (its saved q, k, v and output) at a block's backward: Ulysses with padding the received and sent
+        copies of q, k, v and the output, the whole sequence's boolean mask [batch, 1, S, S] and the float
+        bias CPU SDPA makes of it; without padding the output's copy in the local tokens' layout that the
+        output projection saves (SDPA's own saved output is the head-split one, which replaces, byte for
+        byte, the local output the capture counts, as the head-split q, k, v replace the local ones), and
+        K/V repeated to the query heads below C KV heads. The exchanged copies come and go while the
+        attention's forward runs, before the block's MLP saves its larger tensors: they are not held at the
+        recompute's end, where a block's backward peaks (benchmarks/context.py: counting them put the plan
+        36 MiB a rank over a 2-rank job at 9216 tokens). The ring: the K/V block in hand and in flight, and
+        one block's scores and probabilities [batch, heads, local, local] in fp32."""
         if self.seq_len is None or self.batch is None:
             return 0
         local = self.local_tokens() or 0
         if self.method == "ulysses":
             kv = self.heads if self.kv_heads < self.cp_size else self.kv_heads
-            copy = 2 * self._row(self.heads) + 2 * self._row(kv)
             if not self.padded:
-                return copy
+                return self._row(self.heads) + 2 * (self._row(kv) - self._row(self.kv_heads))
+            copy = 2 * self._row(self.heads) + 2 * self._row(kv)
             return 2 * copy + self.batch * self.seq_len ** 2 * (1 + itemsize(self.dtype))
         return 4 * self._row(self.kv_heads) + 3 * self.batch * self.heads * local * local * 4
 

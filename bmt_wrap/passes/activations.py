@@ -127,10 +127,19 @@ class _Profiler(fx.Interpreter):
         finally:
             self.muted = False
         q = self.env[n.all_input_nodes[0]]
+        if isinstance(out, torch.Tensor) and out.dim() == 4:
+            # The fused kernels write [B, L, H, E] and return its transpose: the [B, L, H * E] the output
+            # projection reads is then a view, not the copy the math fallback's layout would make.
+            out = out.new_empty(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).transpose(1, 2)
         first = out[0] if isinstance(out, (tuple, list)) else out  # the _scaled_dot_product_* ops return tuples
         for t in (*(self.env[a] for a in n.all_input_nodes[:3]), first):
             self.count(t)
         self.count(torch.empty(q.shape[:-1], dtype=torch.float32, device="meta"))  # log-sum-exp
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node) and isinstance(self.env[mask], torch.Tensor):
+            bias = self.env[mask]
+            # A boolean mask is saved as the additive bias SDPA makes of it, in q's dtype, one per call.
+            self.count(torch.empty(bias.shape, dtype=q.dtype, device="meta") if bias.dtype == torch.bool else bias)
         return out
 
     def count(self, t: torch.Tensor) -> None:

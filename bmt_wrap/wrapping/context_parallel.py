@@ -138,15 +138,10 @@ def _whole_loss(model: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
-def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str, fused_loss: bool = False,
-                           sequence_parallel: bool = False) -> None:
+def check_context_parallel(model: nn.Module, mesh: MeshLayout, method: str) -> None:
     """Raise before anything changes when ``model`` cannot be split over ``mesh``'s CP ranks as asked."""
     if method not in METHODS:
         raise ContextParallelError(f"cp_method={method!r}: use one of {METHODS}")
-    if sequence_parallel and mesh.tp > 1:  # untested: SP's split of the local sequence beside CP's indices
-        raise UnsupportedError(f"cp_size={mesh.cp} with tp_size={mesh.tp} and sequence_parallel=True is not "
-                               "implemented yet (#52): CP already splits each sequence, so leave "
-                               "sequence_parallel out (or cp_size)")
     others = [f"pp {mesh.pp}"] if mesh.pp > 1 else []
     others += [f"ep {mesh.ep}"] if mesh.ep > 1 else []
     if others:

@@ -171,8 +171,9 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     whole sequence by ``cp_method`` ("ulysses": all-to-all over heads, "ring": K/V passed around, "auto":
     Ulysses when there are at least C heads). transformers models whose attentions call its attention
     interface; the returned loss is the whole slice's; ZeRO-3 shards over the CP ranks too. Beside ``tp_size``,
-    attention runs on each TP rank's heads; with HSDP replicas too; ``fused_loss=True`` runs on each rank's
-    tokens. Not yet beside ``pp_size``/``ep_size`` or ``sequence_parallel=True`` (``UnsupportedError``).
+    attention runs on each TP rank's heads (``sequence_parallel=True`` splits each rank's tokens again over
+    the TP ranks between their TP regions); with HSDP replicas too; ``fused_loss=True`` runs on each rank's
+    tokens. Not yet beside ``pp_size``/``ep_size`` (``UnsupportedError``).
     """
     state = get_state()
     if not isinstance(model, nn.Module):
@@ -188,7 +189,7 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
         # Mesh and size errors first, on every rank alike; then the layout is the job's (sub-groups built once).
         wanted = job_layout(mesh, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, cp_size=cp_size)
         if wanted.cp > 1:  # the sizes and the model are alike on every rank: refused alike, before any group
-            check_context_parallel(model, wanted, cp_method, fused_loss, sequence_parallel)
+            check_context_parallel(model, wanted, cp_method)
         parallel = use_layout(wanted)
         tp_layout = parallel if parallel.tp_size > 1 else None
         layout = parallel.dp
