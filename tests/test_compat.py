@@ -360,3 +360,12 @@ def test_stage_backward_input_gives_the_inputs_gradients() -> None:
     grads, param_groups = _compat.stage_backward_input([out], [torch.ones(3)], [x], iter([w]))
     assert torch.equal(grads[0], w.detach()) and w.grad is None  # the weights' gradient is left for W
     assert param_groups  # the nodes W starts from
+
+
+def test_masks_as_eager_makes_transformers_mask_builders_decide_as_eager() -> None:
+    import transformers.masking_utils as masking
+
+    real = masking.is_torchdynamo_exporting
+    with _compat.masks_as_eager():
+        assert masking.is_torchdynamo_exporting() is False
+    assert masking.is_torchdynamo_exporting is real

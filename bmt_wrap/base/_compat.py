@@ -116,6 +116,26 @@ def stage_backward_input(stage_outputs: Any, output_grads: Any, input_values: An
     return backward_input(stage_outputs, output_grads, input_values, weights)
 
 
+@contextmanager
+def masks_as_eager() -> Iterator[None]:
+    """transformers' mask builders deciding as in an eager call. Exporting, they always build the [B, 1, S, S]
+    causal mask (an exported graph must not bake in ``is_causal``); an eager call without padding (nor a
+    window) leaves it to SDPA's ``is_causal`` and, for grouped-query attention, does not repeat K/V. The
+    profile counts what a training step holds, so it must see the eager choice: a 2-rank Llama of width 512
+    was counted 16 MiB a rank too many at 4096 tokens, quadratic in the sequence. A padding mask passed in
+    is a traced tensor whose values are unknown, so the mask is built for it, as eager builds it for padding."""
+    masking = sys.modules.get("transformers.masking_utils")
+    exporting = getattr(masking, "is_torchdynamo_exporting", None)
+    if exporting is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = exporting  # type: ignore[union-attr]
+
+
 def register_foreach_type(cls: type) -> None:
     """Let torch's optimizers and ``clip_grad_norm_`` take their multi-tensor paths for tensors of ``cls``
     (the lists they check by exact type; DTensor registers itself the same way)."""

@@ -7,15 +7,13 @@ stack keys (``...@1``), so a shared layer called twice yields two calls.
 from __future__ import annotations
 
 import operator
-import sys
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
-from ..base._compat import forget_export_trace, no_stack_traces, pytree, reorder_kwargs
+from ..base._compat import forget_export_trace, masks_as_eager, no_stack_traces, pytree, reorder_kwargs
 from ..errors import PlanError
 from .activations import ActivationProfile, BlockKey, profile_activations
 from .discover import Discovery
@@ -159,31 +157,11 @@ def parameter_readers(graph: fx.Graph) -> dict[str, list[str]]:
     return readers
 
 
-@contextmanager
-def _masks_as_eager() -> Iterator[None]:
-    """transformers' mask builders deciding as in an eager call. Exporting, they always build the [B, 1, S, S]
-    causal mask (an exported graph must not bake in ``is_causal``); an eager call without padding (nor a
-    window) leaves it to SDPA's ``is_causal`` and, for grouped-query attention, does not repeat K/V. The
-    profile counts what a training step holds, so it must see the eager choice: a 2-rank Llama of width 512
-    was counted 16 MiB a rank too many at 4096 tokens, quadratic in the sequence. A padding mask passed in
-    is a traced tensor whose values are unknown, so the mask is built for it, as eager builds it for padding."""
-    masking = sys.modules.get("transformers.masking_utils")
-    exporting = getattr(masking, "is_torchdynamo_exporting", None)
-    if exporting is None:
-        yield
-        return
-    masking.is_torchdynamo_exporting = lambda: False  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        masking.is_torchdynamo_exporting = exporting  # type: ignore[union-attr]
-
-
 def export_blocks(skeleton: nn.Module, discovery: Discovery, args: tuple, kwargs: dict) -> ExportResult:
     """Export ``skeleton`` (meta parameters) on meta inputs; block order, graph and activation bytes."""
     object_bytes: list[int] = []
     try:
-        with no_stack_traces(), _masks_as_eager():
+        with no_stack_traces(), masks_as_eager():
             ep = torch.export.export(_TensorOutputs(skeleton, object_bytes.append), args, kwargs, strict=False)
     finally:
         forget_export_trace()
