@@ -89,9 +89,11 @@ PIPE_SIZES = {"bmt_wrapper_pp2": 2}
 
 def bmt_wrapper_pp2(model: nn.Module, wl: Workload, example: Batch) -> nn.Module:
     """The one-liner with two pipeline ranks (ZeRO-3 over each stage's data-parallel ranks), GPipe over
-    ``$BMT_PP_MICROBATCHES`` micro-batches (default 4), ``$BMT_PP_VIRTUAL`` stages per rank (default 1)."""
+    ``$BMT_PP_MICROBATCHES`` micro-batches (default 4), ``$BMT_PP_VIRTUAL`` stages per rank (default 1); wrapped
+    with the example batch, so the stages are balanced by the blocks' forward FLOPs and the head's."""
     return bmt.BMTrainModelWrapper(model, pp_size=2, pp_microbatches=int(os.environ.get("BMT_PP_MICROBATCHES", "4")),
-                                   pp_virtual_stages=int(os.environ.get("BMT_PP_VIRTUAL", "1")))
+                                   pp_virtual_stages=int(os.environ.get("BMT_PP_VIRTUAL", "1")),
+                                   example_inputs=wl.call(*example))
 
 
 #: Systems with expert parallelism, and their EP size (every rank takes its own slice of the data).

@@ -22,7 +22,7 @@ from workloads import WORKLOADS
 
 import bmt_wrap as bmt
 from bmt_wrap import passes
-from bmt_wrap.runtime.pipeline import reset_transfer_time, transfer_time
+from bmt_wrap.runtime.pipeline import action_times, reset_transfer_time, transfer_time
 
 
 def _barrier() -> None:
@@ -54,7 +54,7 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
     model = SYSTEMS[system](model, wl, (batches[0][0][rows], batches[0][1][rows]))
     opt = (OPTIMIZERS[system](model) if system in OPTIMIZERS
            else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-    times, losses, comm, idle = [], [], [], []
+    times, losses, comm, idle, actions = [], [], [], [], []
     schedule = os.environ.get("BMT_PP_SCHEDULE")  # pipeline stages: model.pipeline_step(schedule=) if set
     for i, (idx, tgt) in enumerate(batches):
         _barrier()
@@ -76,6 +76,7 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             times.append(elapsed)
             comm.append(step_bytes)
             idle.append(transfer_time())  # pipeline stages: waiting for (or moving) activations
+            actions.append(action_times())  # a torch schedule's actions and their CPU seconds
     plan = getattr(model, "plan", None)
     estimate = plan.estimates.get(str(dp)) if plan is not None else None
     if plan is not None and plan.tensor_parallel is not None:  # TP traffic needs the batch's token count
@@ -86,7 +87,16 @@ def run(system: str, workload: str, steps: int, warmup: int, seq: int, global_ba
             "plan_comm_bytes": estimate.comm_total if estimate is not None else None, "param_bytes": param_bytes,
             "kept": _kept(plan), "disk_io": vars(opt.last_step_io) if hasattr(opt, "last_step_io") else None,
             "offload_reads": _offload_reads(model),
-            "stage": bmt.parallel_layout().pp_rank, "idle": idle}
+            "stage": bmt.parallel_layout().pp_rank, "idle": idle, **_pipeline(model, schedule, actions)}
+
+
+def _pipeline(model: torch.nn.Module, schedule: str | None, actions: list) -> dict:
+    """Pipeline stages: the plan's split (blocks per stage), this rank's pipeline (its data-parallel rank) and,
+    under a torch schedule, each step's actions in the order they ran, with their thread CPU seconds."""
+    if getattr(model, "_bmt_pipeline", None) is None:
+        return {}
+    return {"split": [len(s.blocks) for s in model.plan.pipeline.stages], "pipeline": bmt.data_parallel_rank(),
+            "actions": actions if schedule else None}
 
 
 def _offload_reads(model: torch.nn.Module) -> dict | None:

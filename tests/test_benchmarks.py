@@ -168,3 +168,22 @@ def test_context_benchmark_writes_its_table(tmp_path: Path) -> None:
     assert rows[1][1].strip() == rows[1][2].strip() == "64 (the cap) (1)"  # both fit 8 GiB at the cap
     assert int(rows[2][1]) >= 64 and int(rows[2][2]) >= 64
     assert "command:" in out.read_text()
+
+
+def test_pipeline_replay_gives_the_bubble_and_lets_a_weights_pass_wait() -> None:
+    from pipeline_replay import replay
+
+    # 1F1B over 2 ranks and 2 micro-batches (torch's order), backward twice a forward: (P-1)/(M+P-1) idle each.
+    order = {0: [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)],
+             1: [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]}
+    seconds = {a: 1.0 if a[0] == "F" else 2.0 for actions in order.values() for a in actions}
+    assert replay(order, seconds) == pytest.approx({0: 1 / 3, 1: 1 / 3})
+    # Split backward: stage 0's inputs' part (I) waits for stage 1's I, not its weights' part (W): the span is
+    # F, F, I, I, W = 5 (6 if it waited for W), each rank busy 3.
+    split = {r: [("F", r, 0), ("I", r, 0), ("W", r, 0)] for r in (0, 1)}
+    assert replay(split, dict.fromkeys([a for acts in split.values() for a in acts], 1.0)) == pytest.approx(
+        {0: 0.4, 1: 0.4})
+    with pytest.raises(ValueError, match="deadlocks"):  # the last stage's backward before its forward
+        replay({0: [("F", 0, 0), ("B", 0, 0)], 1: [("B", 1, 0), ("F", 1, 0)]}, seconds | {("B", 1, 0): 1.0})
+    with pytest.raises(ValueError, match="no measured time"):
+        replay(order, {})

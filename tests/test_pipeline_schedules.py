@@ -22,6 +22,7 @@ from bmt_wrap import passes
 from bmt_wrap.errors import PipelineError, PipelineScheduleError
 from bmt_wrap.passes.pipeline import plan_pipeline
 from bmt_wrap.runtime.block_executor import BlockCall
+from bmt_wrap.runtime.pipeline import action_times
 
 
 def test_virtual_stages_are_placed_round_the_ranks() -> None:
@@ -154,12 +155,16 @@ def _pp2_body(tmp: str) -> dict:
     # rank's stages in each micro-batch's forward
     for name in ("Interleaved1F1B", "LoopedBFS", "loop"):
         out[f"v2 {name}"] = _train("tied", name, 4, virtual=2)
-    # what B kept of the recompute for W: alive, before any gc.collect(), once each step has returned
+    # what B kept of the recompute for W: alive, before any gc.collect(), once each step has returned; and the
+    # actions the step ran, with their CPU seconds (benchmarks/pipeline.py replays them)
     alive: list[int] = []
+    actions: list[list[tuple[str, int, int, float]]] = []
     with _Recomputes() as recomputes:
-        out["v2 InterleavedZeroBubble"] = _train("tied", "InterleavedZeroBubble", 4, virtual=2,
-                                                 after_step=lambda: alive.append(recomputes.alive()))
+        out["v2 InterleavedZeroBubble"] = _train(
+            "tied", "InterleavedZeroBubble", 4, virtual=2,
+            after_step=lambda: (alive.append(recomputes.alive()), actions.append(action_times())))
     out["zb freed"] = {"recomputed": len(recomputes.refs), "alive": alive}
+    out["zb actions"] = actions
     out["readers"] = _virtual_readers(tmp)
     model = bmt.BMTrainModelWrapper(models.ToyGPT(n_layers=4), pp_microbatches=2)
     ids, targets = lm_batches(1, 4, vocab=models.VOCAB)[0]
@@ -197,6 +202,12 @@ def test_schedules_train_like_plain_pytorch_at_pp2(tmp_path) -> None:
             assert r["1F1B"] == pytest.approx(r[name], rel=LOSS_RTOL), (name, r)
         # the recompute's tensors that B kept for W are gone once the step returns
         assert r["zb freed"]["recomputed"] > 0 and r["zb freed"]["alive"] == [0, 0, 0], r["zb freed"]
+        # each step logged its own actions (the last step's only): a forward, an inputs' (I) and a weights' (W)
+        # backward per micro-batch and stage of the rank, once each, with CPU seconds
+        mine = r["readers"]["mine"]
+        for step in r["zb actions"]:
+            assert sorted(a[:3] for a in step) == sorted((k, s, m) for k in "FIW" for s in mine for m in range(4)), step
+            assert all(a[3] >= 0 for a in step) and sum(a[3] for a in step) > 0, step
         readers = r["readers"]
         assert readers["stages"] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], readers
         assert readers["state_dict"] and readers["save"] and readers["resumed"], readers

@@ -106,6 +106,27 @@ def reset_transfer_time() -> None:
     _TRANSFER_SECONDS[0] = 0.0
 
 
+#: Each action the last ``pipeline_step`` ran on this rank, in order: (kind: torch's "F", "B", "I" or "W", stage,
+#: micro-batch, the action's thread CPU seconds). CPU time is what the stage computed, whatever else shares
+#: the cores: benchmarks/pipeline.py replays the schedule with it, for the idle time on dedicated cores.
+_ACTIONS: list[tuple[str, int, int, float]] = []
+
+
+def action_times() -> list[tuple[str, int, int, float]]:
+    """The actions the last ``pipeline_step`` ran on this rank, in order, with their thread CPU seconds."""
+    return list(_ACTIONS)
+
+
+def clear_action_times() -> None:
+    """Empty ``action_times``: a ``pipeline_step`` starts (the log holds one step, not a run's)."""
+    _ACTIONS.clear()
+
+
+def record_action(kind: str, stage: int, micro: int, cpu_seconds: float) -> None:
+    """Log one schedule action's thread CPU time (``action_times``)."""
+    _ACTIONS.append((kind, stage, micro, cpu_seconds))
+
+
 def count_transfer_time(seconds: float) -> None:
     """Add ``seconds`` a stage waited for its peers outside these transfers (a torch schedule's own)."""
     _TRANSFER_SECONDS[0] += seconds

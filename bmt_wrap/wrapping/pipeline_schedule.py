@@ -53,7 +53,7 @@ from ..runtime.active_engine import get_engine
 from ..runtime.block_executor import BlockCall
 from ..runtime.group import StorageMode
 from ..runtime.module_params import installed
-from ..runtime.pipeline import broadcast_tensors, count_transfer_time
+from ..runtime.pipeline import broadcast_tensors, clear_action_times, count_transfer_time, record_action
 from .grad_sync import discard_unsynced, module_groups, no_sync_groups
 from .pipeline import (
     PipelineRuntime,
@@ -174,7 +174,7 @@ class _Stage(PipelineStage):
         self.submod.micro = fwd_chunk_id
         engine = get_engine()
         engine.split_calls = [] if self.split else None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         finally:
@@ -182,6 +182,7 @@ class _Stage(PipelineStage):
                 self.split_calls[fwd_chunk_id] = engine.split_calls
             engine.split_calls = None
             self.compute += time.perf_counter() - start
+            record_action("F", self.stage_index, fwd_chunk_id, time.thread_time() - cpu)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> tuple[tuple[torch.Tensor | None, ...], Any]:
@@ -204,26 +205,28 @@ class _Stage(PipelineStage):
         return tuple(None for _ in bwd_kwargs.get("input_values", ())), None
 
     @contextmanager
-    def _backward(self, last_backward: bool) -> Iterator[None]:
-        """One backward of this stage, timed: the stage's last one reduces the step's sum."""
-        start = time.perf_counter()
+    def _backward(self, kind: str, micro: int, last_backward: bool) -> Iterator[None]:
+        """One backward (torch's action ``kind``) of micro-batch ``micro``, timed: the stage's last one reduces
+        the step's sum."""
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             with no_sync_groups(self.others if last_backward else self.every):
                 yield
         finally:
             self.compute += time.perf_counter() - start
+            record_action(kind, self.stage_index, micro, time.thread_time() - cpu)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
         """Torch's backward of micro-batch ``bwd_chunk_id`` (or its inputs' part, B)."""
-        with self._backward(last_backward):
+        with self._backward("B" if full_backward else "I", bwd_chunk_id, last_backward):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         """Torch's weights' part (W) of micro-batch ``bwd_chunk_id``'s backward (the first stage's whole
         backward); then the micro-batch's block calls end, with the recomputed tensors B kept for W."""
         try:
-            with self._backward(last_backward):
+            with self._backward("W", bwd_chunk_id, last_backward):
                 super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         finally:
             self.end_calls(bwd_chunk_id)
@@ -316,6 +319,7 @@ def pipeline_step(model: nn.Module, args: tuple, kwargs: dict, schedule: str | N
     runtime.run = _Run()
     for stage in stages:
         stage.compute = 0.0
+    clear_action_times()
     start = time.perf_counter()
     try:
         with installed(ghost_placeholders(runtime)), engine.reducer.stages_agree_after():
