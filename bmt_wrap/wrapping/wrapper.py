@@ -150,7 +150,8 @@ def BMTrainModelWrapper(model: nn.Module, *, checkpoint: bool = True, zero_level
     ahead of their gathers; ``AdamOptimizer``'s state stays on the host and it steps chunk by chunk.
     ``pp_size=P`` (or a mesh dim named "pp", or ``init_distributed(pipe_size=P)``): pipeline parallelism over
     P stages of ``world / P`` consecutive ranks, each holding a contiguous run of blocks (balanced by their
-    parameter bytes) and the root parameters used before the first block (first stage) or after the last
+    forward FLOPs, the head's and loss's counted on the last stage, when wrapped with ``example_inputs``; else
+    by their parameter bytes) and the root parameters used before the first block (first stage) or after the last
     (last stage), ZeRO-3 sharded over its data-parallel ranks. The forward cuts the batch into
     ``pp_microbatches`` (default P) micro-batches and runs GPipe; every stage returns the whole batch's loss
     (``out.loss.backward()`` on every rank runs the schedule). The stages of a pipeline take the same batch:
