@@ -42,6 +42,16 @@ def test_load_balanced_split_and_reassembly() -> None:
         local_indices(10, 2, 0)
 
 
+def test_the_split_under_sequence_parallelism_asks_for_the_multiple_both_cuts_need() -> None:
+    """sequence_parallel=True cuts a CP rank's S/C tokens again over the T TP ranks: S must be a multiple of
+    C x T as well as of 2C. At T = 4, C = 2 a 12-token sequence splits into 4 chunks but a rank's 6 tokens do
+    not cut in 4; the message said to pad to a multiple of T, which 12 already is."""
+    assert local_indices(8, 2, 0, sp_size=2).tolist() == [0, 1, 6, 7]  # T <= 2 needs nothing more than 2C
+    assert local_indices(16, 2, 1, sp_size=4).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ContextParallelError, match=r"cuts again over tp_size=4 .*pad_to_multiple_of=8\)"):
+        local_indices(12, 2, 0, sp_size=4)
+
+
 def test_labels_shift_across_chunk_boundaries_and_the_mean_is_over_every_token() -> None:
     torch.manual_seed(0)
     labels = torch.randint(0, 11, (2, 8))

@@ -10,6 +10,7 @@ chunk's last token is the first token of the next chunk, which another rank hold
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,18 +23,22 @@ from .dtypes import itemsize
 IGNORE_INDEX = -100
 
 
-def local_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def local_indices(seq_len: int, cp_size: int, cp_rank: int, sp_size: int = 1) -> torch.Tensor:
     """The sequence indices CP rank ``cp_rank`` holds, in its local order: chunks ``cp_rank`` and
-    ``2C-1-cp_rank`` of ``2C`` equal chunks."""
+    ``2C-1-cp_rank`` of ``2C`` equal chunks (``sp_size``: TP ranks sequence parallelism cuts them over again)."""
     if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ContextParallelError(f"cp_rank {cp_rank!r} must be in [0, cp_size) with cp_size {cp_size!r} >= 1")
     chunks = 2 * cp_size
-    if seq_len % chunks:
+    # Sequence parallelism then cuts a rank's S/C tokens into sp_size equal parts: S a multiple of C x T too.
+    multiple = math.lcm(chunks, cp_size * sp_size)
+    if seq_len % multiple:
+        why = (f"2 x cp_size = {chunks} equal chunks (context parallelism's load-balanced split)" if multiple == chunks
+               else f"2 x cp_size = {chunks} equal chunks whose pairs sequence_parallel=True cuts again over "
+                    f"tp_size={sp_size} ranks")
         raise ContextParallelError(
-            f"a sequence of {seq_len} tokens does not divide into 2 x cp_size = {chunks} equal chunks (context "
-            f"parallelism's load-balanced split): pad it to a multiple of {chunks} (tokenizer(..., "
-            f"pad_to_multiple_of={chunks}), right padding with attention_mask 0 and labels {IGNORE_INDEX}: "
-            "exact for a causal model, whose real tokens never see later ones)")
+            f"a sequence of {seq_len} tokens does not divide into {why}: pad it to a multiple of {multiple} "
+            f"(tokenizer(..., pad_to_multiple_of={multiple}), right padding with attention_mask 0 and labels "
+            f"{IGNORE_INDEX}: exact for a causal model, whose real tokens never see later ones)")
     c = seq_len // chunks
     first, second = cp_rank * c, (chunks - 1 - cp_rank) * c
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])

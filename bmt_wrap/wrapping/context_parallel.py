@@ -106,7 +106,8 @@ def _split_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
             "batch, which they split between them. Shard the data over the data-parallel ranks: "
             "DistributedSampler(dataset, num_replicas=bmt.data_parallel_size(), rank=bmt.data_parallel_rank())")
     batch, seq = tokens.shape[:2]
-    index = local_indices(seq, cp, rank).to(tokens.device)
+    sequence = getattr(model, "_bmt_sequence", None)  # sequence_parallel=True's state, over the TP ranks
+    index = local_indices(seq, cp, rank, sequence.comm.world_size if sequence is not None else 1).to(tokens.device)
     mask = call.get("attention_mask")
     keys = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device) if mask is None else check_padding_mask(mask)
     positions = call.get("position_ids")
