@@ -272,19 +272,20 @@ def cut_bytes(plan: WrapPlan, world_size: int) -> tuple[int, int]:
     removed = held = 0
     tp = plan.tensor_parallel
     if tp is not None:
-        size = {n: itemsize(b.dtype) for g in plan.groups for b in g.buffers for s in b.slots
-                for n in (s.fqn, *s.aliases)}
-        canonical = {n: s.fqn for g in plan.groups for b in g.buffers for s in b.slots for n in (s.fqn, *s.aliases)}
+        # every name of a sharded parameter (its aliases too) -> (its canonical name, its element size)
+        slots = {n: (s.fqn, itemsize(b.dtype)) for g in plan.groups for b in g.buffers for s in b.slots
+                 for n in (s.fqn, *s.aliases)}
         seen: set[str] = set()
         for entry in tp.entries:
             for name in entry.split_dims:
                 fqn = f"{entry.module}.{name}" if entry.module else name
-                if fqn not in size or canonical[fqn] in seen:  # a tied weight is cut once
+                if fqn not in slots or slots[fqn][0] in seen:  # a tied weight is cut once
                     continue
-                seen.add(canonical[fqn])
+                canonical, size = slots[fqn]
+                seen.add(canonical)
                 full, local = math.prod(entry.full_shapes[name]), math.prod(entry.local_shape(name, tp.tp_size))
-                removed += (full - local) * size[fqn]
-                held = max(held, local * size[fqn])
+                removed += (full - local) * size
+                held = max(held, local * size)
     experts = plan.experts
     if experts is not None and experts.ep_size > 1:
         for layer in experts.layers:
@@ -320,9 +321,8 @@ def wrapping_bytes(plan: WrapPlan, est: MemoryEstimate) -> int:
         peak = max(peak, made + shard - gone + packed)
         made += shard if kept else 0
         gone += g.param_bytes()
-    kept_parts = sum(g.param_bytes() for g in plan.groups)
     removed, held = cut_bytes(plan, est.world_size)
-    return max(kept_parts + removed + held, kept_parts + peak) if removed else kept_parts + peak
+    return sum(g.param_bytes() for g in plan.groups) + max(peak, removed + held if removed else 0)
 
 
 def optimizer_on_disk(plan: WrapPlan, est: MemoryEstimate, buffer_bytes: int) -> tuple[MemoryEstimate, int]:
